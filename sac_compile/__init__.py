@@ -1,0 +1,26 @@
+"""sac-compile: region-level selective activation checkpointing that works under torch.compile.
+
+Importing the package registers the ``sac_compile::*`` marker ops and nothing heavier.
+"""
+
+from .keep import ALL_REGIONS
+from .markers import region
+from .backend import make_sac_backend, sac_backend
+from .inspection import capture_partition, PartitionReport
+from .records import collect_records, recent_records
+
+__all__ = [
+    # Marking regions
+    "region",  # context manager and decorator: with region("attn"): ...
+    # Compiling
+    "ALL_REGIONS",  # keep every marked region
+    "make_sac_backend",  # memoised backend for a keep set
+    "sac_backend",  # Inductor backend keeping every marked region
+    # Inspecting
+    "capture_partition",  # what a compiled fn saves and recomputes
+    "PartitionReport",
+    "collect_records",  # what the tagging pass saw, per graph
+    "recent_records",
+]
+
+__version__ = "0.1.0"

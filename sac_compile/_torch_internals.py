@@ -1,0 +1,92 @@
+"""Every private PyTorch API sac-compile relies on, in one place.
+
+Each import says what we rely on, so that a PyTorch upgrade that moves or
+changes one of them breaks here, loudly, and nowhere else. Target: torch 2.13.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# The partitioner's contract (torch/_functorch/partitioners.py): a forward node's
+# node.meta["recompute"] holds a CheckpointPolicy, node.meta["ac_graph_id"] an int
+# that increases in program order across checkpoint regions. MUST_SAVE bans
+# recomputation (it is saved only if the backward needs it); MUST_RECOMPUTE /
+# PREFER_RECOMPUTE forbid saving it. cleanup_recompute_tags() saves the boundary
+# between two regions whose ac_graph_ids differ.
+from torch.utils.checkpoint import CheckpointPolicy  # public
+
+# Inductor's custom-pass extension point (torch/_inductor/custom_graph_pass.py):
+# config.joint_custom_pre_pass runs on the joint graph before Inductor's own joint
+# passes (and so before replace_random_passes); uuid() enters the FX graph cache
+# and AOTAutograd cache keys.
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+# The min-cut partitioner, used directly by the aot_eager inner backend.
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+# Dynamo backend helpers.
+from torch._dynamo.backends.common import aot_autograd
+from functorch.compile import make_boxed_func
+
+__all__ = [
+    "CheckpointPolicy",
+    "CustomGraphPass",
+    "aot_autograd",
+    "compile_fx",
+    "get_hash_for_files",
+    "inductor_config",
+    "autograd_cache_config",
+    "make_boxed_func",
+    "min_cut_rematerialization_partition",
+    "seed_ops",
+    "storage_key",
+]
+
+
+def compile_fx(gm, example_inputs, **kwargs):
+    """Inductor's entry point; ``config_patches`` is re-applied for the lazily compiled backward."""
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, **kwargs)
+
+
+def inductor_config():
+    import torch._inductor.config as config
+
+    return config
+
+
+def autograd_cache_config():
+    """``torch._functorch.config`` holds ``enable_autograd_cache`` (the AOTAutograd cache)."""
+    import torch._functorch.config as config
+
+    return config
+
+
+@functools.cache
+def seed_ops() -> frozenset:
+    """Ops that produce random *seeds* (never to be forced to recompute).
+
+    Inductor's replace_random_passes introduces these after our pre-pass; AOT's
+    own rng functionalization wraps random ops in run_and_save_rng_state. We list
+    them so that a graph that already carries them is handled too.
+    """
+    from torch._inductor import inductor_prims
+
+    found = {inductor_prims.seed, inductor_prims.seeds, inductor_prims.lookup_seed}
+    hops = torch.ops.higher_order
+    for name in ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state"):
+        op = getattr(hops, name, None)
+        if op is not None:
+            found.add(op)
+    return frozenset(found)
+
+
+def storage_key(t: torch.Tensor):
+    """Identity of a (fake) tensor's storage, to count bytes once per storage."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

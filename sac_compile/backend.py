@@ -1,0 +1,239 @@
+"""The Dynamo backends: ``sac_backend`` and the memoised ``make_sac_backend``.
+
+A backend compiles each Dynamo graph with the tagging pass installed before the
+min-cut partitioner:
+
+* ``inner="inductor"``: Inductor with ``joint_custom_pre_pass`` set through
+  ``compile_fx(config_patches=...)``, which scopes the config to this compile and
+  re-applies it for the lazily compiled backward (nothing is set globally).
+* ``inner="aot_eager"``: AOTAutograd with no codegen; the pass runs in our
+  partition function right before ``min_cut_rematerialization_partition``.
+  Inductor decomposes before partitioning, so node-level partitions differ
+  between the two, while the regions kept are the same.
+
+Dynamo guards on backend identity, so ``make_sac_backend`` returns the same
+object for the same configuration: one new backend per layer would exhaust
+``torch._dynamo.config.recompile_limit`` (8) and leave later layers uncompiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from . import _torch_internals as ti
+from . import records
+from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+from .markers import enclosing_decorated_regions, with_block_fallbacks
+from .passes.tag_regions import TagRegionsPass, tag_regions
+
+__all__ = ["SacBackend", "make_sac_backend", "sac_backend"]
+
+_INNER = ("inductor", "aot_eager")
+
+
+class CompileUnit:
+    """One Dynamo graph compiled by a :class:`SacBackend`, for capture_partition."""
+
+    def __init__(self, backend: "SacBackend", gm: torch.fx.GraphModule) -> None:
+        self.backend = backend
+        self.dynamo_graph_name = getattr(gm, "_get_name", lambda: "graph")()
+        self.records: list = []
+        self.with_fallbacks = with_block_fallbacks(gm)
+        self.decorated_context = enclosing_decorated_regions()
+        self.graphs: dict[str, Any] = {}  # "forward" / "backward" / "inference" -> snapshot
+
+
+# Compiles are synchronous on the compiling thread, so the unit being compiled is
+# thread-local; the lazily compiled backward finds its unit through a closure.
+_state = threading.local()
+_capture_lock = threading.Lock()
+_capture_sinks: list[list[CompileUnit]] = []
+
+
+def _current_unit() -> CompileUnit | None:
+    return getattr(_state, "unit", None)
+
+
+class SacBackend:
+    """A ``torch.compile`` backend that keeps the marked regions in ``keep``.
+
+    Build it with :func:`make_sac_backend` (memoised), not directly.
+    """
+
+    def __init__(
+        self,
+        keep: KeepSet,
+        inner: str,
+        inductor_config: tuple[tuple[str, Any], ...],
+        *,
+        checkpoint: bool = True,
+    ) -> None:
+        # checkpoint=False: the same compile without the tagging pass (the
+        # "compiled, no checkpoint" baseline of capture_partition and benchmarks).
+        self.checkpoint = checkpoint
+        self.keep = keep
+        self.inner = inner
+        self.inductor_config = inductor_config
+        self._options_key = f"inner={inner}|inductor_config={inductor_config!r}"
+        self._passes: dict[tuple[str, ...], TagRegionsPass] = {}
+
+    def __repr__(self) -> str:
+        if not self.checkpoint:
+            return f"<{self.inner} without checkpointing>"
+        keep = "ALL_REGIONS" if self.keep is ALL_REGIONS else sorted(self.keep)
+        return f"make_sac_backend(keep={keep}, inner={self.inner!r})"
+
+    def tagging_pass(self, initial_open: tuple[str, ...] = ()) -> TagRegionsPass:
+        """The (cached) pass for graphs starting inside ``initial_open`` regions."""
+        if initial_open not in self._passes:
+            self._passes[initial_open] = TagRegionsPass(
+                self.keep, options_key=self._options_key, initial_open=initial_open
+            )
+        return self._passes[initial_open]
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        unit = CompileUnit(self, gm)
+        with _capture_lock:
+            capturing = bool(_capture_sinks)
+            for sink in _capture_sinks:
+                sink.append(unit)
+        pass_ = self.tagging_pass(unit.decorated_context) if self.checkpoint else None
+        prev = _current_unit()
+        _state.unit = unit
+        try:
+            if self.inner == "inductor":
+                return self._compile_inductor(gm, example_inputs, pass_, unit if capturing else None)
+            return self._compile_aot_eager(gm, example_inputs, pass_, unit)
+        finally:
+            _state.unit = prev
+
+    def _compile_inductor(self, gm, example_inputs, pass_, unit):
+        patches = dict(self.inductor_config)
+        if pass_ is not None:
+            patches["joint_custom_pre_pass"] = pass_
+        kwargs = {}
+        if unit is not None:
+            kwargs["inner_compile"] = functools.partial(_capturing_inner_compile, unit)
+        return ti.compile_fx(gm, example_inputs, config_patches=patches, **kwargs)
+
+    def _compile_aot_eager(self, gm, example_inputs, pass_, unit):
+        def partition(joint, joint_inputs, **kwargs):
+            if pass_ is not None:
+                pass_(joint.graph)
+            return ti.min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+
+        def compiler(kind):
+            def compile_graph(g, _inputs):
+                if kind == "inference" and pass_ is not None:
+                    # Inductor runs joint passes on inference graphs too; here we do it.
+                    tag_regions(g.graph, self.keep, initial_open=unit.decorated_context)
+                unit.graphs[kind] = _snapshot(g)
+                return ti.make_boxed_func(g.forward)
+
+            return compile_graph
+
+        return ti.aot_autograd(
+            fw_compiler=compiler("forward"),
+            bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"),
+            partition_fn=partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+
+def _capturing_inner_compile(unit: CompileUnit, gm, example_inputs, **kwargs):
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    if kwargs.get("is_backward"):
+        kind = "backward"
+    elif kwargs.get("is_inference"):
+        kind = "inference"
+    else:
+        kind = "forward"
+    unit.graphs[kind] = _snapshot(gm)  # before Inductor's post-grad passes mutate gm
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """What the partition report needs of a partitioned graph, taken before codegen."""
+    placeholders = []
+    calls = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            placeholders.append((n.name, n.meta.get("val")))
+        elif n.op == "call_function":
+            calls.append((n.name, _op_name(n.target)))
+    return {"placeholders": placeholders, "calls": calls}
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        packet = target.overloadpacket
+        return f"{packet._qualified_op_name.replace('::', '.')}"
+    return getattr(target, "__name__", str(target))
+
+
+def _record_hook(record) -> None:
+    unit = _current_unit()
+    if unit is not None:
+        unit.records.append(record)
+
+
+records.on_publish(_record_hook)
+
+_BACKENDS: dict[tuple, SacBackend] = {}
+_BACKENDS_LOCK = threading.Lock()
+
+
+def make_sac_backend(
+    keep: object = ALL_REGIONS,
+    *,
+    inner: str = "inductor",
+    inductor_config: Mapping[str, Any] | None = None,
+) -> SacBackend:
+    """Return the (memoised) backend keeping the regions named in ``keep``.
+
+    Args:
+        keep: region names to save, or ``sac_compile.ALL_REGIONS``; ``()`` keeps
+            nothing (full recompute inside every scope).
+        inner: ``"inductor"`` (default) or ``"aot_eager"`` (no codegen).
+        inductor_config: extra ``torch._inductor.config`` entries, scoped to this
+            backend's compiles (only with ``inner="inductor"``).
+
+    The same arguments return the same object, so every layer compiled with it
+    shares Dynamo's cache entries instead of recompiling per backend object.
+    """
+    keep_set = normalize_keep(keep)
+    if inner not in _INNER:
+        raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
+    config_items: tuple[tuple[str, Any], ...] = ()
+    if inductor_config:
+        if inner != "inductor":
+            raise ValueError(
+                f"inductor_config={dict(inductor_config)!r} does nothing with inner={inner!r}; "
+                "drop it or use inner='inductor'"
+            )
+        if not isinstance(inductor_config, Mapping):
+            raise TypeError(f"inductor_config must be a mapping, got {type(inductor_config).__name__}")
+        known = ti.inductor_config()
+        for key in inductor_config:
+            if key == "joint_custom_pre_pass":
+                raise ValueError("inductor_config may not set joint_custom_pre_pass: the backend installs its own")
+            if not hasattr(known, key):
+                raise ValueError(f"inductor_config key {key!r} is not a torch._inductor.config option")
+        config_items = tuple(sorted((str(k), v) for k, v in inductor_config.items()))
+    key = (format_keep(keep_set), inner, repr(config_items))
+    with _BACKENDS_LOCK:
+        backend = _BACKENDS.get(key)
+        if backend is None:
+            backend = _BACKENDS[key] = SacBackend(keep_set, inner, config_items)
+    return backend
+
+
+#: Inductor backend keeping every marked region.
+sac_backend = make_sac_backend(ALL_REGIONS)

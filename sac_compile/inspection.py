@@ -1,0 +1,265 @@
+"""``capture_partition``: what a compiled function saves for backward, and what it recomputes.
+
+In the spirit of JAX's ``print_saved_residuals``: compile ``fn`` with a sac
+backend (both compile caches disabled, so the tagging pass really runs), run
+forward and backward once, and read the partitioned forward/backward graphs.
+A *saved* value is a placeholder of the backward graph other than a tangent;
+a *recomputed* node is a forward node that the backward graph computes again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _torch_internals as ti
+from . import backend as _backend
+from .records import GraphRecord
+
+__all__ = ["GraphPartition", "PartitionReport", "SavedValue", "capture_partition"]
+
+INPUT = "input"
+NO_REGION = "-"
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """One value the forward saves for the backward."""
+
+    name: str  # the node's name in the joint graph
+    op: str  # producing op, or "input" for a graph input
+    region: str  # "+"-joined regions open when it ran, "-" for none, "input" for inputs
+    scope: int | None  # ac_graph_id of its checkpoint scope
+    shape: tuple[int, ...] | None
+    dtype: str
+    nbytes: int  # bytes of its storage, counted once per storage (0 for a repeat)
+
+    @property
+    def is_input(self) -> bool:
+        return self.op == INPUT
+
+
+@dataclass
+class GraphPartition:
+    """The partition of one compiled graph."""
+
+    index: int
+    saved: list[SavedValue]
+    recomputed: dict[str, list[str]]  # region -> recomputed node names
+    record: GraphRecord | None
+    backward_compiled: bool
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(v.nbytes for v in self.saved if not v.is_input)
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(v.nbytes for v in self.saved if v.is_input)
+
+
+@dataclass
+class PartitionReport:
+    """Saved values and recomputed nodes of every graph ``fn`` compiled to."""
+
+    graphs: list[GraphPartition] = field(default_factory=list)
+    output: Any = None
+
+    @property
+    def saved(self) -> list[SavedValue]:
+        return [v for g in self.graphs for v in g.saved]
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of saved non-input values (each storage once per graph)."""
+        return sum(g.activation_bytes for g in self.graphs)
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(g.input_bytes for g in self.graphs)
+
+    def saved_regions(self) -> set[str]:
+        """Region names that own at least one saved activation."""
+        names: set[str] = set()
+        for v in self.saved:
+            if not v.is_input and v.region != NO_REGION:
+                names.update(v.region.split("+"))
+        return names
+
+    def bytes_by_region(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for v in self.saved:
+            out[v.region] += v.nbytes
+        return dict(out)
+
+    def recomputed_count(self) -> int:
+        return sum(len(v) for g in self.graphs for v in g.recomputed.values())
+
+    def format(self) -> str:
+        """A stable plain-text table (for ``assertExpectedInline``)."""
+        lines: list[str] = []
+        for g in self.graphs:
+            lines.append(_graph_header(g))
+            rows = [("saved", "op", "region", "scope", "shape", "dtype", "bytes")]
+            for v in g.saved:
+                shape = "?" if v.shape is None else "[" + ", ".join(map(str, v.shape)) + "]"
+                scope = "-" if v.scope is None else str(v.scope)
+                rows.append((v.name, v.op, v.region, scope, shape, v.dtype, str(v.nbytes)))
+            lines.extend(_table(rows))
+            if g.recomputed:
+                lines.append("recomputed:")
+                for region in sorted(g.recomputed):
+                    lines.append(f"  {region}: {', '.join(g.recomputed[region])}")
+            else:
+                lines.append("recomputed: nothing")
+            n_act = sum(1 for v in g.saved if not v.is_input)
+            lines.append(
+                f"total: {n_act} activations {g.activation_bytes} B, "
+                f"{len(g.saved) - n_act} inputs {g.input_bytes} B, "
+                f"{sum(len(v) for v in g.recomputed.values())} recomputed"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _graph_header(g: GraphPartition) -> str:
+    head = f"graph {g.index}"
+    rec = g.record
+    if rec is None:
+        return head + ": no tagging pass"
+    if not rec.is_training:
+        return head + ": inference (markers stripped)"
+    scopes = ", ".join(
+        f"#{s.ac_graph_id} {s.source}" + ("" if s.source == "torch.utils.checkpoint" else "")
+        for s in rec.scopes
+    )
+    regions = ", ".join(
+        f"{r.name}({'kept' if r.kept else 'recomputed'})" for r in sorted(rec.regions.values(), key=lambda r: r.name)
+    )
+    extra = ""
+    if rec.unbalanced:
+        extra += "; unbalanced: " + ", ".join(f"{n} {why}" for n, why in rec.unbalanced)
+    if rec.decorated_context:
+        extra += "; starts inside: " + ", ".join(rec.decorated_context)
+    if rec.policy_overrides:
+        extra += "; overrides checkpoint policy: " + ", ".join(f"{n}@#{ac}" for n, ac, _ in rec.policy_overrides)
+    if rec.hop_markers:
+        extra += "; markers in HOP bodies: " + ", ".join(f"{n} in {h}" for h, n in rec.hop_markers)
+    return f"{head}: scopes [{scopes or 'none'}] regions [{regions or 'none'}]{extra}"
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition | None:
+    record = unit.records[-1] if unit.records else None
+    fw = unit.graphs.get("forward")
+    bw = unit.graphs.get("backward")
+    if fw is None and "inference" in unit.graphs:
+        return GraphPartition(index, [], {}, record, backward_compiled=False)
+    if fw is None:
+        return None
+    fw_ops = dict(fw["calls"])
+    fw_inputs = {name for name, _ in fw["placeholders"]}
+    saved: list[SavedValue] = []
+    recomputed: dict[str, list[str]] = defaultdict(list)
+    if bw is not None:
+        seen_storages: set = set()
+        for name, val in bw["placeholders"]:
+            if name.startswith("tangents"):
+                continue
+            is_input = name in fw_inputs
+            regions = record.node_regions.get(name) if record else None
+            region = INPUT if is_input else ("+".join(regions) if regions else NO_REGION)
+            scope = record.node_scope.get(name) if record else None
+            saved.append(_saved_value(name, INPUT if is_input else fw_ops.get(name, "?"), region, scope, val, seen_storages))
+        for name, _op in bw["calls"]:
+            if name in fw_ops:
+                regions = record.node_regions.get(name) if record else None
+                recomputed["+".join(regions) if regions else NO_REGION].append(name)
+    return GraphPartition(index, saved, dict(recomputed), record, backward_compiled=bw is not None)
+
+
+def _saved_value(name, op, region, scope, val, seen_storages) -> SavedValue:
+    if isinstance(val, torch.Tensor):
+        key = ti.storage_key(val)
+        nbytes = 0
+        if key not in seen_storages:
+            seen_storages.add(key)
+            nbytes = int(val.untyped_storage().nbytes())
+        shape = tuple(int(s) if not isinstance(s, torch.SymInt) else -1 for s in val.shape)
+        return SavedValue(name, op, region, scope, shape, str(val.dtype).replace("torch.", ""), nbytes)
+    return SavedValue(name, op, region, scope, None, type(val).__name__, 0)
+
+
+class _FreshBackend:
+    """A new backend object per capture, so Dynamo cannot reuse an earlier compile."""
+
+    def __init__(self, inner: _backend.SacBackend) -> None:
+        self.inner = inner
+
+    def __call__(self, gm, example_inputs):
+        return self.inner(gm, example_inputs)
+
+
+def _resolve_backend(backend: Any) -> _backend.SacBackend:
+    if isinstance(backend, _backend.SacBackend):
+        return backend
+    if backend in ("inductor", "aot_eager"):
+        return _backend.SacBackend(frozenset(), backend, (), checkpoint=False)
+    raise TypeError(
+        f"capture_partition needs a sac backend (sac_compile.sac_backend or "
+        f"sac_compile.make_sac_backend(...)), or 'inductor' / 'aot_eager' for the same "
+        f"compile without checkpointing; got {backend!r}"
+    )
+
+
+def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> PartitionReport:
+    """Compile ``fn`` with ``backend``, run forward and backward once, report the partition.
+
+    ``backend`` defaults to :data:`sac_compile.sac_backend`. Both compile caches
+    are disabled for the capture (a cache hit would skip the tagging pass). The
+    capture compiles ``fn`` afresh with its own backend object, which adds one
+    Dynamo cache entry for ``fn``'s code (recompile limits are raised for the
+    capture so that it always compiles). ``fn``'s output must be a tensor or a
+    structure of tensors; backward runs on the sum of its floating-point parts.
+    """
+    sac = _resolve_backend(_backend.sac_backend if backend is None else backend)
+    units: list[_backend.CompileUnit] = []
+    dynamo_config = torch._dynamo.config
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
+        stack.enter_context(dynamo_config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20))
+        with _backend._capture_lock:
+            _backend._capture_sinks.append(units)
+        try:
+            compiled = torch.compile(fn, backend=_FreshBackend(sac))
+            out = compiled(*args, **kwargs)
+            loss = _scalar_loss(out)
+            if loss is not None and loss.requires_grad:
+                loss.backward()
+        finally:
+            with _backend._capture_lock:
+                _backend._capture_sinks.remove(units)
+    report = PartitionReport(output=out)
+    for unit in units:
+        part = _build_partition(len(report.graphs), unit)
+        if part is not None:
+            report.graphs.append(part)
+    return report
+
+
+def _scalar_loss(out: Any) -> torch.Tensor | None:
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in leaves if t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        return None
+    return sum(t.sum() for t in leaves)

@@ -1,0 +1,171 @@
+"""``region(name)``: the user-facing marker, as a context manager and a decorator.
+
+Both forms emit ``sac_compile::region_enter`` / ``region_exit`` (see
+:mod:`sac_compile.ops`) around the marked code, in program order.
+
+Graph breaks. Dynamo cannot resume a graph break inside a user-defined context
+manager: the frame holding the ``with region(...)`` block then runs eagerly
+(``__enter__`` and ``__exit__`` are compiled as tiny graphs of their own, which
+the backend recognises and records, see :func:`with_block_fallbacks`). The
+decorator therefore does not use a ``with`` block: under compile its wrapper is
+straight-line code (enter; call; exit), so a graph break inside the decorated
+function bubbles up to the wrapper's call site and the caller keeps compiling.
+The wrapper frame then runs on its own, and the decorated function's graphs are
+compiled while ``_region_wrapper`` frames are on the Python stack:
+:func:`enclosing_decorated_regions` reads them, so those graphs start inside the
+region. (Dynamo does not guard on this context: a decorated function whose body
+is compiled as separate frames keeps the region context of its first compile.)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from . import ops  # noqa: F401  (registers the marker ops)
+from .keep import format_keep, normalize_keep, validate_region_name
+
+__all__ = ["checkpoint_scope", "enclosing_decorated_regions", "region"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_WRAPPER_NAME = "_region_wrapper"
+
+
+class region:
+    """Mark the forward ops run inside as the region ``name``.
+
+    Use as ``with region("attn"): ...`` or as a decorator ``@region("attn")`` on a
+    function or a ``forward`` method. Regions nest and overlap; the same name may
+    be open more than once (entries are counted). Outside any checkpoint scope a
+    marker is a no-op; in compiled code the markers are erased by the tagging
+    pass and cost nothing at run time.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = validate_region_name(name)
+
+    def __repr__(self) -> str:
+        return f"region({self.name!r})"
+
+    def __enter__(self) -> "region":
+        torch.ops.sac_compile.region_enter(self.name)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.ops.sac_compile.region_exit(self.name)
+
+    def __call__(self, fn: _F) -> _F:
+        if not callable(fn):
+            raise TypeError(
+                f"region({self.name!r}) decorates a function or a forward method, "
+                f"got {type(fn).__name__} {fn!r}"
+            )
+        if inspect.isclass(fn):
+            raise TypeError(
+                f"region({self.name!r}) cannot decorate the class {fn.__qualname__}; "
+                "decorate its forward method, or use sac_compile.declare_regions"
+            )
+        return _make_wrapper(self.name, fn)
+
+
+class checkpoint_scope:
+    """Emit the scope markers for one checkpoint scope with its own keep set.
+
+    Used by the seam when an outer ``torch.compile`` traces a wrapped module:
+    instead of an eager checkpoint, the module's forward is bracketed by
+    ``scope_enter`` / ``scope_exit`` carrying ``scope_id`` (a constant per wrap
+    site, so Dynamo does not specialise on a counter) and the keep set.
+    """
+
+    __slots__ = ("keep_text", "scope_id")
+
+    def __init__(self, scope_id: int, keep: object) -> None:
+        if not isinstance(scope_id, int) or isinstance(scope_id, bool) or scope_id < 0:
+            raise TypeError(f"scope_id must be a non-negative int, got {scope_id!r}")
+        self.scope_id = scope_id
+        self.keep_text = format_keep(normalize_keep(keep))
+
+    def __enter__(self) -> "checkpoint_scope":
+        torch.ops.sac_compile.scope_enter(self.scope_id, self.keep_text)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.ops.sac_compile.scope_exit(self.scope_id, self.keep_text)
+
+
+def _make_wrapper(name: str, fn: _F) -> _F:
+    # Keep the name `_region_wrapper`: enclosing_decorated_regions() finds these
+    # frames on the stack by it.
+    @functools.wraps(fn)
+    def _region_wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Straight-line on purpose: a graph break inside `fn` must not sit in
+            # a try/with block, or Dynamo falls back for the whole frame.
+            torch.ops.sac_compile.region_enter(name)
+            out = fn(*args, **kwargs)
+            torch.ops.sac_compile.region_exit(name)
+            return out
+        torch.ops.sac_compile.region_enter(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.ops.sac_compile.region_exit(name)
+
+    _region_wrapper.__sac_region__ = name  # type: ignore[attr-defined]
+    return _region_wrapper  # type: ignore[return-value]
+
+
+def enclosing_decorated_regions() -> tuple[str, ...]:
+    """Names of the decorated regions whose wrapper frames are on the stack, outermost first.
+
+    Called by the backend while Dynamo compiles a frame: the frame being compiled
+    is not on the stack yet, so this lists exactly the decorated regions that the
+    compiled graph starts inside of (because a graph break split them).
+    """
+    names: list[str] = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == _WRAPPER_NAME and code.co_filename == __file__:
+            name = frame.f_locals.get("name")
+            if isinstance(name, str):
+                names.append(name)
+        frame = frame.f_back
+    return tuple(reversed(names))
+
+
+def with_block_fallbacks(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]:
+    """Markers in ``gm`` that Dynamo compiled as ``region.__enter__``/``__exit__``'s own frame.
+
+    That happens when the frame around a ``with region(...)`` block fell back to
+    eager (a graph break inside the block): the region's ops then ran neither
+    compiled nor checkpointed. Returns ``(kind, name, where)`` with ``where`` the
+    user's ``with`` statement when it can be found on the stack.
+    """
+    found = []
+    for node in gm.graph.nodes:
+        kind = ops.marker_kind(node)
+        if kind not in ("region_enter", "region_exit"):
+            continue
+        trace = node.meta.get("stack_trace") or ""
+        frames = [ln for ln in trace.splitlines() if ln.strip().startswith("File ")]
+        if frames and __file__ in frames[0] and ("__enter__" in frames[0] or "__exit__" in frames[0]):
+            found.append((kind, str(node.args[0]), _user_call_site()))
+    return found
+
+
+def _user_call_site() -> str:
+    frame = sys._getframe(1)
+    while frame is not None:
+        fname = frame.f_code.co_filename
+        if fname != __file__ and "/torch/" not in fname and "/sac_compile/" not in fname:
+            return f"{fname}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<unknown>"

@@ -1,0 +1,128 @@
+"""The marker ops: ``torch.library`` custom ops in the ``sac_compile`` namespace.
+
+Four ops, none with tensor arguments or results:
+
+* ``sac_compile::region_enter(str name)`` / ``region_exit(str name)`` bracket the
+  forward ops of a named region (emitted by :func:`sac_compile.region`);
+* ``sac_compile::scope_enter(int scope_id, str keep)`` / ``scope_exit(int scope_id,
+  str keep)`` bracket a checkpoint *scope* carrying its own keep set (emitted by the seam
+  when it is traced by an outer ``torch.compile``). ``keep`` is the text of
+  :func:`sac_compile.keep.format_keep` ("*" = every region); the exit repeats it so
+  that a graph starting inside a scope (a graph break split it) still knows it.
+
+Why these survive the stack: Dynamo puts a call to a ``torch.ops`` overload in its
+graph as-is; make_fx (AOTAutograd) records ops without tensor arguments because the
+proxy mode is active in TLS; and the ops are registered with
+``torch.fx.node.has_side_effect`` so ``eliminate_dead_code`` keeps them although
+nothing uses their (empty) result. Being ordinary nodes they keep their position,
+so the joint graph carries them in forward program order. The tagging pass
+(:mod:`sac_compile.passes.tag_regions`) reads and then erases them.
+
+Eagerly the ops call the active *marker sink*, a callable in a ``ContextVar``
+that the eager engine installs inside its checkpointed function; outside any
+scope there is no sink and a marker is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable
+
+import torch
+from torch.fx.node import has_side_effect
+
+__all__ = ["MARKER_OPS", "REGION_ENTER", "REGION_EXIT", "SCOPE_ENTER", "SCOPE_EXIT"]
+
+#: ``sink(kind, payload)`` with kind in {"region_enter", "region_exit",
+#: "scope_enter", "scope_exit"}; installed by the eager engine.
+MarkerSink = Callable[[str, tuple], None]
+_MARKER_SINK: contextvars.ContextVar[MarkerSink | None] = contextvars.ContextVar(
+    "sac_compile_marker_sink", default=None
+)
+
+
+def _emit(kind: str, payload: tuple) -> None:
+    sink = _MARKER_SINK.get()
+    if sink is not None:
+        sink(kind, payload)
+
+
+@torch.library.custom_op("sac_compile::region_enter", mutates_args=())
+def region_enter(name: str) -> None:
+    _emit("region_enter", (name,))
+
+
+@region_enter.register_fake
+def _region_enter_fake(name: str) -> None:
+    return None
+
+
+@torch.library.custom_op("sac_compile::region_exit", mutates_args=())
+def region_exit(name: str) -> None:
+    _emit("region_exit", (name,))
+
+
+@region_exit.register_fake
+def _region_exit_fake(name: str) -> None:
+    return None
+
+
+@torch.library.custom_op("sac_compile::scope_enter", mutates_args=())
+def scope_enter(scope_id: int, keep: str) -> None:
+    _emit("scope_enter", (scope_id, keep))
+
+
+@scope_enter.register_fake
+def _scope_enter_fake(scope_id: int, keep: str) -> None:
+    return None
+
+
+@torch.library.custom_op("sac_compile::scope_exit", mutates_args=())
+def scope_exit(scope_id: int, keep: str) -> None:
+    _emit("scope_exit", (scope_id, keep))
+
+
+@scope_exit.register_fake
+def _scope_exit_fake(scope_id: int, keep: str) -> None:
+    return None
+
+
+REGION_ENTER = torch.ops.sac_compile.region_enter.default
+REGION_EXIT = torch.ops.sac_compile.region_exit.default
+SCOPE_ENTER = torch.ops.sac_compile.scope_enter.default
+SCOPE_EXIT = torch.ops.sac_compile.scope_exit.default
+MARKER_OPS = frozenset({REGION_ENTER, REGION_EXIT, SCOPE_ENTER, SCOPE_EXIT})
+
+# Nothing consumes a marker's result, so without this FX's dead-code elimination
+# (run by Dynamo, AOTAutograd and the partitioner) would drop them. This is the
+# FX extension point for ops that "cannot be marked via the normal effects
+# system"; the effects system (with_effects tokens) would thread tokens through
+# the graph signature, which the tagging pass could not then erase cleanly.
+for _op in MARKER_OPS:
+    has_side_effect(_op)
+for _packet in (
+    torch.ops.sac_compile.region_enter,
+    torch.ops.sac_compile.region_exit,
+    torch.ops.sac_compile.scope_enter,
+    torch.ops.sac_compile.scope_exit,
+):
+    has_side_effect(_packet)
+
+
+_MARKER_KIND = {
+    REGION_ENTER: "region_enter",
+    REGION_EXIT: "region_exit",
+    SCOPE_ENTER: "scope_enter",
+    SCOPE_EXIT: "scope_exit",
+    torch.ops.sac_compile.region_enter: "region_enter",
+    torch.ops.sac_compile.region_exit: "region_exit",
+    torch.ops.sac_compile.scope_enter: "scope_enter",
+    torch.ops.sac_compile.scope_exit: "scope_exit",
+}
+
+
+def marker_kind(node: torch.fx.Node) -> str | None:
+    """"region_enter" | "region_exit" | "scope_enter" | "scope_exit", or None for other nodes."""
+    if node.op != "call_function":
+        return None
+    return _MARKER_KIND.get(node.target)  # type: ignore[call-overload]

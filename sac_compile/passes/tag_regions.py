@@ -1,0 +1,327 @@
+"""Tag the joint graph's forward nodes saved or recomputed from the region markers.
+
+Reads: the marker nodes (``sac_compile::region_*`` / ``scope_*``), the
+``partitioner_tag`` that AOTAutograd puts on forward nodes, and any
+``recompute`` / ``ac_graph_id`` tags a ``torch.utils.checkpoint`` already left.
+
+Writes: ``node.meta["recompute"]`` (a ``CheckpointPolicy``) and
+``node.meta["ac_graph_id"]`` on the forward nodes of every checkpoint scope, and
+``node.meta["sac_regions"]`` (the regions open when the node ran) for reports.
+
+Erases: every marker node, here and in higher-order-op bodies, so the compiled
+code carries no trace of them.
+
+Rules (the product spec's Semantics):
+
+* Scopes come from the seam's scope markers; failing those, from the
+  ``torch.utils.checkpoint`` regions already tagged in the graph; failing
+  those, the whole graph is one scope (recorded: right for a per-layer compile,
+  wrong for a whole model). Each scope has its own ``ac_graph_id``, increasing
+  in program order, so the partitioner saves the boundaries between scopes.
+* Inside a scope a forward node is ``MUST_SAVE`` when any open region is in the
+  scope's keep set (union; entries are counted, so a name opened twice stays open
+  until closed twice) and ``MUST_RECOMPUTE`` otherwise. In a checkpoint's own
+  scope the markers decide only inside marked regions (the override is recorded);
+  elsewhere the checkpoint's policy stands.
+* ``getitem`` and ``wait_tensor`` follow their producer. Views are recomputed
+  (their bases are what get saved). Seed ops are never forced to recompute.
+* An enter without an exit keeps the region open to the graph's end; an exit
+  without an enter means the region was open since the graph's start. Both are
+  recorded. Regions around a decorated function split by a graph break arrive
+  as ``initial_open`` (see :func:`sac_compile.markers.enclosing_decorated_regions`).
+* Graphs without a backward (inference) only lose their markers.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .. import ops, records
+from .._torch_internals import CheckpointPolicy, CustomGraphPass, get_hash_for_files, seed_ops
+from ..keep import KeepSet, format_keep, parse_keep
+
+__all__ = ["TagRegionsPass", "tag_regions"]
+
+_SOURCE_FILES = (__file__, ops.__file__, records.__file__)
+_WAIT_TENSOR = getattr(torch.ops, "_c10d_functional").wait_tensor.default
+
+
+class TagRegionsPass(CustomGraphPass):
+    """Inductor ``joint_custom_pre_pass`` running :func:`tag_regions`.
+
+    ``uuid()`` covers the keep set, the backend options, the regions the graph
+    starts inside of and a hash of this package's pass sources, so neither the FX
+    graph cache nor the AOTAutograd cache can serve a partition made for another
+    configuration.
+    """
+
+    def __init__(
+        self, keep: KeepSet, *, options_key: str = "", initial_open: tuple[str, ...] = ()
+    ) -> None:
+        self.keep = keep
+        self.options_key = options_key
+        self.initial_open = tuple(initial_open)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        tag_regions(graph, self.keep, initial_open=self.initial_open)
+
+    def uuid(self) -> bytes:
+        extra = f"keep={format_keep(self.keep)}|options={self.options_key}|open={self.initial_open}"
+        return get_hash_for_files(_SOURCE_FILES, extra=extra)
+
+    def __repr__(self) -> str:
+        return f"TagRegionsPass(keep={format_keep(self.keep)!r}, initial_open={self.initial_open})"
+
+
+@dataclass
+class _Scope:
+    ac_graph_id: int
+    keep: KeepSet
+    info: records.ScopeInfo
+    marker_id: int | None = None  # the seam's scope id, for scope markers
+
+
+def tag_regions(
+    graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...] = ()
+) -> records.GraphRecord:
+    """Tag ``graph`` in place (see the module docstring) and return what was seen."""
+    nodes = list(graph.nodes)
+    is_training = any(_is_tangent(n) for n in nodes)
+    rec = records.GraphRecord(
+        graph_index=records.next_graph_index(),
+        is_training=is_training,
+        keep=keep,
+        decorated_context=tuple(initial_open),
+    )
+    markers = [n for n in nodes if ops.marker_kind(n) is not None]
+    if is_training:
+        _tag_forward(nodes, _forward_nodes(nodes), keep, initial_open, rec)
+    else:
+        for n in markers:
+            if ops.marker_kind(n) == "region_enter":
+                rec.regions.setdefault(str(n.args[0]), records.RegionStats(str(n.args[0]))).entered += 1
+    _erase_hop_markers(graph, rec)
+    for n in markers:
+        graph.erase_node(n)
+    rec.markers_erased += len(markers)
+    graph.lint()
+    if graph.owning_module is not None:
+        graph.owning_module.recompile()
+    records.publish(rec)
+    return rec
+
+
+def _is_tangent(node: fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def _forward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """Forward nodes of a joint graph, in the partitioner's sense.
+
+    AOTAutograd tags every node traced by the forward with
+    ``partitioner_tag == "is_forward"``; a graph without those tags (built by hand)
+    falls back to "everything before the first node that reads a tangent".
+    """
+    tagged = {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"}
+    if tagged:
+        return tagged
+    backward: set[fx.Node] = set()
+    for n in nodes:
+        if _is_tangent(n) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    forward: set[fx.Node] = set()
+    for n in nodes:
+        if n in backward:
+            break
+        forward.add(n)
+    return forward
+
+
+def _prescan(fw_markers: list[fx.Node], initial_open: tuple[str, ...], rec: records.GraphRecord):
+    """Find regions and scopes that were open since the graph's start (exit without enter)."""
+    open_count = Counter(initial_open)
+    pre_regions: Counter[str] = Counter()
+    open_scopes: set[int] = set()
+    pre_scopes: list[tuple[int, str]] = []
+    for n in fw_markers:
+        kind = ops.marker_kind(n)
+        if kind == "region_enter":
+            open_count[n.args[0]] += 1
+        elif kind == "region_exit":
+            if open_count[n.args[0]] > 0:
+                open_count[n.args[0]] -= 1
+            else:
+                pre_regions[n.args[0]] += 1
+                rec.unbalanced.append((str(n.args[0]), "exit without enter"))
+        elif kind == "scope_enter":
+            open_scopes.add(int(n.args[0]))
+        elif kind == "scope_exit":
+            if int(n.args[0]) in open_scopes:
+                open_scopes.discard(int(n.args[0]))
+            else:
+                pre_scopes.insert(0, (int(n.args[0]), str(n.args[1])))
+    return pre_regions, pre_scopes
+
+
+def _tag_forward(
+    nodes: list[fx.Node],
+    forward: set[fx.Node],
+    keep: KeepSet,
+    initial_open: tuple[str, ...],
+    rec: records.GraphRecord,
+) -> None:
+    fw_markers = [n for n in nodes if n in forward and ops.marker_kind(n) is not None]
+    has_scope_markers = any(ops.marker_kind(n).startswith("scope") for n in fw_markers)
+    ckpt_ids = sorted(
+        {n.meta["ac_graph_id"] for n in nodes if n in forward and "recompute" in n.meta and "ac_graph_id" in n.meta}
+    )
+    next_id = (max(ckpt_ids) + 1) if ckpt_ids else 1
+
+    def new_scope(source: str, scope_keep: KeepSet, marker_id: int | None = None) -> _Scope:
+        nonlocal next_id
+        info = records.ScopeInfo(next_id, source, scope_keep)
+        rec.scopes.append(info)
+        next_id += 1
+        return _Scope(info.ac_graph_id, scope_keep, info, marker_id)
+
+    ckpt_scopes: dict[int, _Scope] = {}
+
+    def checkpoint_scope(ac_id: int) -> _Scope:
+        if ac_id not in ckpt_scopes:
+            info = records.ScopeInfo(ac_id, "torch.utils.checkpoint", keep)
+            rec.scopes.append(info)
+            ckpt_scopes[ac_id] = _Scope(ac_id, keep, info)
+        return ckpt_scopes[ac_id]
+
+    pre_regions, pre_scopes = _prescan(fw_markers, initial_open, rec)
+    open_count: Counter[str] = Counter(initial_open) + pre_regions
+    local_enters: Counter[str] = Counter()
+    scope_stack = [new_scope("scope markers", parse_keep(k), sid) for sid, k in pre_scopes]
+    whole = None
+    if not has_scope_markers and not ckpt_ids:
+        whole = new_scope("whole graph", keep)
+    for name in open_count:
+        rec.regions.setdefault(name, records.RegionStats(name))
+    outside: set[str] = set()
+    overrides: Counter[tuple[str, int]] = Counter()
+
+    for n in nodes:
+        if n not in forward or n.op != "call_function":
+            continue
+        kind = ops.marker_kind(n)
+        if kind == "region_enter":
+            name = str(n.args[0])
+            open_count[name] += 1
+            local_enters[name] += 1
+            rec.regions.setdefault(name, records.RegionStats(name)).entered += 1
+            continue
+        if kind == "region_exit":
+            name = str(n.args[0])
+            open_count[name] -= 1
+            if local_enters[name] > 0:
+                local_enters[name] -= 1
+            continue
+        if kind == "scope_enter":
+            scope_stack.append(new_scope("scope markers", parse_keep(str(n.args[1])), int(n.args[0])))
+            continue
+        if kind == "scope_exit":
+            sid = int(n.args[0])
+            for i in range(len(scope_stack) - 1, -1, -1):
+                if scope_stack[i].marker_id == sid:
+                    del scope_stack[i]
+                    break
+            continue
+        if n.meta.get("partitioner_tag") in ("must_be_in_forward", "must_be_in_backward"):
+            continue
+
+        open_names = tuple(sorted(name for name, c in open_count.items() if c > 0))
+        if open_names:
+            n.meta["sac_regions"] = open_names
+            rec.node_regions[n.name] = open_names
+
+        from_checkpoint = False
+        if scope_stack:
+            scope = scope_stack[-1]
+        elif whole is not None:
+            scope = whole
+        elif "recompute" in n.meta and "ac_graph_id" in n.meta:
+            scope = checkpoint_scope(n.meta["ac_graph_id"])
+            from_checkpoint = True
+        else:
+            outside.update(open_names)
+            continue
+        scope.info.nodes += 1
+        rec.node_scope[n.name] = scope.ac_graph_id
+        kept = any(name in scope.keep for name in open_names)
+
+        policy = _policy_for(n, kept)
+        if from_checkpoint and not open_names:
+            continue  # outside marked regions the checkpoint's own policy stands
+        if policy is None:
+            continue
+        if from_checkpoint and n.meta.get("recompute") != policy:
+            for name in open_names:
+                overrides[(name, scope.ac_graph_id)] += 1
+        n.meta["recompute"] = policy
+        n.meta["ac_graph_id"] = scope.ac_graph_id
+        rec.node_policy[n.name] = policy.name
+        for name in open_names:
+            stats = rec.regions[name]
+            stats.kept = stats.kept or name in scope.keep
+            if policy == CheckpointPolicy.MUST_SAVE:
+                stats.saved_nodes += 1
+            else:
+                stats.recompute_nodes += 1
+
+    for name, count in local_enters.items():
+        rec.unbalanced.extend([(name, "enter without exit")] * count)
+    rec.outside_scope = sorted(outside)
+    rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(overrides.items())]
+
+
+def _policy_for(n: fx.Node, kept: bool) -> CheckpointPolicy | None:
+    target = n.target
+    if target is operator.getitem or target is _WAIT_TENSOR:
+        producer = n.args[0]
+        if isinstance(producer, fx.Node) and "recompute" in producer.meta:
+            return producer.meta["recompute"]
+        return None
+    if target in seed_ops():
+        return CheckpointPolicy.MUST_SAVE
+    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _erase_hop_markers(graph: fx.Graph, rec: records.GraphRecord) -> None:
+    """Erase markers left in higher-order-op bodies, recording each one.
+
+    ``invoke_subgraph`` bodies are partitioned (and so tagged) on their own before
+    the outer graph, so markers seldom remain there; ``cond`` / ``while_loop`` /
+    flex-attention bodies are not partitioned by region, so their markers are
+    recorded as not honoured and removed.
+    """
+    owner = graph.owning_module
+    if owner is None:
+        return
+    for n in graph.nodes:
+        if n.op != "get_attr":
+            continue
+        sub = getattr(owner, str(n.target), None)
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        hop = ",".join(sorted({str(getattr(u.target, "__name__", u.target)) for u in n.users})) or "?"
+        inner = [m for m in sub.graph.nodes if ops.marker_kind(m) is not None]
+        for m in inner:
+            if ops.marker_kind(m) == "region_enter":
+                rec.hop_markers.append((hop, str(m.args[0])))
+            sub.graph.erase_node(m)
+        rec.markers_erased += len(inner)
+        _erase_hop_markers(sub.graph, rec)
+        if inner:
+            sub.recompile()

@@ -1,0 +1,120 @@
+"""What the tagging pass saw in each graph, kept for reports and diagnostics.
+
+Every run of the tagging pass produces one :class:`GraphRecord`. Records are
+published to a small bounded history (:func:`recent_records`) and to every
+active :func:`collect_records` block, which is how :func:`sac_compile.capture_partition`
+and the tests read them. On a warm FX-graph / AOTAutograd cache hit the pass
+does not run, so no record is produced for that graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .keep import KeepSet
+
+__all__ = ["GraphRecord", "RegionStats", "ScopeInfo", "collect_records", "recent_records"]
+
+
+@dataclass
+class RegionStats:
+    """Per region name: how often it was entered and how its forward nodes were tagged."""
+
+    name: str
+    entered: int = 0
+    kept: bool = False
+    saved_nodes: int = 0  # forward nodes tagged MUST_SAVE while this region was open
+    recompute_nodes: int = 0  # forward nodes tagged MUST_RECOMPUTE while it was open
+
+
+@dataclass
+class ScopeInfo:
+    """One checkpoint scope: its ``ac_graph_id``, where it came from and its keep set."""
+
+    ac_graph_id: int
+    source: str  # "scope markers" | "torch.utils.checkpoint" | "whole graph"
+    keep: KeepSet
+    nodes: int = 0
+
+
+@dataclass
+class GraphRecord:
+    """The tagging pass's account of one graph."""
+
+    graph_index: int
+    is_training: bool
+    keep: KeepSet
+    scopes: list[ScopeInfo] = field(default_factory=list)
+    regions: dict[str, RegionStats] = field(default_factory=dict)
+    # (name, "enter without exit" | "exit without enter") in program order
+    unbalanced: list[tuple[str, str]] = field(default_factory=list)
+    # decorated regions the graph started inside of (a graph break split them)
+    decorated_context: tuple[str, ...] = ()
+    # (region name, ac_graph_id, nodes) where markers overrode a checkpoint's policy
+    policy_overrides: list[tuple[str, int, int]] = field(default_factory=list)
+    # (higher-order op, region name) for markers found in a HOP body and erased there
+    hop_markers: list[tuple[str, str]] = field(default_factory=list)
+    # region names open over forward ops outside every scope (a no-op)
+    outside_scope: list[str] = field(default_factory=list)
+    markers_erased: int = 0
+    # node name -> regions open when it ran, for the partition report
+    node_regions: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    node_scope: dict[str, int] = field(default_factory=dict)
+    # node name -> "MUST_SAVE" / "MUST_RECOMPUTE" / ... as tagged by the pass
+    node_policy: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def whole_graph_scope(self) -> bool:
+        return any(s.source == "whole graph" for s in self.scopes)
+
+    def region_names(self) -> list[str]:
+        return sorted(self.regions)
+
+
+_counter = itertools.count()
+_lock = threading.Lock()
+_history: deque[GraphRecord] = deque(maxlen=256)
+_collectors: list[list[GraphRecord]] = []
+_hooks: list = []
+
+
+def on_publish(hook) -> None:
+    """Call ``hook(record)`` for every record published from now on (used by the backend)."""
+    _hooks.append(hook)
+
+
+def next_graph_index() -> int:
+    return next(_counter)
+
+
+def publish(record: GraphRecord) -> None:
+    with _lock:
+        _history.append(record)
+        for sink in _collectors:
+            sink.append(record)
+    for hook in _hooks:
+        hook(record)
+
+
+def recent_records() -> list[GraphRecord]:
+    """The last (up to 256) records, oldest first."""
+    with _lock:
+        return list(_history)
+
+
+@contextlib.contextmanager
+def collect_records() -> Iterator[list[GraphRecord]]:
+    """Collect the records of every graph tagged inside the block."""
+    sink: list[GraphRecord] = []
+    with _lock:
+        _collectors.append(sink)
+    try:
+        yield sink
+    finally:
+        with _lock:
+            _collectors.remove(sink)
