@@ -42,7 +42,6 @@ __all__ = [
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "seed_ops",
-    "storage_key",
 ]
 
 
@@ -83,10 +82,3 @@ def seed_ops() -> frozenset:
         if op is not None:
             found.add(op)
     return frozenset(found)
-
-
-def storage_key(t: torch.Tensor):
-    """Identity of a (fake) tensor's storage, to count bytes once per storage."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(t.untyped_storage())

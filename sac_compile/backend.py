@@ -167,7 +167,11 @@ def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
         if n.op == "placeholder":
             placeholders.append((n.name, n.meta.get("val")))
         elif n.op == "call_function":
-            calls.append((n.name, _op_name(n.target)))
+            base = None
+            if isinstance(n.target, torch._ops.OpOverload) and n.target.is_view and n.args:
+                if isinstance(n.args[0], torch.fx.Node):
+                    base = n.args[0].name
+            calls.append((n.name, _op_name(n.target), base))
     return {"placeholders": placeholders, "calls": calls}
 
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from . import _torch_internals as ti
 from . import backend as _backend
 from .records import GraphRecord
 
@@ -40,7 +39,8 @@ class SavedValue:
 
     @property
     def is_input(self) -> bool:
-        return self.op == INPUT
+        """A graph input, or a view of one (no activation memory of its own)."""
+        return self.region == INPUT
 
 
 @dataclass
@@ -49,7 +49,7 @@ class GraphPartition:
 
     index: int
     saved: list[SavedValue]
-    recomputed: dict[str, list[str]]  # region -> recomputed node names
+    recomputed: dict[str, list[tuple[str, str]]]  # region -> [(node name, op)] recomputed
     record: GraphRecord | None
     backward_compiled: bool
 
@@ -99,46 +99,68 @@ class PartitionReport:
     def recomputed_count(self) -> int:
         return sum(len(v) for g in self.graphs for v in g.recomputed.values())
 
-    def format(self) -> str:
-        """A stable plain-text table (for ``assertExpectedInline``)."""
+    def format(self, *, inputs: bool = False) -> str:
+        """A stable plain-text table (for ``assertExpectedInline``).
+
+        Per graph: a header (scopes, numbered in program order, and regions), the
+        saved activations (``inputs=True`` lists saved graph inputs too, else they
+        are one summary line), and the recomputed forward ops grouped by region.
+        """
         lines: list[str] = []
         for g in self.graphs:
-            lines.append(_graph_header(g))
+            ordinal = _scope_ordinals(g.record)
+            lines.append(_graph_header(g, ordinal))
             rows = [("saved", "op", "region", "scope", "shape", "dtype", "bytes")]
             for v in g.saved:
+                if v.is_input and not inputs:
+                    continue
                 shape = "?" if v.shape is None else "[" + ", ".join(map(str, v.shape)) + "]"
-                scope = "-" if v.scope is None else str(v.scope)
+                scope = "-" if v.scope is None else f"#{ordinal.get(v.scope, v.scope)}"
                 rows.append((v.name, v.op, v.region, scope, shape, v.dtype, str(v.nbytes)))
-            lines.extend(_table(rows))
+            if len(rows) > 1:
+                lines.extend(_table(rows))
+            else:
+                lines.append("saved: no activations")
+            n_in = sum(1 for v in g.saved if v.is_input)
+            lines.append(f"inputs saved: {n_in} ({g.input_bytes} B)")
             if g.recomputed:
                 lines.append("recomputed:")
                 for region in sorted(g.recomputed):
-                    lines.append(f"  {region}: {', '.join(g.recomputed[region])}")
+                    lines.append(f"  {region}: {_op_histogram(g.recomputed[region])}")
             else:
                 lines.append("recomputed: nothing")
             n_act = sum(1 for v in g.saved if not v.is_input)
-            lines.append(
-                f"total: {n_act} activations {g.activation_bytes} B, "
-                f"{len(g.saved) - n_act} inputs {g.input_bytes} B, "
-                f"{sum(len(v) for v in g.recomputed.values())} recomputed"
-            )
+            n_rec = sum(len(v) for v in g.recomputed.values())
+            lines.append(f"total: {n_act} activations, {g.activation_bytes} B; {n_rec} ops recomputed")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.format()
 
 
-def _graph_header(g: GraphPartition) -> str:
+def _scope_ordinals(rec: GraphRecord | None) -> dict[int, int]:
+    """ac_graph_id -> 1-based position in program order (raw ids depend on process history)."""
+    if rec is None:
+        return {}
+    return {s.ac_graph_id: i + 1 for i, s in enumerate(rec.scopes)}
+
+
+def _op_histogram(nodes: list[tuple[str, str]]) -> str:
+    counts: dict[str, int] = defaultdict(int)
+    for _, op in nodes:
+        counts[op.removeprefix("aten.")] += 1
+    parts = [op if c == 1 else f"{op} x{c}" for op, c in sorted(counts.items())]
+    return f"{len(nodes)} ops: " + ", ".join(parts)
+
+
+def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
     head = f"graph {g.index}"
     rec = g.record
     if rec is None:
         return head + ": no tagging pass"
     if not rec.is_training:
         return head + ": inference (markers stripped)"
-    scopes = ", ".join(
-        f"#{s.ac_graph_id} {s.source}" + ("" if s.source == "torch.utils.checkpoint" else "")
-        for s in rec.scopes
-    )
+    scopes = ", ".join(f"#{ordinal[s.ac_graph_id]} {s.source}" for s in rec.scopes)
     regions = ", ".join(
         f"{r.name}({'kept' if r.kept else 'recomputed'})" for r in sorted(rec.regions.values(), key=lambda r: r.name)
     )
@@ -148,7 +170,9 @@ def _graph_header(g: GraphPartition) -> str:
     if rec.decorated_context:
         extra += "; starts inside: " + ", ".join(rec.decorated_context)
     if rec.policy_overrides:
-        extra += "; overrides checkpoint policy: " + ", ".join(f"{n}@#{ac}" for n, ac, _ in rec.policy_overrides)
+        extra += "; overrides checkpoint policy: " + ", ".join(
+            f"{n} in #{ordinal.get(ac, ac)}" for n, ac, _ in rec.policy_overrides
+        )
     if rec.hop_markers:
         extra += "; markers in HOP bodies: " + ", ".join(f"{n} in {h}" for h, n in rec.hop_markers)
     return f"{head}: scopes [{scopes or 'none'}] regions [{regions or 'none'}]{extra}"
@@ -167,34 +191,48 @@ def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition |
         return GraphPartition(index, [], {}, record, backward_compiled=False)
     if fw is None:
         return None
-    fw_ops = dict(fw["calls"])
+    fw_ops = {name: op for name, op, _ in fw["calls"]}
+    view_base = {name: base for name, _, base in fw["calls"] if base is not None}
     fw_inputs = {name for name, _ in fw["placeholders"]}
+
+    def root(name: str) -> str:
+        # a saved view shares its base's storage (and is attributed to its region)
+        while name in view_base:
+            name = view_base[name]
+        return name
+
+    def regions_of(name: str) -> tuple[str, ...] | None:
+        if record is None:
+            return None
+        return record.node_regions.get(name) or record.node_regions.get(root(name))
+
     saved: list[SavedValue] = []
-    recomputed: dict[str, list[str]] = defaultdict(list)
+    recomputed: dict[str, list[tuple[str, str]]] = defaultdict(list)
     if bw is not None:
-        seen_storages: set = set()
+        seen: set[str] = set()
         for name, val in bw["placeholders"]:
             if name.startswith("tangents"):
                 continue
-            is_input = name in fw_inputs
-            regions = record.node_regions.get(name) if record else None
+            base = root(name)
+            is_input = base in fw_inputs
+            regions = regions_of(name)
             region = INPUT if is_input else ("+".join(regions) if regions else NO_REGION)
-            scope = record.node_scope.get(name) if record else None
-            saved.append(_saved_value(name, INPUT if is_input else fw_ops.get(name, "?"), region, scope, val, seen_storages))
-        for name, _op in bw["calls"]:
+            scope = None
+            if record is not None:
+                scope = record.node_scope.get(name, record.node_scope.get(base))
+            op = INPUT if name in fw_inputs else fw_ops.get(name, "?")
+            saved.append(_saved_value(name, op, region, scope, val, count=base not in seen))
+            seen.add(base)
+        for name, op, _ in bw["calls"]:
             if name in fw_ops:
-                regions = record.node_regions.get(name) if record else None
-                recomputed["+".join(regions) if regions else NO_REGION].append(name)
+                regions = regions_of(name)
+                recomputed["+".join(regions) if regions else NO_REGION].append((name, op))
     return GraphPartition(index, saved, dict(recomputed), record, backward_compiled=bw is not None)
 
 
-def _saved_value(name, op, region, scope, val, seen_storages) -> SavedValue:
+def _saved_value(name, op, region, scope, val, *, count: bool) -> SavedValue:
     if isinstance(val, torch.Tensor):
-        key = ti.storage_key(val)
-        nbytes = 0
-        if key not in seen_storages:
-            seen_storages.add(key)
-            nbytes = int(val.untyped_storage().nbytes())
+        nbytes = int(val.untyped_storage().nbytes()) if count else 0
         shape = tuple(int(s) if not isinstance(s, torch.SymInt) else -1 for s in val.shape)
         return SavedValue(name, op, region, scope, shape, str(val.dtype).replace("torch.", ""), nbytes)
     return SavedValue(name, op, region, scope, None, type(val).__name__, 0)

@@ -1,0 +1,245 @@
+"""Expect tests of `capture_partition(...).format()`, each paired with a gradient check.
+
+Every scenario runs twice, with ``inner="aot_eager"`` and with Inductor: the two
+decompose differently before partitioning, so node names differ, while the
+regions kept must be the same.
+"""
+
+import torch
+from expecttest import TestCase
+
+import sac_compile as sc
+
+from .scenarios import cases
+
+
+def _report(name: str, inner: str) -> str:
+    make, inp, keep = cases()[name]
+    torch.manual_seed(0)
+    module, x = make(), inp().requires_grad_()
+    return sc.capture_partition(module, x, backend=sc.make_sac_backend(keep, inner=inner)).format()
+
+
+def _check_grads(name: str, inner: str) -> None:
+    """Compiled SAC equals the uncompiled, un-checkpointed module in float64."""
+    make, inp, keep = cases()[name]
+    torch.manual_seed(0)
+    module = make().double()
+    x = inp().double().requires_grad_()
+    ref_out = module(x)
+    ref = torch.autograd.grad(ref_out.sum(), [x, *module.parameters()])
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=sc.make_sac_backend(keep, inner=inner))
+    out = compiled(x)
+    got = torch.autograd.grad(out.sum(), [x, *module.parameters()])
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-12)
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-12)
+
+
+class TestAotEager(TestCase):
+    inner = "aot_eager"
+
+    def test_mlp_kept(self):
+        self.assertExpectedInline(_report("mlp_kept", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [mlp(kept)]
+saved  op          region  scope  shape    dtype    bytes
+relu   aten.relu   mlp     #1     [4, 32]  float32  512
+clone  aten.clone  mlp     #1     [4, 8]   float32  128
+inputs saved: 3 (2176 B)
+recomputed:
+  -: 1 ops: t
+  mlp: 1 ops: t
+total: 2 activations, 640 B; 2 ops recomputed""")
+        _check_grads("mlp_kept", self.inner)
+
+    def test_attn_kept_mlp_recomputed(self):
+        self.assertExpectedInline(_report("attn_kept_mlp_recomputed", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [attn(kept), mlp(recomputed)]
+saved      op       region  scope  shape         dtype    bytes
+getitem_3  getitem  attn    #1     [2, 2, 4, 8]  float32  512
+getitem_4  getitem  attn    #1     [2, 2, 4]     float32  64
+inputs saved: 10 (13312 B)
+recomputed:
+  -: 16 ops: _unsafe_view x2, add, clone, getitem, mm x2, native_layer_norm, permute, select x3, t x2, view x2
+  attn: 3 ops: transpose, view x2
+  mlp: 9 ops: addmm, gelu, getitem, native_layer_norm, t x2, view x3
+total: 2 activations, 576 B; 28 ops recomputed""")
+        _check_grads("attn_kept_mlp_recomputed", self.inner)
+
+    def test_two_regions_one_kept(self):
+        self.assertExpectedInline(_report("two_regions_one_kept", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
+saved  op         region  scope  shape   dtype    bytes
+tanh   aten.tanh  a       #1     [4, 8]  float32  128
+inputs saved: 3 (640 B)
+recomputed:
+  b: 2 ops: mm, sigmoid
+total: 1 activations, 128 B; 2 ops recomputed""")
+        _check_grads("two_regions_one_kept", self.inner)
+
+    def test_nested_overlap(self):
+        self.assertExpectedInline(_report("nested_overlap_keep_inner_x", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [inner(kept), outer(recomputed), x(kept)]
+saved      op            region       scope  shape   dtype    bytes
+sigmoid    aten.sigmoid  inner+outer  #1     [4, 8]  float32  128
+tanh_1     aten.tanh     outer+x      #1     [4, 8]  float32  128
+sigmoid_1  aten.sigmoid  x            #1     [4, 8]  float32  128
+inputs saved: 2 (384 B)
+recomputed:
+  -: 1 ops: mm
+  outer: 2 ops: mm, tanh
+total: 3 activations, 384 B; 3 ops recomputed""")
+        _check_grads("nested_overlap_keep_inner_x", self.inner)
+
+    def test_unbalanced(self):
+        self.assertExpectedInline(_report("unbalanced", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
+saved   op         region  scope  shape   dtype    bytes
+tanh    aten.tanh  early   #1     [4, 8]  float32  128
+tanh_1  aten.tanh  late    #1     [4, 8]  float32  128
+inputs saved: 2 (384 B)
+recomputed:
+  -: 2 ops: mm, sigmoid
+total: 2 activations, 256 B; 2 ops recomputed""")
+        _check_grads("unbalanced", self.inner)
+
+    def test_in_checkpoint(self):
+        self.assertExpectedInline(_report("in_checkpoint", self.inner), """\
+graph 0: scopes [#1 torch.utils.checkpoint] regions [core(kept)]; overrides checkpoint policy: core in #1
+saved    op            region  scope  shape   dtype    bytes
+relu     aten.relu     -       -      [4, 8]  float32  128
+sigmoid  aten.sigmoid  core    #1     [4, 8]  float32  128
+mm_4     aten.mm       -       -      [4, 8]  float32  128
+inputs saved: 2 (384 B)
+recomputed:
+  -: 4 ops: mm x2, tanh x2
+total: 3 activations, 384 B; 4 ops recomputed""")
+        _check_grads("in_checkpoint", self.inner)
+
+    def test_scoped_stack(self):
+        self.assertExpectedInline(_report("scoped_stack", self.inner), """\
+graph 0: scopes [#1 scope markers, #2 scope markers, #3 scope markers, #4 scope markers] regions [attn(kept), mlp(recomputed)]
+saved       op        region  scope  shape         dtype    bytes
+getitem_3   getitem   attn    #1     [2, 2, 4, 8]  float32  512
+getitem_4   getitem   attn    #1     [2, 2, 4]     float32  64
+add_1       aten.add  -       #1     [2, 4, 16]    float32  512
+getitem_11  getitem   attn    #2     [2, 2, 4, 8]  float32  512
+getitem_12  getitem   attn    #2     [2, 2, 4]     float32  64
+add_3       aten.add  -       #2     [2, 4, 16]    float32  512
+getitem_19  getitem   attn    #3     [2, 2, 4, 8]  float32  512
+getitem_20  getitem   attn    #3     [2, 2, 4]     float32  64
+add_5       aten.add  -       #3     [2, 4, 16]    float32  512
+getitem_27  getitem   attn    #4     [2, 2, 4, 8]  float32  512
+getitem_28  getitem   attn    #4     [2, 2, 4]     float32  64
+inputs saved: 37 (51712 B)
+recomputed:
+  -: 64 ops: _unsafe_view x8, add x4, clone x4, getitem x4, mm x8, native_layer_norm x4, permute x4, select x12, t x8, view x8
+  attn: 12 ops: transpose x4, view x8
+  mlp: 36 ops: addmm x4, gelu x4, getitem x4, native_layer_norm x4, t x8, view x12
+total: 11 activations, 3840 B; 112 ops recomputed""")
+        _check_grads("scoped_stack", self.inner)
+
+
+class TestInductor(TestCase):
+    inner = "inductor"
+
+    def test_mlp_kept(self):
+        self.assertExpectedInline(_report("mlp_kept", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [mlp(kept)]
+saved    op          region  scope  shape    dtype    bytes
+relu     aten.relu   mlp     #1     [4, 32]  float32  512
+addmm_1  aten.addmm  mlp     #1     [4, 8]   float32  128
+inputs saved: 3 (2176 B)
+recomputed:
+  -: 1 ops: permute
+  mlp: 1 ops: permute
+total: 2 activations, 640 B; 2 ops recomputed""")
+        _check_grads("mlp_kept", self.inner)
+
+    def test_attn_kept_mlp_recomputed(self):
+        self.assertExpectedInline(_report("attn_kept_mlp_recomputed", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [attn(kept), mlp(recomputed)]
+saved      op       region  scope  shape         dtype    bytes
+getitem_2  getitem  attn    #1     [2, 2, 4, 8]  float32  512
+getitem_3  getitem  attn    #1     [2, 2, 4]     float32  64
+inputs saved: 10 (13312 B)
+recomputed:
+  -: 22 ops: add x3, getitem x2, mm x2, mul x2, permute x3, rsqrt, select x3, sub, var_mean, view x4
+  attn: 3 ops: permute, view x2
+  mlp: 20 ops: add x3, addmm, erf, getitem x2, mul x5, permute x2, rsqrt, sub, var_mean, view x3
+total: 2 activations, 576 B; 45 ops recomputed""")
+        _check_grads("attn_kept_mlp_recomputed", self.inner)
+
+    def test_two_regions_one_kept(self):
+        self.assertExpectedInline(_report("two_regions_one_kept", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
+saved  op         region  scope  shape   dtype    bytes
+tanh   aten.tanh  a       #1     [4, 8]  float32  128
+inputs saved: 3 (640 B)
+recomputed:
+  b: 2 ops: mm, sigmoid
+total: 1 activations, 128 B; 2 ops recomputed""")
+        _check_grads("two_regions_one_kept", self.inner)
+
+    def test_nested_overlap(self):
+        self.assertExpectedInline(_report("nested_overlap_keep_inner_x", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [inner(kept), outer(recomputed), x(kept)]
+saved      op            region       scope  shape   dtype    bytes
+sigmoid    aten.sigmoid  inner+outer  #1     [4, 8]  float32  128
+tanh_1     aten.tanh     outer+x      #1     [4, 8]  float32  128
+sigmoid_1  aten.sigmoid  x            #1     [4, 8]  float32  128
+inputs saved: 2 (384 B)
+recomputed:
+  -: 1 ops: mm
+  outer: 2 ops: mm, tanh
+total: 3 activations, 384 B; 3 ops recomputed""")
+        _check_grads("nested_overlap_keep_inner_x", self.inner)
+
+    def test_unbalanced(self):
+        self.assertExpectedInline(_report("unbalanced", self.inner), """\
+graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
+saved   op         region  scope  shape   dtype    bytes
+tanh    aten.tanh  early   #1     [4, 8]  float32  128
+tanh_1  aten.tanh  late    #1     [4, 8]  float32  128
+inputs saved: 2 (384 B)
+recomputed:
+  -: 2 ops: mm, sigmoid
+total: 2 activations, 256 B; 2 ops recomputed""")
+        _check_grads("unbalanced", self.inner)
+
+    def test_in_checkpoint(self):
+        self.assertExpectedInline(_report("in_checkpoint", self.inner), """\
+graph 0: scopes [#1 torch.utils.checkpoint] regions [core(kept)]; overrides checkpoint policy: core in #1
+saved    op            region  scope  shape   dtype    bytes
+relu     aten.relu     -       -      [4, 8]  float32  128
+sigmoid  aten.sigmoid  core    #1     [4, 8]  float32  128
+mm_4     aten.mm       -       -      [4, 8]  float32  128
+inputs saved: 2 (384 B)
+recomputed:
+  -: 4 ops: mm x2, tanh x2
+total: 3 activations, 384 B; 4 ops recomputed""")
+        _check_grads("in_checkpoint", self.inner)
+
+    def test_scoped_stack(self):
+        self.assertExpectedInline(_report("scoped_stack", self.inner), """\
+graph 0: scopes [#1 scope markers, #2 scope markers, #3 scope markers, #4 scope markers] regions [attn(kept), mlp(recomputed)]
+saved       op        region  scope  shape         dtype    bytes
+getitem_2   getitem   attn    #1     [2, 2, 4, 8]  float32  512
+getitem_3   getitem   attn    #1     [2, 2, 4]     float32  64
+add_6       aten.add  -       #1     [2, 4, 16]    float32  512
+getitem_8   getitem   attn    #2     [2, 2, 4, 8]  float32  512
+getitem_9   getitem   attn    #2     [2, 2, 4]     float32  64
+add_13      aten.add  -       #2     [2, 4, 16]    float32  512
+getitem_14  getitem   attn    #3     [2, 2, 4, 8]  float32  512
+getitem_15  getitem   attn    #3     [2, 2, 4]     float32  64
+add_20      aten.add  -       #3     [2, 4, 16]    float32  512
+getitem_20  getitem   attn    #4     [2, 2, 4, 8]  float32  512
+getitem_21  getitem   attn    #4     [2, 2, 4]     float32  64
+inputs saved: 37 (51712 B)
+recomputed:
+  -: 88 ops: add x12, getitem x8, mm x8, mul x8, permute x12, rsqrt x4, select x12, sub x4, var_mean x4, view x16
+  attn: 12 ops: permute x4, view x8
+  mlp: 80 ops: add x12, addmm x4, erf x4, getitem x8, mul x20, permute x8, rsqrt x4, sub x4, var_mean x4, view x12
+total: 11 activations, 3840 B; 180 ops recomputed""")
+        _check_grads("scoped_stack", self.inner)
