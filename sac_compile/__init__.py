@@ -3,10 +3,10 @@
 Importing the package registers the ``sac_compile::*`` marker ops and nothing heavier.
 """
 
+from .backend import make_sac_backend, sac_backend
+from .inspection import PartitionReport, capture_partition
 from .keep import ALL_REGIONS
 from .markers import region
-from .backend import make_sac_backend, sac_backend
-from .inspection import capture_partition, PartitionReport
 from .records import collect_records, recent_records
 
 __all__ = [

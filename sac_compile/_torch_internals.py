@@ -9,6 +9,19 @@ from __future__ import annotations
 import functools
 
 import torch
+from functorch.compile import make_boxed_func
+
+# Dynamo backend helpers.
+from torch._dynamo.backends.common import aot_autograd
+
+# The min-cut partitioner, used directly by the aot_eager inner backend.
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+# Inductor's custom-pass extension point (torch/_inductor/custom_graph_pass.py):
+# config.joint_custom_pre_pass runs on the joint graph before Inductor's own joint
+# passes (and so before replace_random_passes); uuid() enters the FX graph cache
+# and AOTAutograd cache keys.
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 # The partitioner's contract (torch/_functorch/partitioners.py): a forward node's
 # node.meta["recompute"] holds a CheckpointPolicy, node.meta["ac_graph_id"] an int
@@ -17,19 +30,6 @@ import torch
 # PREFER_RECOMPUTE forbid saving it. cleanup_recompute_tags() saves the boundary
 # between two regions whose ac_graph_ids differ.
 from torch.utils.checkpoint import CheckpointPolicy  # public
-
-# Inductor's custom-pass extension point (torch/_inductor/custom_graph_pass.py):
-# config.joint_custom_pre_pass runs on the joint graph before Inductor's own joint
-# passes (and so before replace_random_passes); uuid() enters the FX graph cache
-# and AOTAutograd cache keys.
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-# The min-cut partitioner, used directly by the aot_eager inner backend.
-from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-# Dynamo backend helpers.
-from torch._dynamo.backends.common import aot_autograd
-from functorch.compile import make_boxed_func
 
 __all__ = [
     "CheckpointPolicy",
@@ -82,3 +82,33 @@ def seed_ops() -> frozenset:
         if op is not None:
             found.add(op)
     return frozenset(found)
+
+
+_noop_lowerings_registered = False
+
+
+def register_inductor_noop_lowerings(ops) -> None:
+    """Lower the marker ops to nothing in Inductor (once, lazily).
+
+    The tagging pass erases markers before Inductor lowers a graph; this covers
+    graphs compiled by Inductor *without* the pass (plain ``torch.compile`` on a
+    marked model). There, a no-output side-effectful fallback kernel next to
+    Inductor's random seeds made the wrapper free a seed buffer before its last
+    use (torch 2.13: "cannot access local variable 'bufN'"). Dropping the
+    markers at lowering avoids that and leaves no call in the generated code.
+    Relies on ``torch._inductor.lowering.register_lowering`` / ``lowerings``.
+    Called from the markers' fake implementations, which Dynamo and AOTAutograd
+    run before any lowering, so importing ``sac_compile`` stays light.
+    """
+    global _noop_lowerings_registered
+    if _noop_lowerings_registered:
+        return
+    _noop_lowerings_registered = True
+    from torch._inductor import lowering
+
+    def _drop_marker(*args, **kwargs):
+        return None
+
+    for op in ops:
+        if op not in lowering.lowerings:
+            lowering.register_lowering(op, type_promotion_kind=None)(_drop_marker)

@@ -39,7 +39,7 @@ _INNER = ("inductor", "aot_eager")
 class CompileUnit:
     """One Dynamo graph compiled by a :class:`SacBackend`, for capture_partition."""
 
-    def __init__(self, backend: "SacBackend", gm: torch.fx.GraphModule) -> None:
+    def __init__(self, backend: SacBackend, gm: torch.fx.GraphModule) -> None:
         self.backend = backend
         self.dynamo_graph_name = getattr(gm, "_get_name", lambda: "graph")()
         self.records: list = []
@@ -185,6 +185,7 @@ def _op_name(target: Any) -> str:
 def _record_hook(record) -> None:
     unit = _current_unit()
     if unit is not None:
+        record.eager_fallbacks = list(unit.with_fallbacks)
         unit.records.append(record)
 
 
@@ -227,7 +228,9 @@ def make_sac_backend(
         known = ti.inductor_config()
         for key in inductor_config:
             if key == "joint_custom_pre_pass":
-                raise ValueError("inductor_config may not set joint_custom_pre_pass: the backend installs its own")
+                raise ValueError(
+                    "inductor_config may not set joint_custom_pre_pass: the backend installs its own"
+                )
             if not hasattr(known, key):
                 raise ValueError(f"inductor_config key {key!r} is not a torch._inductor.config option")
         config_items = tuple(sorted((str(k), v) for k, v in inductor_config.items()))

@@ -162,7 +162,8 @@ def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
         return head + ": inference (markers stripped)"
     scopes = ", ".join(f"#{ordinal[s.ac_graph_id]} {s.source}" for s in rec.scopes)
     regions = ", ".join(
-        f"{r.name}({'kept' if r.kept else 'recomputed'})" for r in sorted(rec.regions.values(), key=lambda r: r.name)
+        f"{r.name}({'kept' if r.kept else 'recomputed'})"
+        for r in sorted(rec.regions.values(), key=lambda r: r.name)
     )
     extra = ""
     if rec.unbalanced:

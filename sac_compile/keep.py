@@ -20,9 +20,9 @@ _FORBIDDEN = (",", "\n", "\r", "\t")
 class _AllRegions:
     """Sentinel type of :data:`ALL_REGIONS` (a singleton that survives pickling)."""
 
-    _instance: "_AllRegions | None" = None
+    _instance: _AllRegions | None = None
 
-    def __new__(cls) -> "_AllRegions":
+    def __new__(cls) -> _AllRegions:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance

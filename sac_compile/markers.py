@@ -54,7 +54,7 @@ class region:
     def __repr__(self) -> str:
         return f"region({self.name!r})"
 
-    def __enter__(self) -> "region":
+    def __enter__(self) -> region:
         torch.ops.sac_compile.region_enter(self.name)
         return self
 
@@ -92,7 +92,7 @@ class checkpoint_scope:
         self.scope_id = scope_id
         self.keep_text = format_keep(normalize_keep(keep))
 
-    def __enter__(self) -> "checkpoint_scope":
+    def __enter__(self) -> checkpoint_scope:
         torch.ops.sac_compile.scope_enter(self.scope_id, self.keep_text)
         return self
 

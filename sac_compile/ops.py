@@ -47,6 +47,13 @@ def _emit(kind: str, payload: tuple) -> None:
         sink(kind, payload)
 
 
+def _on_trace() -> None:
+    # Fake implementations run when Dynamo or AOTAutograd trace a marker.
+    from ._torch_internals import register_inductor_noop_lowerings
+
+    register_inductor_noop_lowerings(MARKER_OPS)
+
+
 @torch.library.custom_op("sac_compile::region_enter", mutates_args=())
 def region_enter(name: str) -> None:
     _emit("region_enter", (name,))
@@ -54,7 +61,7 @@ def region_enter(name: str) -> None:
 
 @region_enter.register_fake
 def _region_enter_fake(name: str) -> None:
-    return None
+    _on_trace()
 
 
 @torch.library.custom_op("sac_compile::region_exit", mutates_args=())
@@ -64,7 +71,7 @@ def region_exit(name: str) -> None:
 
 @region_exit.register_fake
 def _region_exit_fake(name: str) -> None:
-    return None
+    _on_trace()
 
 
 @torch.library.custom_op("sac_compile::scope_enter", mutates_args=())
@@ -74,7 +81,7 @@ def scope_enter(scope_id: int, keep: str) -> None:
 
 @scope_enter.register_fake
 def _scope_enter_fake(scope_id: int, keep: str) -> None:
-    return None
+    _on_trace()
 
 
 @torch.library.custom_op("sac_compile::scope_exit", mutates_args=())
@@ -84,7 +91,7 @@ def scope_exit(scope_id: int, keep: str) -> None:
 
 @scope_exit.register_fake
 def _scope_exit_fake(scope_id: int, keep: str) -> None:
-    return None
+    _on_trace()
 
 
 REGION_ENTER = torch.ops.sac_compile.region_enter.default
@@ -122,7 +129,7 @@ _MARKER_KIND = {
 
 
 def marker_kind(node: torch.fx.Node) -> str | None:
-    """"region_enter" | "region_exit" | "scope_enter" | "scope_exit", or None for other nodes."""
+    """ "region_enter" | "region_exit" | "scope_enter" | "scope_exit", or None for other nodes."""
     if node.op != "call_function":
         return None
     return _MARKER_KIND.get(node.target)  # type: ignore[call-overload]

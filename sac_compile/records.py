@@ -62,6 +62,10 @@ class GraphRecord:
     # region names open over forward ops outside every scope (a no-op)
     outside_scope: list[str] = field(default_factory=list)
     markers_erased: int = 0
+    # (marker kind, region, user location) for markers Dynamo compiled as
+    # region.__enter__/__exit__'s own frame: the frame around that `with` block
+    # fell back to eager (a graph break inside it), so its ops were not compiled.
+    eager_fallbacks: list[tuple[str, str, str]] = field(default_factory=list)
     # node name -> regions open when it ran, for the partition report
     node_regions: dict[str, tuple[str, ...]] = field(default_factory=dict)
     node_scope: dict[str, int] = field(default_factory=dict)

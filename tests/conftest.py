@@ -3,9 +3,14 @@ import torch
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    """Each test compiles from scratch and leaves no compiled code behind."""
+def _fresh_compile_state():
+    """Each test compiles from scratch: no Dynamo cache, and no FX-graph/AOTAutograd cache hits.
+
+    A cache hit skips the tagging pass (so no records); the cache tests in
+    test_cache.py run in fresh processes with the caches on.
+    """
     torch._dynamo.reset()
     torch.manual_seed(0)
-    yield
+    with torch.compiler.config.patch(force_disable_caches=True):
+        yield
     torch._dynamo.reset()

@@ -28,7 +28,7 @@ class TwoRegions(nn.Module):
 
 
 class NestedOverlap(nn.Module):
-    """"outer" holds "inner"; "x" overlaps "outer" (opened inside it, closed after it)."""
+    """ "outer" holds "inner"; "x" overlaps "outer" (opened inside it, closed after it)."""
 
     def __init__(self, d: int = 8) -> None:
         super().__init__()
@@ -50,7 +50,7 @@ class NestedOverlap(nn.Module):
 
 
 class Unbalanced(nn.Module):
-    """"late" is entered and never exited; "early" is exited without being entered."""
+    """ "late" is entered and never exited; "early" is exited without being entered."""
 
     def __init__(self, d: int = 8) -> None:
         super().__init__()
@@ -94,5 +94,9 @@ def cases():
         "nested_overlap_keep_inner_x": (lambda: NestedOverlap(d), lambda: torch.randn(4, d), {"inner", "x"}),
         "unbalanced": (lambda: Unbalanced(d), lambda: torch.randn(4, d), {"early", "late"}),
         "in_checkpoint": (lambda: InCheckpoint(d), lambda: torch.randn(4, d), {"core"}),
-        "scoped_stack": (lambda: ScopedStack(4, 16, keep={"attn"}), lambda: torch.randn(2, 4, 16), sc.ALL_REGIONS),
+        "scoped_stack": (
+            lambda: ScopedStack(4, 16, keep={"attn"}),
+            lambda: torch.randn(2, 4, 16),
+            sc.ALL_REGIONS,
+        ),
     }

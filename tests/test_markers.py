@@ -4,8 +4,8 @@ import functools
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
 from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import sac_compile as sc

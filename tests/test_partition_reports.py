@@ -41,7 +41,9 @@ class TestAotEager(TestCase):
     inner = "aot_eager"
 
     def test_mlp_kept(self):
-        self.assertExpectedInline(_report("mlp_kept", self.inner), """\
+        self.assertExpectedInline(
+            _report("mlp_kept", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [mlp(kept)]
 saved  op          region  scope  shape    dtype    bytes
 relu   aten.relu   mlp     #1     [4, 32]  float32  512
@@ -50,11 +52,14 @@ inputs saved: 3 (2176 B)
 recomputed:
   -: 1 ops: t
   mlp: 1 ops: t
-total: 2 activations, 640 B; 2 ops recomputed""")
+total: 2 activations, 640 B; 2 ops recomputed""",
+        )
         _check_grads("mlp_kept", self.inner)
 
     def test_attn_kept_mlp_recomputed(self):
-        self.assertExpectedInline(_report("attn_kept_mlp_recomputed", self.inner), """\
+        self.assertExpectedInline(
+            _report("attn_kept_mlp_recomputed", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [attn(kept), mlp(recomputed)]
 saved      op       region  scope  shape         dtype    bytes
 getitem_3  getitem  attn    #1     [2, 2, 4, 8]  float32  512
@@ -64,22 +69,28 @@ recomputed:
   -: 16 ops: _unsafe_view x2, add, clone, getitem, mm x2, native_layer_norm, permute, select x3, t x2, view x2
   attn: 3 ops: transpose, view x2
   mlp: 9 ops: addmm, gelu, getitem, native_layer_norm, t x2, view x3
-total: 2 activations, 576 B; 28 ops recomputed""")
+total: 2 activations, 576 B; 28 ops recomputed""",
+        )
         _check_grads("attn_kept_mlp_recomputed", self.inner)
 
     def test_two_regions_one_kept(self):
-        self.assertExpectedInline(_report("two_regions_one_kept", self.inner), """\
+        self.assertExpectedInline(
+            _report("two_regions_one_kept", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
 saved  op         region  scope  shape   dtype    bytes
 tanh   aten.tanh  a       #1     [4, 8]  float32  128
 inputs saved: 3 (640 B)
 recomputed:
   b: 2 ops: mm, sigmoid
-total: 1 activations, 128 B; 2 ops recomputed""")
+total: 1 activations, 128 B; 2 ops recomputed""",
+        )
         _check_grads("two_regions_one_kept", self.inner)
 
     def test_nested_overlap(self):
-        self.assertExpectedInline(_report("nested_overlap_keep_inner_x", self.inner), """\
+        self.assertExpectedInline(
+            _report("nested_overlap_keep_inner_x", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [inner(kept), outer(recomputed), x(kept)]
 saved      op            region       scope  shape   dtype    bytes
 sigmoid    aten.sigmoid  inner+outer  #1     [4, 8]  float32  128
@@ -89,11 +100,14 @@ inputs saved: 2 (384 B)
 recomputed:
   -: 1 ops: mm
   outer: 2 ops: mm, tanh
-total: 3 activations, 384 B; 3 ops recomputed""")
+total: 3 activations, 384 B; 3 ops recomputed""",
+        )
         _check_grads("nested_overlap_keep_inner_x", self.inner)
 
     def test_unbalanced(self):
-        self.assertExpectedInline(_report("unbalanced", self.inner), """\
+        self.assertExpectedInline(
+            _report("unbalanced", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
 saved   op         region  scope  shape   dtype    bytes
 tanh    aten.tanh  early   #1     [4, 8]  float32  128
@@ -101,11 +115,14 @@ tanh_1  aten.tanh  late    #1     [4, 8]  float32  128
 inputs saved: 2 (384 B)
 recomputed:
   -: 2 ops: mm, sigmoid
-total: 2 activations, 256 B; 2 ops recomputed""")
+total: 2 activations, 256 B; 2 ops recomputed""",
+        )
         _check_grads("unbalanced", self.inner)
 
     def test_in_checkpoint(self):
-        self.assertExpectedInline(_report("in_checkpoint", self.inner), """\
+        self.assertExpectedInline(
+            _report("in_checkpoint", self.inner),
+            """\
 graph 0: scopes [#1 torch.utils.checkpoint] regions [core(kept)]; overrides checkpoint policy: core in #1
 saved    op            region  scope  shape   dtype    bytes
 relu     aten.relu     -       -      [4, 8]  float32  128
@@ -114,11 +131,14 @@ mm_4     aten.mm       -       -      [4, 8]  float32  128
 inputs saved: 2 (384 B)
 recomputed:
   -: 4 ops: mm x2, tanh x2
-total: 3 activations, 384 B; 4 ops recomputed""")
+total: 3 activations, 384 B; 4 ops recomputed""",
+        )
         _check_grads("in_checkpoint", self.inner)
 
     def test_scoped_stack(self):
-        self.assertExpectedInline(_report("scoped_stack", self.inner), """\
+        self.assertExpectedInline(
+            _report("scoped_stack", self.inner),
+            """\
 graph 0: scopes [#1 scope markers, #2 scope markers, #3 scope markers, #4 scope markers] regions [attn(kept), mlp(recomputed)]
 saved       op        region  scope  shape         dtype    bytes
 getitem_3   getitem   attn    #1     [2, 2, 4, 8]  float32  512
@@ -137,7 +157,8 @@ recomputed:
   -: 64 ops: _unsafe_view x8, add x4, clone x4, getitem x4, mm x8, native_layer_norm x4, permute x4, select x12, t x8, view x8
   attn: 12 ops: transpose x4, view x8
   mlp: 36 ops: addmm x4, gelu x4, getitem x4, native_layer_norm x4, t x8, view x12
-total: 11 activations, 3840 B; 112 ops recomputed""")
+total: 11 activations, 3840 B; 112 ops recomputed""",
+        )
         _check_grads("scoped_stack", self.inner)
 
 
@@ -145,7 +166,9 @@ class TestInductor(TestCase):
     inner = "inductor"
 
     def test_mlp_kept(self):
-        self.assertExpectedInline(_report("mlp_kept", self.inner), """\
+        self.assertExpectedInline(
+            _report("mlp_kept", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [mlp(kept)]
 saved    op          region  scope  shape    dtype    bytes
 relu     aten.relu   mlp     #1     [4, 32]  float32  512
@@ -154,11 +177,14 @@ inputs saved: 3 (2176 B)
 recomputed:
   -: 1 ops: permute
   mlp: 1 ops: permute
-total: 2 activations, 640 B; 2 ops recomputed""")
+total: 2 activations, 640 B; 2 ops recomputed""",
+        )
         _check_grads("mlp_kept", self.inner)
 
     def test_attn_kept_mlp_recomputed(self):
-        self.assertExpectedInline(_report("attn_kept_mlp_recomputed", self.inner), """\
+        self.assertExpectedInline(
+            _report("attn_kept_mlp_recomputed", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [attn(kept), mlp(recomputed)]
 saved      op       region  scope  shape         dtype    bytes
 getitem_2  getitem  attn    #1     [2, 2, 4, 8]  float32  512
@@ -168,22 +194,28 @@ recomputed:
   -: 22 ops: add x3, getitem x2, mm x2, mul x2, permute x3, rsqrt, select x3, sub, var_mean, view x4
   attn: 3 ops: permute, view x2
   mlp: 20 ops: add x3, addmm, erf, getitem x2, mul x5, permute x2, rsqrt, sub, var_mean, view x3
-total: 2 activations, 576 B; 45 ops recomputed""")
+total: 2 activations, 576 B; 45 ops recomputed""",
+        )
         _check_grads("attn_kept_mlp_recomputed", self.inner)
 
     def test_two_regions_one_kept(self):
-        self.assertExpectedInline(_report("two_regions_one_kept", self.inner), """\
+        self.assertExpectedInline(
+            _report("two_regions_one_kept", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
 saved  op         region  scope  shape   dtype    bytes
 tanh   aten.tanh  a       #1     [4, 8]  float32  128
 inputs saved: 3 (640 B)
 recomputed:
   b: 2 ops: mm, sigmoid
-total: 1 activations, 128 B; 2 ops recomputed""")
+total: 1 activations, 128 B; 2 ops recomputed""",
+        )
         _check_grads("two_regions_one_kept", self.inner)
 
     def test_nested_overlap(self):
-        self.assertExpectedInline(_report("nested_overlap_keep_inner_x", self.inner), """\
+        self.assertExpectedInline(
+            _report("nested_overlap_keep_inner_x", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [inner(kept), outer(recomputed), x(kept)]
 saved      op            region       scope  shape   dtype    bytes
 sigmoid    aten.sigmoid  inner+outer  #1     [4, 8]  float32  128
@@ -193,11 +225,14 @@ inputs saved: 2 (384 B)
 recomputed:
   -: 1 ops: mm
   outer: 2 ops: mm, tanh
-total: 3 activations, 384 B; 3 ops recomputed""")
+total: 3 activations, 384 B; 3 ops recomputed""",
+        )
         _check_grads("nested_overlap_keep_inner_x", self.inner)
 
     def test_unbalanced(self):
-        self.assertExpectedInline(_report("unbalanced", self.inner), """\
+        self.assertExpectedInline(
+            _report("unbalanced", self.inner),
+            """\
 graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
 saved   op         region  scope  shape   dtype    bytes
 tanh    aten.tanh  early   #1     [4, 8]  float32  128
@@ -205,11 +240,14 @@ tanh_1  aten.tanh  late    #1     [4, 8]  float32  128
 inputs saved: 2 (384 B)
 recomputed:
   -: 2 ops: mm, sigmoid
-total: 2 activations, 256 B; 2 ops recomputed""")
+total: 2 activations, 256 B; 2 ops recomputed""",
+        )
         _check_grads("unbalanced", self.inner)
 
     def test_in_checkpoint(self):
-        self.assertExpectedInline(_report("in_checkpoint", self.inner), """\
+        self.assertExpectedInline(
+            _report("in_checkpoint", self.inner),
+            """\
 graph 0: scopes [#1 torch.utils.checkpoint] regions [core(kept)]; overrides checkpoint policy: core in #1
 saved    op            region  scope  shape   dtype    bytes
 relu     aten.relu     -       -      [4, 8]  float32  128
@@ -218,11 +256,14 @@ mm_4     aten.mm       -       -      [4, 8]  float32  128
 inputs saved: 2 (384 B)
 recomputed:
   -: 4 ops: mm x2, tanh x2
-total: 3 activations, 384 B; 4 ops recomputed""")
+total: 3 activations, 384 B; 4 ops recomputed""",
+        )
         _check_grads("in_checkpoint", self.inner)
 
     def test_scoped_stack(self):
-        self.assertExpectedInline(_report("scoped_stack", self.inner), """\
+        self.assertExpectedInline(
+            _report("scoped_stack", self.inner),
+            """\
 graph 0: scopes [#1 scope markers, #2 scope markers, #3 scope markers, #4 scope markers] regions [attn(kept), mlp(recomputed)]
 saved       op        region  scope  shape         dtype    bytes
 getitem_2   getitem   attn    #1     [2, 2, 4, 8]  float32  512
@@ -241,5 +282,6 @@ recomputed:
   -: 88 ops: add x12, getitem x8, mm x8, mul x8, permute x12, rsqrt x4, select x12, sub x4, var_mean x4, view x16
   attn: 12 ops: permute x4, view x8
   mlp: 80 ops: add x12, addmm x4, erf x4, getitem x8, mul x20, permute x8, rsqrt x4, sub x4, var_mean x4, view x12
-total: 11 activations, 3840 B; 180 ops recomputed""")
+total: 11 activations, 3840 B; 180 ops recomputed""",
+        )
         _check_grads("scoped_stack", self.inner)

@@ -48,7 +48,7 @@ from ..keep import KeepSet, format_keep, parse_keep
 __all__ = ["TagRegionsPass", "tag_regions"]
 
 _SOURCE_FILES = (__file__, ops.__file__, records.__file__)
-_WAIT_TENSOR = getattr(torch.ops, "_c10d_functional").wait_tensor.default
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
 class TagRegionsPass(CustomGraphPass):
@@ -60,9 +60,7 @@ class TagRegionsPass(CustomGraphPass):
     configuration.
     """
 
-    def __init__(
-        self, keep: KeepSet, *, options_key: str = "", initial_open: tuple[str, ...] = ()
-    ) -> None:
+    def __init__(self, keep: KeepSet, *, options_key: str = "", initial_open: tuple[str, ...] = ()) -> None:
         self.keep = keep
         self.options_key = options_key
         self.initial_open = tuple(initial_open)
@@ -86,9 +84,7 @@ class _Scope:
     marker_id: int | None = None  # the seam's scope id, for scope markers
 
 
-def tag_regions(
-    graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...] = ()
-) -> records.GraphRecord:
+def tag_regions(graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...] = ()) -> records.GraphRecord:
     """Tag ``graph`` in place (see the module docstring) and return what was seen."""
     nodes = list(graph.nodes)
     is_training = any(_is_tangent(n) for n in nodes)
@@ -178,7 +174,11 @@ def _tag_forward(
     fw_markers = [n for n in nodes if n in forward and ops.marker_kind(n) is not None]
     has_scope_markers = any(ops.marker_kind(n).startswith("scope") for n in fw_markers)
     ckpt_ids = sorted(
-        {n.meta["ac_graph_id"] for n in nodes if n in forward and "recompute" in n.meta and "ac_graph_id" in n.meta}
+        {
+            n.meta["ac_graph_id"]
+            for n in nodes
+            if n in forward and "recompute" in n.meta and "ac_graph_id" in n.meta
+        }
     )
     next_id = (max(ckpt_ids) + 1) if ckpt_ids else 1
 
