@@ -9,7 +9,7 @@ plausible readings of it, and the difference is the whole point of the library.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final, Union
+from typing import Final
 
 __all__ = ["ALL_REGIONS", "KeepSet", "normalize_keep", "validate_region_name"]
 
@@ -40,7 +40,7 @@ class _AllRegions:
 #: Keep every marked region (what :data:`sac_compile.sac_backend` does).
 ALL_REGIONS: Final = _AllRegions()
 
-KeepSet = Union[frozenset[str], _AllRegions]
+KeepSet = frozenset[str] | _AllRegions
 
 
 def validate_region_name(name: object, *, what: str = "region name") -> str:
