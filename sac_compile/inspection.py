@@ -174,8 +174,12 @@ def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
         extra += "; overrides checkpoint policy: " + ", ".join(
             f"{n} in #{ordinal.get(ac, ac)}" for n, ac, _ in rec.policy_overrides
         )
+    if rec.hop_kept:
+        extra += f"; saved {len(rec.hop_kept)} invoke_subgraph call(s) whose body kept a region"
     if rec.hop_markers:
-        extra += "; markers in HOP bodies: " + ", ".join(f"{n} in {h}" for h, n in rec.hop_markers)
+        extra += "; markers in HOP bodies (not honoured): " + ", ".join(
+            f"{n} in {h}" for h, n in rec.hop_markers
+        )
     return f"{head}: scopes [{scopes or 'none'}] regions [{regions or 'none'}]{extra}"
 
 

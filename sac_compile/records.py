@@ -59,6 +59,8 @@ class GraphRecord:
     policy_overrides: list[tuple[str, int, int]] = field(default_factory=list)
     # (higher-order op, region name) for markers found in a HOP body and erased there
     hop_markers: list[tuple[str, str]] = field(default_factory=list)
+    # higher-order ops saved because their (separately partitioned) body kept a region
+    hop_kept: list[str] = field(default_factory=list)
     # region names open over forward ops outside every scope (a no-op)
     outside_scope: list[str] = field(default_factory=list)
     markers_erased: int = 0

@@ -48,6 +48,9 @@ from ..keep import KeepSet, format_keep, parse_keep
 __all__ = ["TagRegionsPass", "tag_regions"]
 
 _SOURCE_FILES = (__file__, ops.__file__, records.__file__)
+_TAGGED = "sac_tagged"  # node.meta key: this pass set the node's recompute tag
+_ERASED = "sac_erased_regions"  # GraphModule.meta key: regions whose markers were erased
+_INVOKE_SUBGRAPH = getattr(torch.ops.higher_order, "invoke_subgraph", None)
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
@@ -95,12 +98,20 @@ def tag_regions(graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...]
         decorated_context=tuple(initial_open),
     )
     markers = [n for n in nodes if ops.marker_kind(n) is not None]
+    if not markers and any(n.meta.get(_TAGGED) for n in nodes):
+        # Inductor may run the joint passes on a graph twice (HOP partitioning);
+        # the first run tagged it and erased the markers: nothing left to do.
+        return rec
     if is_training:
         _tag_forward(nodes, _forward_nodes(nodes), keep, initial_open, rec)
     else:
         for n in markers:
             if ops.marker_kind(n) == "region_enter":
                 rec.regions.setdefault(str(n.args[0]), records.RegionStats(str(n.args[0]))).entered += 1
+        if graph.owning_module is not None and rec.regions:
+            # Inductor runs joint passes on HOP bodies (cond branches, ...) before
+            # the graph holding them; leave a note for the outer graph's record.
+            graph.owning_module.meta.setdefault(_ERASED, []).extend(sorted(rec.regions))
     _erase_hop_markers(graph, rec)
     for n in markers:
         graph.erase_node(n)
@@ -132,6 +143,8 @@ def _forward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
             backward.add(n)
     forward: set[fx.Node] = set()
     for n in nodes:
+        if n.op == "placeholder":
+            continue
         if n in backward:
             break
         forward.add(n)
@@ -258,6 +271,11 @@ def _tag_forward(
         scope.info.nodes += 1
         rec.node_scope[n.name] = scope.ac_graph_id
         kept = any(name in scope.keep for name in open_names)
+        if n.target is _INVOKE_SUBGRAPH and _body_keeps(n):
+            # The body was partitioned (and tagged) on its own; recomputing the
+            # call in the outer backward would recompute what it kept.
+            kept = True
+            rec.hop_kept.append("invoke_subgraph")
 
         policy = _policy_for(n, kept)
         if from_checkpoint and not open_names:
@@ -269,6 +287,7 @@ def _tag_forward(
                 overrides[(name, scope.ac_graph_id)] += 1
         n.meta["recompute"] = policy
         n.meta["ac_graph_id"] = scope.ac_graph_id
+        n.meta[_TAGGED] = True
         rec.node_policy[n.name] = policy.name
         for name in open_names:
             stats = rec.regions[name]
@@ -298,6 +317,21 @@ def _policy_for(n: fx.Node, kept: bool) -> CheckpointPolicy | None:
     return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.MUST_RECOMPUTE
 
 
+def _body_keeps(call: fx.Node) -> bool:
+    """Whether an invoke_subgraph body holds a node this pass tagged MUST_SAVE."""
+    owner = call.graph.owning_module
+    body_ref = call.args[0] if call.args else None
+    if owner is None or not isinstance(body_ref, fx.Node) or body_ref.op != "get_attr":
+        return False
+    body = getattr(owner, str(body_ref.target), None)
+    if not isinstance(body, fx.GraphModule):
+        return False
+    return any(
+        m.meta.get(_TAGGED) and m.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
+        for m in body.graph.nodes
+    )
+
+
 def _erase_hop_markers(graph: fx.Graph, rec: records.GraphRecord) -> None:
     """Erase markers left in higher-order-op bodies, recording each one.
 
@@ -317,9 +351,12 @@ def _erase_hop_markers(graph: fx.Graph, rec: records.GraphRecord) -> None:
             continue
         hop = ",".join(sorted({str(getattr(u.target, "__name__", u.target)) for u in n.users})) or "?"
         inner = [m for m in sub.graph.nodes if ops.marker_kind(m) is not None]
+        names = [str(m.args[0]) for m in inner if ops.marker_kind(m) == "region_enter"]
+        names += sub.meta.get(_ERASED, [])
+        for name in names:
+            if (hop, name) not in rec.hop_markers:
+                rec.hop_markers.append((hop, name))
         for m in inner:
-            if ops.marker_kind(m) == "region_enter":
-                rec.hop_markers.append((hop, str(m.args[0])))
             sub.graph.erase_node(m)
         rec.markers_erased += len(inner)
         _erase_hop_markers(sub.graph, rec)

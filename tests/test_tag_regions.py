@@ -1,0 +1,282 @@
+"""The tagging pass on hand-built joint graphs (fast, exact) and on higher-order ops."""
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+import sac_compile as sc
+from sac_compile import ops
+from sac_compile._torch_internals import seed_ops
+from sac_compile.passes import tag_regions
+
+aten = torch.ops.aten
+SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
+
+
+class G:
+    """Builds a small joint graph: forward ops, markers, then a backward reading a tangent."""
+
+    def __init__(self):
+        self.graph = fx.Graph()
+        self.x = self.graph.placeholder("primals_1")
+        self.tangent = self.graph.placeholder("tangents_1")
+        self.last = self.x
+
+    def op(self, target=aten.sin.default, *args):
+        self.last = self.graph.call_function(target, args or (self.last,))
+        return self.last
+
+    def enter(self, name):
+        self.graph.call_function(ops.REGION_ENTER, (name,))
+
+    def exit(self, name):
+        self.graph.call_function(ops.REGION_EXIT, (name,))
+
+    def scope(self, kind, sid, keep):
+        target = ops.SCOPE_ENTER if kind == "enter" else ops.SCOPE_EXIT
+        self.graph.call_function(target, (sid, keep))
+
+    def finish(self):
+        bw = self.graph.call_function(aten.mul.Tensor, (self.tangent, self.last))
+        self.graph.output((self.last, bw))
+        return self.graph
+
+
+def policies(*nodes):
+    return [n.meta.get("recompute") for n in nodes]
+
+
+def test_union_of_nested_and_overlapping_regions():
+    g = G()
+    a = g.op()
+    g.enter("outer")
+    b = g.op()
+    g.enter("inner")
+    c = g.op()
+    g.exit("inner")
+    g.enter("x")
+    d = g.op()
+    g.exit("outer")
+    e = g.op()
+    g.exit("x")
+    f = g.op()
+    rec = tag_regions(g.finish(), frozenset({"inner", "x"}))
+    assert policies(a, b, c, d, e, f) == [RECOMPUTE, RECOMPUTE, SAVE, SAVE, SAVE, RECOMPUTE]
+    assert c.meta["sac_regions"] == ("inner", "outer") and d.meta["sac_regions"] == ("outer", "x")
+    assert {n.meta["ac_graph_id"] for n in (a, b, c, d, e, f)} == {1}
+    assert [s.source for s in rec.scopes] == ["whole graph"]
+    assert rec.regions["inner"].kept and not rec.regions["outer"].kept
+    assert rec.regions["outer"].saved_nodes == 2 and rec.regions["outer"].recompute_nodes == 1
+
+
+def test_same_name_open_twice_is_counted():
+    g = G()
+    g.enter("a")
+    g.enter("a")
+    b = g.op()
+    g.exit("a")
+    c = g.op()  # still inside the first "a"
+    g.exit("a")
+    d = g.op()
+    rec = tag_regions(g.finish(), frozenset({"a"}))
+    assert policies(b, c, d) == [SAVE, SAVE, RECOMPUTE]
+    assert rec.regions["a"].entered == 2 and rec.unbalanced == []
+
+
+def test_unbalanced_markers_follow_the_spec():
+    g = G()
+    a = g.op()
+    g.exit("early")  # exit without enter: open since the graph's start
+    b = g.op()
+    g.enter("late")  # enter without exit: open to the graph's end
+    c = g.op()
+    rec = tag_regions(g.finish(), frozenset({"early", "late"}))
+    assert policies(a, b, c) == [SAVE, RECOMPUTE, SAVE]
+    assert rec.unbalanced == [("early", "exit without enter"), ("late", "enter without exit")]
+
+
+def test_backward_nodes_are_not_tagged_even_with_a_region_open():
+    g = G()
+    g.enter("late")
+    g.op()
+    graph = g.finish()
+    tag_regions(graph, sc.ALL_REGIONS)
+    bw = [n for n in graph.nodes if n.op == "call_function" and n.args[0] is g.tangent][0]
+    assert "recompute" not in bw.meta
+
+
+def test_getitem_follows_its_producer_and_views_are_recomputed():
+    g = G()
+    g.enter("r")
+    pair = g.op(aten.var_mean.correction, g.x)
+    mean = g.op(operator.getitem, pair, 1)
+    view = g.op(aten.view.default, mean, [-1])
+    g.exit("r")
+    tag_regions(g.finish(), frozenset({"r"}))
+    assert policies(pair, mean, view) == [SAVE, SAVE, RECOMPUTE]
+
+
+def test_seed_ops_are_never_forced_to_recompute():
+    seeds_op = next(op for op in seed_ops() if "inductor_seeds" in str(op))
+    g = G()
+    seeds = g.op(seeds_op, 1, torch.device("cpu"))
+    y = g.op(aten.sin.default, g.x)
+    tag_regions(g.finish(), frozenset())
+    assert policies(seeds, y) == [SAVE, RECOMPUTE]
+
+
+def test_scope_markers_give_one_increasing_ac_graph_id_per_scope():
+    g = G()
+    pre = g.op()
+    g.scope("enter", 0, "attn")
+    g.enter("attn")
+    a = g.op()
+    g.exit("attn")
+    b = g.op()
+    g.scope("exit", 0, "attn")
+    mid = g.op()
+    g.scope("enter", 1, "")
+    g.enter("attn")
+    c = g.op()
+    g.exit("attn")
+    g.scope("exit", 1, "")
+    with pytest.raises(KeyError):
+        pre.meta["ac_graph_id"]
+    rec = tag_regions(g.finish(), sc.ALL_REGIONS)
+    # outside every scope nothing is tagged (a marker there is a no-op)
+    assert policies(pre, mid) == [None, None]
+    assert policies(a, b, c) == [SAVE, RECOMPUTE, RECOMPUTE]  # scope 1 keeps nothing
+    assert a.meta["ac_graph_id"] == b.meta["ac_graph_id"] < c.meta["ac_graph_id"]
+    assert [(s.source, s.nodes) for s in rec.scopes] == [("scope markers", 2), ("scope markers", 1)]
+
+
+def test_scope_split_by_a_graph_break_starts_open():
+    g = G()
+    a = g.op()
+    g.scope("exit", 4, "*")  # the scope began in an earlier graph
+    b = g.op()
+    rec = tag_regions(g.finish(), frozenset())
+    assert policies(a, b) == [RECOMPUTE, None]
+    assert rec.scopes[0].keep is sc.ALL_REGIONS
+
+
+def test_initial_open_regions_from_a_decorated_caller():
+    g = G()
+    a = g.op()
+    g.exit("r")  # the decorated wrapper's exit came into this graph too
+    b = g.op()
+    rec = tag_regions(g.finish(), frozenset({"r"}), initial_open=("r",))
+    assert policies(a, b) == [SAVE, RECOMPUTE]
+    assert rec.unbalanced == []  # the exit matched the inherited region
+
+
+def test_markers_are_erased_and_inference_graphs_only_lose_them():
+    g = G()
+    g.enter("r")
+    g.op()
+    g.exit("r")
+    graph = g.finish()
+    tag_regions(graph, sc.ALL_REGIONS)
+    assert not any(ops.marker_kind(n) for n in graph.nodes)
+
+    inf = fx.Graph()
+    x = inf.placeholder("arg0_1")
+    inf.call_function(ops.REGION_ENTER, ("r",))
+    y = inf.call_function(aten.sin.default, (x,))
+    inf.call_function(ops.REGION_EXIT, ("r",))
+    inf.output((y,))
+    rec = tag_regions(inf, sc.ALL_REGIONS)
+    assert not rec.is_training and rec.markers_erased == 2
+    assert "recompute" not in y.meta
+    assert not any(ops.marker_kind(n) for n in inf.nodes)
+
+
+def test_checkpoint_policy_is_overridden_only_inside_marked_regions():
+    g = G()
+    a = g.op()
+    g.enter("core")
+    b = g.op()
+    g.exit("core")
+    c = g.op()
+    for n in (a, b, c):
+        n.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=7)
+    rec = tag_regions(g.finish(), frozenset({"core"}))
+    assert policies(a, b, c) == [CheckpointPolicy.PREFER_RECOMPUTE, SAVE, CheckpointPolicy.PREFER_RECOMPUTE]
+    assert rec.policy_overrides == [("core", 7, 1)]
+    assert [s.source for s in rec.scopes] == ["torch.utils.checkpoint"]
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+class TestHigherOrderOps:
+    @staticmethod
+    @torch.compiler.nested_compile_region
+    def sub(x, w):
+        with sc.region("inner"):
+            h = torch.tanh(x @ w)
+        return torch.sigmoid(h @ w)
+
+    def f(self, x, w):
+        return self.sub(self.sub(x, w), w).cos()
+
+    def test_region_inside_nested_compile_region_is_honoured(self, inner):
+        x = torch.randn(4, 8, requires_grad=True)
+        w = torch.randn(8, 8, requires_grad=True)
+        kept = sc.capture_partition(self.f, x, w, backend=sc.make_sac_backend({"inner"}, inner=inner))
+        torch._dynamo.reset()
+        none = sc.capture_partition(self.f, x, w, backend=sc.make_sac_backend((), inner=inner))
+        (g_kept,) = kept.graphs
+        (g_none,) = none.graphs
+        assert g_kept.record.hop_kept == ["invoke_subgraph", "invoke_subgraph"]
+        assert not any(op == "invoke_subgraph" for ops_ in g_kept.recomputed.values() for _, op in ops_)
+        assert [op for ops_ in g_none.recomputed.values() for _, op in ops_].count("invoke_subgraph") == 2
+        if inner == "inductor":
+            return  # torch 2.13's Inductor gets these gradients wrong on its own (below)
+        # gradients right either way
+        ref = torch.autograd.grad(self.f(x, w).sum(), [x, w])
+        for keep in ({"inner"}, ()):
+            torch._dynamo.reset()
+            out = torch.compile(self.f, backend=sc.make_sac_backend(keep, inner=inner))(x, w)
+            for got, want in zip(torch.autograd.grad(out.sum(), [x, w]), ref, strict=True):
+                torch.testing.assert_close(got, want)
+
+    def test_markers_in_cond_branches_are_recorded(self, inner):
+        w = torch.randn(8, 8, requires_grad=True)
+
+        def g(x):
+            def true_fn(x):
+                with sc.region("c"):
+                    return torch.tanh(x @ w)
+
+            return torch.cond(x.sum() > 0, true_fn, lambda x: torch.sigmoid(x @ w), (x,)).cos()
+
+        x = torch.randn(4, 8, requires_grad=True)
+        report = sc.capture_partition(g, x, backend=sc.make_sac_backend({"c"}, inner=inner))
+        hop_markers = [m for gr in report.graphs if gr.record for m in gr.record.hop_markers]
+        assert ("cond", "c") in hop_markers
+        assert "not honoured" in report.format()
+
+
+@pytest.mark.xfail(strict=True, reason="torch 2.13 bug: nested_compile_region called twice, Inductor, CPU")
+def test_upstream_nested_compile_region_inductor_gradients():
+    """Plain torch.compile, no sac_compile involved: the weight's gradient is wrong.
+
+    Kept as a strict xfail so that a PyTorch upgrade that fixes it turns this red,
+    and the Inductor gradient check above can then be enabled.
+    """
+
+    @torch.compiler.nested_compile_region
+    def sub(x, w):
+        return torch.sigmoid(torch.tanh(x @ w) @ w)
+
+    def f(x, w):
+        return sub(sub(x, w), w).cos()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    ref = torch.autograd.grad(f(x, w).sum(), [x, w])
+    got = torch.autograd.grad(torch.compile(f)(x, w).sum(), [x, w])
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r)
