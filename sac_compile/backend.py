@@ -46,6 +46,16 @@ class CompileUnit:
         self.with_fallbacks = with_block_fallbacks(gm)
         self.decorated_context = enclosing_decorated_regions()
         self.graphs: dict[str, Any] = {}  # "forward" / "backward" / "inference" -> snapshot
+        # per Dynamo graph input (AOTAutograd's primals_1, primals_2, ... in order):
+        # True for parameters and buffers, whose saving costs no activation memory
+        self.input_is_param: list[bool] = []
+
+    def note_inputs(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        self.input_is_param = [
+            isinstance(ex, torch.nn.Parameter) or "_buffers_" in name
+            for name, ex in zip(names, example_inputs)
+        ]
 
 
 # Compiles are synchronous on the compiling thread, so the unit being compiled is
@@ -98,6 +108,7 @@ class SacBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         unit = CompileUnit(self, gm)
+        unit.note_inputs(gm, example_inputs)
         with _capture_lock:
             capturing = bool(_capture_sinks)
             for sink in _capture_sinks:

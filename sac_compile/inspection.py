@@ -22,6 +22,7 @@ from .records import GraphRecord
 __all__ = ["GraphPartition", "PartitionReport", "SavedValue", "capture_partition"]
 
 INPUT = "input"
+PARAM = "param"
 NO_REGION = "-"
 
 
@@ -31,7 +32,7 @@ class SavedValue:
 
     name: str  # the node's name in the joint graph
     op: str  # producing op, or "input" for a graph input
-    region: str  # "+"-joined regions open when it ran, "-" for none, "input" for inputs
+    region: str  # "+"-joined regions open when it ran, "-" for none, "input"/"param" for inputs
     scope: int | None  # ac_graph_id of its checkpoint scope
     shape: tuple[int, ...] | None
     dtype: str
@@ -39,8 +40,12 @@ class SavedValue:
 
     @property
     def is_input(self) -> bool:
-        """A graph input, or a view of one (no activation memory of its own)."""
-        return self.region == INPUT
+        """A graph input (or a view of one): parameters, buffers and data inputs."""
+        return self.region in (INPUT, PARAM)
+
+    @property
+    def is_param(self) -> bool:
+        return self.region == PARAM
 
 
 @dataclass
@@ -59,7 +64,12 @@ class GraphPartition:
 
     @property
     def input_bytes(self) -> int:
-        return sum(v.nbytes for v in self.saved if v.is_input)
+        """Saved graph inputs other than parameters (e.g. a layer's input)."""
+        return sum(v.nbytes for v in self.saved if v.region == INPUT)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(v.nbytes for v in self.saved if v.is_param)
 
 
 @dataclass
@@ -80,7 +90,17 @@ class PartitionReport:
 
     @property
     def input_bytes(self) -> int:
+        """Bytes of saved non-parameter graph inputs."""
         return sum(g.input_bytes for g in self.graphs)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(g.param_bytes for g in self.graphs)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Everything saved for backward except parameters and buffers."""
+        return self.activation_bytes + self.input_bytes
 
     def saved_regions(self) -> set[str]:
         """Region names that own at least one saved activation."""
@@ -121,8 +141,11 @@ class PartitionReport:
                 lines.extend(_table(rows))
             else:
                 lines.append("saved: no activations")
-            n_in = sum(1 for v in g.saved if v.is_input)
-            lines.append(f"inputs saved: {n_in} ({g.input_bytes} B)")
+            n_in = sum(1 for v in g.saved if v.region == INPUT)
+            n_par = sum(1 for v in g.saved if v.is_param)
+            lines.append(
+                f"inputs saved: {n_in} ({g.input_bytes} B); parameters saved: {n_par} ({g.param_bytes} B)"
+            )
             if g.recomputed:
                 lines.append("recomputed:")
                 for region in sorted(g.recomputed):
@@ -219,9 +242,11 @@ def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition |
             if name.startswith("tangents"):
                 continue
             base = root(name)
-            is_input = base in fw_inputs
             regions = regions_of(name)
-            region = INPUT if is_input else ("+".join(regions) if regions else NO_REGION)
+            if base in fw_inputs:
+                region = PARAM if _is_param(base, unit.input_is_param) else INPUT
+            else:
+                region = "+".join(regions) if regions else NO_REGION
             scope = None
             if record is not None:
                 scope = record.node_scope.get(name, record.node_scope.get(base))
@@ -233,6 +258,17 @@ def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition |
                 regions = regions_of(name)
                 recomputed["+".join(regions) if regions else NO_REGION].append((name, op))
     return GraphPartition(index, saved, dict(recomputed), record, backward_compiled=bw is not None)
+
+
+def _is_param(primal: str, input_is_param: list[bool]) -> bool:
+    """AOTAutograd names graph inputs primals_1, primals_2, ... in Dynamo's input order."""
+    if not primal.startswith("primals_"):
+        return False
+    try:
+        index = int(primal.removeprefix("primals_")) - 1
+    except ValueError:
+        return False
+    return 0 <= index < len(input_is_param) and input_is_param[index]
 
 
 def _saved_value(name, op, region, scope, val, *, count: bool) -> SavedValue:

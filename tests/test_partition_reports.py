@@ -48,7 +48,7 @@ graph 0: scopes [#1 whole graph] regions [mlp(kept)]
 saved  op          region  scope  shape    dtype    bytes
 relu   aten.relu   mlp     #1     [4, 32]  float32  512
 clone  aten.clone  mlp     #1     [4, 8]   float32  128
-inputs saved: 3 (2176 B)
+inputs saved: 1 (128 B); parameters saved: 2 (2048 B)
 recomputed:
   -: 1 ops: t
   mlp: 1 ops: t
@@ -64,7 +64,7 @@ graph 0: scopes [#1 whole graph] regions [attn(kept), mlp(recomputed)]
 saved      op       region  scope  shape         dtype    bytes
 getitem_3  getitem  attn    #1     [2, 2, 4, 8]  float32  512
 getitem_4  getitem  attn    #1     [2, 2, 4]     float32  64
-inputs saved: 10 (13312 B)
+inputs saved: 1 (512 B); parameters saved: 9 (12800 B)
 recomputed:
   -: 16 ops: _unsafe_view x2, add, clone, getitem, mm x2, native_layer_norm, permute, select x3, t x2, view x2
   attn: 3 ops: transpose, view x2
@@ -80,7 +80,7 @@ total: 2 activations, 576 B; 28 ops recomputed""",
 graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
 saved  op         region  scope  shape   dtype    bytes
 tanh   aten.tanh  a       #1     [4, 8]  float32  128
-inputs saved: 3 (640 B)
+inputs saved: 1 (128 B); parameters saved: 2 (512 B)
 recomputed:
   b: 2 ops: mm, sigmoid
 total: 1 activations, 128 B; 2 ops recomputed""",
@@ -96,7 +96,7 @@ saved      op            region       scope  shape   dtype    bytes
 sigmoid    aten.sigmoid  inner+outer  #1     [4, 8]  float32  128
 tanh_1     aten.tanh     outer+x      #1     [4, 8]  float32  128
 sigmoid_1  aten.sigmoid  x            #1     [4, 8]  float32  128
-inputs saved: 2 (384 B)
+inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 1 ops: mm
   outer: 2 ops: mm, tanh
@@ -112,7 +112,7 @@ graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: 
 saved   op         region  scope  shape   dtype    bytes
 tanh    aten.tanh  early   #1     [4, 8]  float32  128
 tanh_1  aten.tanh  late    #1     [4, 8]  float32  128
-inputs saved: 2 (384 B)
+inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 2 ops: mm, sigmoid
 total: 2 activations, 256 B; 2 ops recomputed""",
@@ -128,7 +128,7 @@ saved    op            region  scope  shape   dtype    bytes
 relu     aten.relu     -       -      [4, 8]  float32  128
 sigmoid  aten.sigmoid  core    #1     [4, 8]  float32  128
 mm_4     aten.mm       -       -      [4, 8]  float32  128
-inputs saved: 2 (384 B)
+inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 4 ops: mm x2, tanh x2
 total: 3 activations, 384 B; 4 ops recomputed""",
@@ -152,7 +152,7 @@ getitem_20  getitem   attn    #3     [2, 2, 4]     float32  64
 add_5       aten.add  -       #3     [2, 4, 16]    float32  512
 getitem_27  getitem   attn    #4     [2, 2, 4, 8]  float32  512
 getitem_28  getitem   attn    #4     [2, 2, 4]     float32  64
-inputs saved: 37 (51712 B)
+inputs saved: 1 (512 B); parameters saved: 36 (51200 B)
 recomputed:
   -: 64 ops: _unsafe_view x8, add x4, clone x4, getitem x4, mm x8, native_layer_norm x4, permute x4, select x12, t x8, view x8
   attn: 12 ops: transpose x4, view x8
@@ -173,7 +173,7 @@ graph 0: scopes [#1 whole graph] regions [mlp(kept)]
 saved    op          region  scope  shape    dtype    bytes
 relu     aten.relu   mlp     #1     [4, 32]  float32  512
 addmm_1  aten.addmm  mlp     #1     [4, 8]   float32  128
-inputs saved: 3 (2176 B)
+inputs saved: 1 (128 B); parameters saved: 2 (2048 B)
 recomputed:
   -: 1 ops: permute
   mlp: 1 ops: permute
@@ -189,7 +189,7 @@ graph 0: scopes [#1 whole graph] regions [attn(kept), mlp(recomputed)]
 saved      op       region  scope  shape         dtype    bytes
 getitem_2  getitem  attn    #1     [2, 2, 4, 8]  float32  512
 getitem_3  getitem  attn    #1     [2, 2, 4]     float32  64
-inputs saved: 10 (13312 B)
+inputs saved: 1 (512 B); parameters saved: 9 (12800 B)
 recomputed:
   -: 22 ops: add x3, getitem x2, mm x2, mul x2, permute x3, rsqrt, select x3, sub, var_mean, view x4
   attn: 3 ops: permute, view x2
@@ -205,7 +205,7 @@ total: 2 activations, 576 B; 45 ops recomputed""",
 graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
 saved  op         region  scope  shape   dtype    bytes
 tanh   aten.tanh  a       #1     [4, 8]  float32  128
-inputs saved: 3 (640 B)
+inputs saved: 1 (128 B); parameters saved: 2 (512 B)
 recomputed:
   b: 2 ops: mm, sigmoid
 total: 1 activations, 128 B; 2 ops recomputed""",
@@ -221,7 +221,7 @@ saved      op            region       scope  shape   dtype    bytes
 sigmoid    aten.sigmoid  inner+outer  #1     [4, 8]  float32  128
 tanh_1     aten.tanh     outer+x      #1     [4, 8]  float32  128
 sigmoid_1  aten.sigmoid  x            #1     [4, 8]  float32  128
-inputs saved: 2 (384 B)
+inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 1 ops: mm
   outer: 2 ops: mm, tanh
@@ -237,7 +237,7 @@ graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: 
 saved   op         region  scope  shape   dtype    bytes
 tanh    aten.tanh  early   #1     [4, 8]  float32  128
 tanh_1  aten.tanh  late    #1     [4, 8]  float32  128
-inputs saved: 2 (384 B)
+inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 2 ops: mm, sigmoid
 total: 2 activations, 256 B; 2 ops recomputed""",
@@ -253,7 +253,7 @@ saved    op            region  scope  shape   dtype    bytes
 relu     aten.relu     -       -      [4, 8]  float32  128
 sigmoid  aten.sigmoid  core    #1     [4, 8]  float32  128
 mm_4     aten.mm       -       -      [4, 8]  float32  128
-inputs saved: 2 (384 B)
+inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 4 ops: mm x2, tanh x2
 total: 3 activations, 384 B; 4 ops recomputed""",
@@ -277,7 +277,7 @@ getitem_15  getitem   attn    #3     [2, 2, 4]     float32  64
 add_20      aten.add  -       #3     [2, 4, 16]    float32  512
 getitem_20  getitem   attn    #4     [2, 2, 4, 8]  float32  512
 getitem_21  getitem   attn    #4     [2, 2, 4]     float32  64
-inputs saved: 37 (51712 B)
+inputs saved: 1 (512 B); parameters saved: 36 (51200 B)
 recomputed:
   -: 88 ops: add x12, getitem x8, mm x8, mul x8, permute x12, rsqrt x4, select x12, sub x4, var_mean x4, view x16
   attn: 12 ops: permute x4, view x8
