@@ -31,7 +31,7 @@ from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from .markers import enclosing_decorated_regions, with_block_fallbacks
 from .passes.tag_regions import TagRegionsPass, tag_regions
 
-__all__ = ["SacBackend", "make_sac_backend", "sac_backend"]
+__all__ = ["SacBackend", "baseline_backend", "make_sac_backend", "sac_backend"]
 
 _INNER = ("inductor", "aot_eager")
 
@@ -250,6 +250,22 @@ def make_sac_backend(
         backend = _BACKENDS.get(key)
         if backend is None:
             backend = _BACKENDS[key] = SacBackend(keep_set, inner, config_items)
+    return backend
+
+
+def baseline_backend(inner: str = "inductor") -> SacBackend:
+    """The same compile without the tagging pass: the "compiled, no checkpoint" baseline.
+
+    For comparisons (benchmarks, ``capture_partition(..., backend="inductor")``):
+    the partitioner saves whatever it likes and markers are dropped unread.
+    """
+    if inner not in _INNER:
+        raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
+    key = ("<baseline>", inner, "()")
+    with _BACKENDS_LOCK:
+        backend = _BACKENDS.get(key)
+        if backend is None:
+            backend = _BACKENDS[key] = SacBackend(frozenset(), inner, (), checkpoint=False)
     return backend
 
 

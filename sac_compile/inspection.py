@@ -293,7 +293,7 @@ def _resolve_backend(backend: Any) -> _backend.SacBackend:
     if isinstance(backend, _backend.SacBackend):
         return backend
     if backend in ("inductor", "aot_eager"):
-        return _backend.SacBackend(frozenset(), backend, (), checkpoint=False)
+        return _backend.baseline_backend(backend)
     raise TypeError(
         f"capture_partition needs a sac backend (sac_compile.sac_backend or "
         f"sac_compile.make_sac_backend(...)), or 'inductor' / 'aot_eager' for the same "
@@ -306,9 +306,9 @@ def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> Par
 
     ``backend`` defaults to :data:`sac_compile.sac_backend`. Both compile caches
     are disabled for the capture (a cache hit would skip the tagging pass). The
-    capture compiles ``fn`` afresh with its own backend object, which adds one
-    Dynamo cache entry for ``fn``'s code (recompile limits are raised for the
-    capture so that it always compiles). ``fn``'s output must be a tensor or a
+    capture compiles ``fn`` afresh with its own backend object, in its own
+    ``isolate_recompiles`` bucket: its cache entries do not count against the
+    ``recompile_limit`` of your own ``torch.compile`` calls (they stay in memory). ``fn``'s output must be a tensor or a
     structure of tensors; backward runs on the sum of its floating-point parts.
     """
     sac = _resolve_backend(_backend.sac_backend if backend is None else backend)
@@ -316,11 +316,13 @@ def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> Par
     dynamo_config = torch._dynamo.config
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
-        stack.enter_context(dynamo_config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20))
+        stack.enter_context(dynamo_config.patch(accumulated_recompile_limit=1 << 20))
         with _backend._capture_lock:
             _backend._capture_sinks.append(units)
         try:
-            compiled = torch.compile(fn, backend=_FreshBackend(sac))
+            # isolate_recompiles: the capture's entries do not count against the
+            # recompile_limit of the user's own torch.compile calls on fn's code.
+            compiled = torch.compile(fn, backend=_FreshBackend(sac), isolate_recompiles=True)
             out = compiled(*args, **kwargs)
             loss = _scalar_loss(out)
             if loss is not None and loss.requires_grad:

@@ -5,7 +5,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import sac_compile as sc
-from sac_compile.backend import SacBackend
+from sac_compile.backend import baseline_backend
 
 from .models import MLP, Block, run_step
 
@@ -124,7 +124,7 @@ class TestDropout:
         """Dropout in the kept MLP region and in the recomputed attention output."""
         block = Block(16, dropout=0.3)
         x = torch.randn(2, 4, 16, requires_grad=True)
-        plain = torch.compile(block, backend=SacBackend(frozenset(), inner, (), checkpoint=False))
+        plain = torch.compile(block, backend=baseline_backend(inner))
         sac = torch.compile(block, backend=sc.make_sac_backend({"mlp"}, inner=inner))
         torch.manual_seed(123)
         ref_out, ref_grads = run_step(plain, block, x)

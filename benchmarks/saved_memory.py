@@ -1,0 +1,163 @@
+"""Saved activation bytes per layer and step time: compiled SAC vs the alternatives.
+
+One run, side by side, on a small pre-norm transformer stack on CPU, every layer
+compiled on its own (one Dynamo graph shared by all layers):
+
+* compiled, no checkpoint (the baseline);
+* compiled, full recompute (``make_sac_backend(keep=())``);
+* compiled SAC keeping attention, the MLP, both;
+* PyTorch's ``activation_memory_budget`` at a few budgets (the frontier to beat).
+
+Saved bytes per layer (parameters excluded) come from two independent sources
+that must agree: the partition report and ``saved_tensors_hooks`` on the compiled
+layer. Step time is forward + backward over the stack, configurations
+interleaved, median over iterations, as a ratio to the baseline (CPU times are
+noisy: read the ratios).
+
+    python benchmarks/saved_memory.py [--layers 4 --d-model 128 --seq 128 --batch 4 --iters 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+import torch._functorch.config as functorch_config
+
+import sac_compile as sc
+from sac_compile.backend import baseline_backend
+from sac_compile.demo_models import Stack
+
+
+class BudgetBackend:
+    """The baseline compile with ``activation_memory_budget`` set for its partition."""
+
+    def __init__(self, budget: float, inner: str) -> None:
+        self.budget = budget
+        self.inner = baseline_backend(inner)
+
+    def __call__(self, gm, example_inputs):
+        with functorch_config.patch(activation_memory_budget=self.budget):
+            return self.inner(gm, example_inputs)
+
+
+def configurations(inner: str, budgets: list[float]) -> list[tuple[str, object]]:
+    configs: list[tuple[str, object]] = [
+        ("no checkpoint", baseline_backend(inner)),
+        ("full recompute", sc.make_sac_backend((), inner=inner)),
+        ("sac keep=attn", sc.make_sac_backend({"attn"}, inner=inner)),
+        ("sac keep=mlp", sc.make_sac_backend({"mlp"}, inner=inner)),
+        ("sac keep=attn+mlp", sc.make_sac_backend({"attn", "mlp"}, inner=inner)),
+    ]
+    configs += [(f"budget {b:g}", BudgetBackend(b, inner)) for b in budgets]
+    return configs
+
+
+def hook_bytes(layer_fn, x: torch.Tensor, params: set[int]) -> int:
+    """Bytes of distinct storages the compiled layer saves for backward, parameters excluded."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer_fn(x)
+    out.sum().backward()
+    return sum(storages.values())
+
+
+def report_bytes(layer, x: torch.Tensor, backend) -> int:
+    if isinstance(backend, BudgetBackend):
+        with functorch_config.patch(activation_memory_budget=backend.budget):
+            report = sc.capture_partition(layer, x, backend=backend.inner)
+    else:
+        report = sc.capture_partition(layer, x, backend=backend)
+    (graph,) = [g for g in report.graphs if g.backward_compiled]
+    return graph.activation_bytes + graph.input_bytes
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--inner", choices=["inductor", "aot_eager"], default="inductor")
+    parser.add_argument("--budgets", default="0.5,0.3,0.1")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(0)
+    model = Stack(args.layers, args.d_model, args.heads)
+    x = torch.randn(args.batch, args.seq, args.d_model, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    budgets = [float(b) for b in args.budgets.split(",") if b]
+    configs = configurations(args.inner, budgets)
+
+    rows = {}
+    # Every configuration compiles Block.forward with its own backend: room for all.
+    with torch._dynamo.config.patch(recompile_limit=2 * len(configs)):
+        compiled = {}
+        for name, backend in configs:
+            layer0 = model.layers[0]
+            from_report = report_bytes(layer0, x, backend)
+            fns = [torch.compile(layer, backend=backend) for layer in model.layers]
+            compiled[name] = fns
+            from_hooks = hook_bytes(fns[0], x, params)
+            rows[name] = {"report_bytes": from_report, "hook_bytes": from_hooks}
+
+        def step(fns):
+            h = x
+            for fn in fns:
+                h = fn(h)
+            h.sum().backward()
+
+        for fns in compiled.values():  # warm up (backward compiles lazily)
+            step(fns)
+        times: dict[str, list[float]] = {name: [] for name in compiled}
+        order = list(compiled)
+        for _ in range(args.iters):
+            random.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                step(compiled[name])
+                times[name].append(time.perf_counter() - start)
+
+    base_bytes = rows["no checkpoint"]["report_bytes"]
+    base_time = statistics.median(times["no checkpoint"])
+    print(
+        f"saved activations per layer and step time, {args.layers} layers, d={args.d_model}, "
+        f"seq={args.seq}, batch={args.batch}, inner={args.inner}, torch {torch.__version__}, "
+        f"median of {args.iters} interleaved steps"
+    )
+    header = f"{'configuration':<20} {'report KiB':>11} {'hooks KiB':>10} {'vs no-ckpt':>10} {'step ms':>9} {'time ratio':>10}"
+    print(header)
+    print("-" * len(header))
+    for name in compiled:
+        row = rows[name]
+        median = statistics.median(times[name])
+        row.update(
+            step_ms=median * 1e3, time_ratio=median / base_time, bytes_ratio=row["report_bytes"] / base_bytes
+        )
+        agree = "" if row["report_bytes"] == row["hook_bytes"] else "  (sources disagree)"
+        print(
+            f"{name:<20} {row['report_bytes'] / 1024:>11.1f} {row['hook_bytes'] / 1024:>10.1f} "
+            f"{row['bytes_ratio']:>10.2f} {row['step_ms']:>9.1f} {row['time_ratio']:>10.2f}{agree}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
