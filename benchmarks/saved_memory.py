@@ -14,7 +14,7 @@ layer. Step time is forward + backward over the stack, configurations
 interleaved, median over iterations, as a ratio to the baseline (CPU times are
 noisy: read the ratios).
 
-    python benchmarks/saved_memory.py [--layers 4 --d-model 128 --seq 128 --batch 4 --iters 15]
+    python benchmarks/saved_memory.py [--layers 4 --d-model 256 --seq 256 --batch 4 --iters 21]
 """
 
 from __future__ import annotations
@@ -86,11 +86,11 @@ def report_bytes(layer, x: torch.Tensor, backend) -> int:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=21)
     parser.add_argument("--inner", choices=["inductor", "aot_eager"], default="inductor")
     parser.add_argument("--budgets", default="0.5,0.3,0.1")
     parser.add_argument("--json", help="also write the results to this file")
