@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -162,10 +163,15 @@ def with_block_fallbacks(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]
 
 
 def _user_call_site() -> str:
+    """The user frame that ran the ``with`` statement: the first frame outside torch and
+    sac_compile *below* Dynamo's frames (a custom backend above them is skipped)."""
     frame = sys._getframe(1)
+    seen_torch = False
     while frame is not None:
         fname = frame.f_code.co_filename
-        if fname != __file__ and "/torch/" not in fname and "/sac_compile/" not in fname:
+        in_torch = f"{os.sep}torch{os.sep}" in fname
+        seen_torch = seen_torch or in_torch
+        if seen_torch and not in_torch and f"{os.sep}sac_compile{os.sep}" not in fname:
             return f"{fname}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "<unknown>"

@@ -84,6 +84,16 @@ class InCheckpoint(nn.Module):
         return (h @ self.w).cos()
 
 
+def with_block_graph_break(x):
+    """A graph break inside a `with region(...)` block: Dynamo runs this frame eagerly."""
+    a = x * 2
+    with sc.region("r"):
+        y = a.sin()
+        torch._dynamo.graph_break()
+        b = y.cos()
+    return b + 1
+
+
 def cases():
     """name -> (module factory, input factory, keep)."""
     d = 8

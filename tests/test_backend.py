@@ -8,6 +8,7 @@ import sac_compile as sc
 from sac_compile.backend import baseline_backend
 
 from .models import MLP, Block, run_step
+from .scenarios import with_block_graph_break
 
 INNERS = ["aot_eager", "inductor"]
 
@@ -278,17 +279,9 @@ class TestGraphBreakInDecoratedRegion:
             torch.testing.assert_close(g, r)
 
     def test_with_block_fallback_is_recorded(self):
-        def f(x):
-            a = x * 2
-            with sc.region("r"):
-                y = a.sin()
-                torch._dynamo.graph_break()
-                b = y.cos()
-            return b + 1
-
         x = torch.randn(3, requires_grad=True)
         with sc.collect_records() as recs:
-            torch.compile(f, backend=sc.make_sac_backend({"r"}, inner="aot_eager"))(x)
+            torch.compile(with_block_graph_break, backend=sc.make_sac_backend({"r"}, inner="aot_eager"))(x)
         fallbacks = [fb for r in recs for fb in r.eager_fallbacks]
         assert [(k, n) for k, n, _ in fallbacks] == [("region_enter", "r"), ("region_exit", "r")]
-        assert all("test_backend.py" in where for _, _, where in fallbacks)
+        assert all("scenarios.py" in where for _, _, where in fallbacks)

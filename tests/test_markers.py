@@ -12,6 +12,8 @@ import sac_compile as sc
 from sac_compile import ops
 from sac_compile.markers import checkpoint_scope, enclosing_decorated_regions
 
+from .scenarios import with_block_graph_break
+
 
 def _marker_sequence(graph: torch.fx.Graph) -> list[tuple[str, tuple]]:
     return [(ops.marker_kind(n), tuple(n.args)) for n in graph.nodes if ops.marker_kind(n)]
@@ -216,21 +218,13 @@ class TestGraphBreaks:
             compiled_ops.extend(_targets(gm.graph))
             return gm
 
-        def f(x):
-            a = x * 2
-            with sc.region("r"):
-                y = a.sin()
-                torch._dynamo.graph_break()
-                b = y.cos()
-            return b + 1
-
-        torch.compile(f, backend=backend)(torch.ones(3))
+        torch.compile(with_block_graph_break, backend=backend)(torch.ones(3))
         import operator
 
         # nothing of f itself compiled: the frame fell back to eager
         assert operator.mul not in compiled_ops and operator.add not in compiled_ops
         assert [(k, n) for k, n, _ in found] == [("region_enter", "r"), ("region_exit", "r")]
-        assert all("test_markers.py" in where for _, _, where in found)
+        assert all("scenarios.py" in where for _, _, where in found)
 
     def test_traced_with_block_is_not_a_fallback(self):
         from sac_compile.markers import with_block_fallbacks

@@ -280,3 +280,40 @@ def test_upstream_nested_compile_region_inductor_gradients():
     got = torch.autograd.grad(torch.compile(f)(x, w).sum(), [x, w])
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g, r)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_functional_collective_in_a_kept_region_is_not_recommunicated(world_of_one, inner):
+    """wait_tensor follows its all_reduce: kept, the backward does not communicate again."""
+    import torch.distributed._functional_collectives as funcol
+
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def f(x):
+        with sc.region("comm"):
+            h = torch.tanh(funcol.all_reduce(x @ w, "sum", world_of_one))
+        return (h @ w).cos()
+
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def recomputed_ops(report):
+        return {op for g in report.graphs for nodes in g.recomputed.values() for _, op in nodes}
+
+    kept = sc.capture_partition(f, x, backend=sc.make_sac_backend({"comm"}, inner=inner))
+    policy = kept.graphs[0].record.node_policy
+    assert policy["all_reduce"] == policy["wait_tensor"] == "MUST_SAVE"
+    assert not any("_c10d_functional" in op for op in recomputed_ops(kept))
+    torch._dynamo.reset()
+    not_kept = sc.capture_partition(f, x, backend=sc.make_sac_backend((), inner=inner))
+    assert {"_c10d_functional.all_reduce", "_c10d_functional.wait_tensor"} <= recomputed_ops(not_kept)
