@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .keep import ALL_REGIONS
 from .markers import checkpoint_scope, region
 
-__all__ = ["Attention", "Block", "ScopedStack", "Stack"]
+__all__ = ["Attention", "Block", "MoE", "MoEBlock", "ScopedStack", "Stack"]
 
 
 class Attention(nn.Module):
@@ -90,3 +90,51 @@ class ScopedStack(Stack):
             with checkpoint_scope(i, self.keep):
                 x = layer(x)
         return x
+
+
+class MoE(nn.Module):
+    """Top-k mixture of experts with the accumulation real MoE blocks use:
+    ``out = zeros_like(x); out.index_add_(0, token_idx, expert(x[token_idx]) * weight)``.
+
+    Regions: ``"router"`` around the gate, ``"experts"`` around the expert loop.
+    """
+
+    def __init__(self, d: int = 16, n_experts: int = 4, top_k: int = 2, hidden: int | None = None) -> None:
+        super().__init__()
+        hidden = hidden or 2 * d
+        self.top_k = top_k
+        self.gate = nn.Linear(d, n_experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, hidden), nn.SiLU(), nn.Linear(hidden, d)) for _ in range(n_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        with region("router"):
+            probs = torch.softmax(self.gate(x), dim=-1)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        with region("experts"):
+            for e, expert in enumerate(self.experts):
+                token, slot = torch.where(chosen == e)
+                if token.numel() == 0:
+                    continue
+                y = expert(x[token]) * weights[token, slot, None]
+                out.index_add_(0, token, y)
+        return out.reshape(shape)
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm block: attention ("attn") then a :class:`MoE` ("router", "experts")."""
+
+    def __init__(self, d: int = 16, heads: int = 2, n_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.moe = MoE(d, n_experts, top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.moe(self.ln2(x))

@@ -1,0 +1,406 @@
+"""The eager engine: region-level selective checkpointing without compile.
+
+A non-reentrant ``torch.utils.checkpoint`` whose ``context_fn`` returns our own
+caching / cached dispatch-mode pair (modelled on PyTorch's
+``_CachingTorchDispatchMode`` / ``_CachedTorchDispatchMode``). A marker *session*
+lives in a ``ContextVar`` that is opened inside the checkpointed callable, so
+the recompute rebuilds its own region state; the marker ops update it.
+
+Forward (caching mode), per op, in program order:
+
+* in a kept region: its output is cached (a detached alias);
+* otherwise it is recomputed in the backward;
+* ``c10d`` / ``_c10d_functional`` ops are always recomputed (counted): their
+  destination buffer may have been allocated outside the region;
+* an in-place write (``alias_info.is_write`` on a non-``out`` argument) into a
+  value produced in this scope marks every cached value on that storage for
+  recompute, with the write: the recompute then rebuilds the buffer and writes
+  into it again, bit for bit. A kept write into a tensor from outside the scope
+  (a buffer, an input) is served from the cache, so it happens once;
+* a random op that is recomputed remembers the RNG state it ran with, so the
+  recompute draws the same numbers even when earlier random ops are cached.
+
+Memory: when the forward ends, cached values that neither autograd saved for
+backward nor a recomputed op reads are dropped (the recompute gets an
+uninitialised stand-in of the same geometry, which nothing reads). Keeping
+regions therefore never holds more than running without checkpointing.
+
+Relies on ``torch.utils.checkpoint`` internals: ``_VersionWrapper`` and
+``_detach_helper`` (version-checked detached aliases), and on
+``torch._C._autograd._top_saved_tensors_default_hooks`` to chain our pack hook
+in front of the checkpoint's own (so that we see what autograd saves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import _detach_helper, _VersionWrapper, checkpoint
+
+from . import ops
+from .keep import KeepSet
+
+__all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions"]
+
+_IGNORED = {torch.ops.aten.detach.default, torch.ops.prim.device.default} | set(ops.MARKER_OPS)
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+class EagerSession:
+    """Open regions while a checkpointed function runs (one per forward / recompute)."""
+
+    def __init__(self, keep: KeepSet) -> None:
+        self.keep = keep
+        self.open: Counter[str] = Counter()
+        self.entered: Counter[str] = Counter()
+
+    def sink(self, kind: str, payload: tuple) -> None:
+        if kind == "region_enter":
+            self.open[payload[0]] += 1
+            self.entered[payload[0]] += 1
+        elif kind == "region_exit":
+            # an exit without an enter is a no-op here (nothing was open)
+            if self.open[payload[0]] > 0:
+                self.open[payload[0]] -= 1
+
+    def open_names(self) -> tuple[str, ...]:
+        return tuple(sorted(n for n, c in self.open.items() if c > 0))
+
+    def kept(self) -> bool:
+        return any(n in self.keep for n, c in self.open.items() if c > 0)
+
+
+_SESSION: contextvars.ContextVar[EagerSession | None] = contextvars.ContextVar(
+    "sac_compile_eager_session", default=None
+)
+
+
+@dataclass
+class _Entry:
+    func: Any
+    regions: tuple[str, ...]
+    cached: bool
+    value: Any = None  # tree of _VersionWrapper when cached
+    storages: tuple[int, ...] = ()
+    inputs: tuple[int, ...] = ()
+    needed: bool = False
+    dropped: bool = False
+    geometry: Any = None  # tree of (shape, stride, dtype, device) when dropped
+    rng_state: Any = None
+    nbytes: int = 0
+
+
+@dataclass
+class EngineStats:
+    """What one checkpointed call did (for parity reports and diagnostics)."""
+
+    cached_ops: int = 0
+    recomputed_ops: int = 0
+    dropped_ops: int = 0
+    forced_collectives: int = 0
+    mutated_recomputes: int = 0
+    held_bytes: int = 0  # bytes of cached values held after the forward
+    held_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    regions_entered: Counter = field(default_factory=Counter)
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _tensor_storages(tree: Any) -> tuple[int, ...]:
+    out = []
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            s = _storage(t)
+            if s is not None:
+                out.append(s)
+    return tuple(out)
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors an op writes in place, judged on its schema (``out`` arguments excluded)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write or arg.is_out:
+            continue
+        value = kwargs.get(arg.name, args[i] if i < len(args) else None)
+        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return written
+
+
+def _is_collective(func: Any) -> bool:
+    return getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
+def _is_random(func: Any) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+
+
+def _rng_state(tree: Any) -> tuple:
+    devices = {t.device for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    state = [("cpu", torch.get_rng_state())]
+    for dev in devices:
+        if dev.type == "cuda":
+            state.append((dev, torch.cuda.get_rng_state(dev)))
+    return tuple(state)
+
+
+def _set_rng_state(state: tuple) -> None:
+    for dev, s in state:
+        if dev == "cpu":
+            torch.set_rng_state(s)
+        else:
+            torch.cuda.set_rng_state(s, dev)
+
+
+class _State:
+    """Shared by the caching (forward) and cached (recompute) modes of one call."""
+
+    def __init__(self, preserve_rng_state: bool) -> None:
+        self.preserve_rng_state = preserve_rng_state
+        self.entries: dict[Any, list[_Entry]] = defaultdict(list)
+        self.by_storage: dict[int, list[_Entry]] = defaultdict(list)
+        self.produced: set[int] = set()  # storages created by ops in this scope
+        self.mutated: set[int] = set()
+        self.saved_storages: set[int] = set()  # what autograd saved for backward
+        self.stats = EngineStats()
+        self.forward_done = False
+        # storages holding random numbers or values computed from them
+        self.random_derived: set[int] = set()
+
+    # -- forward bookkeeping --------------------------------------------------
+    def mark_needed(self, storages: tuple[int, ...]) -> None:
+        for s in storages:
+            for e in self.by_storage.get(s, ()):
+                e.needed = True
+
+    def mark_mutated(self, storage: int, func: Any, regions: tuple[str, ...], target: torch.Tensor) -> None:
+        """A write into a value produced in this scope: recompute all cached values on it."""
+        self.mutated.add(storage)
+        if storage in self.random_derived and not self.preserve_rng_state:
+            cached = [e for e in self.by_storage.get(storage, ()) if e.cached]
+            if cached:
+                raise RuntimeError(
+                    f"sac_compile: {func} writes in place into a tensor of shape {tuple(target.shape)} "
+                    f"({target.dtype}) made by {cached[0].func} in region(s) "
+                    f"{'+'.join(cached[0].regions) or '-'} from random numbers; the write forces it to be "
+                    "recomputed, and with preserve_rng_state=False the recompute draws different numbers. "
+                    "Pass preserve_rng_state=True, or write into a copy (y = y.clone()) first."
+                )
+        for e in self.by_storage.get(storage, ()):
+            if e.cached:
+                e.cached = False
+                e.value = None
+                self.stats.mutated_recomputes += 1
+                self.mark_needed(e.inputs)
+
+    def finalize(self) -> None:
+        """End of the forward: drop cached values nothing will read."""
+        self.forward_done = True
+        self.mark_needed(tuple(self.saved_storages))
+        seen: set[int] = set()
+        for entries in self.entries.values():
+            for e in entries:
+                if not e.cached:
+                    continue
+                if not e.needed and e.storages:
+                    e.geometry = tree_map(
+                        lambda w: (
+                            (w.val.shape, w.val.stride(), w.val.dtype, w.val.device)
+                            if isinstance(w, _VersionWrapper) and isinstance(w.val, torch.Tensor)
+                            else w
+                        ),
+                        e.value,
+                    )
+                    e.value = None
+                    e.dropped = True
+                    self.stats.dropped_ops += 1
+                    continue
+                for s, t in zip(e.storages, _cached_tensors(e.value)):
+                    if s not in seen:
+                        seen.add(s)
+                        nbytes = t.untyped_storage().nbytes()
+                        e.nbytes += nbytes
+                        self.stats.held_bytes += nbytes
+                        key = "+".join(e.regions) or "-"
+                        self.stats.held_by_region[key] += nbytes
+
+
+def _cached_tensors(value: Any) -> list[torch.Tensor]:
+    return [
+        w.val
+        for w in tree_leaves(value, is_leaf=lambda x: isinstance(x, _VersionWrapper))
+        if isinstance(w, _VersionWrapper) and isinstance(w.val, torch.Tensor)
+    ]
+
+
+class _CachingMode(TorchDispatchMode):
+    supports_higher_order_operators = True
+
+    def __init__(self, state: _State) -> None:
+        super().__init__()
+        self.state = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        st = self.state
+        session = _SESSION.get()
+        kept = session is not None and session.kept()
+        regions = session.open_names() if session is not None else ()
+        inputs = _tensor_storages((args, kwargs))
+        written = _written(func, args, kwargs)
+        rng = None
+        if _is_random(func) and st.preserve_rng_state:
+            rng = _rng_state((args, kwargs))
+        out = func(*args, **kwargs)
+
+        cached = kept
+        if _is_collective(func):
+            cached = False
+            st.stats.forced_collectives += 1
+        for t in written:
+            s = _storage(t)
+            if s is not None and s in st.produced:
+                st.mark_mutated(s, func, regions, t)
+                cached = False  # the write is redone on the rebuilt buffer
+        entry = _Entry(func, regions, cached, inputs=inputs, rng_state=rng)
+        out_storages = _tensor_storages(out)
+        if cached:
+            entry.value = tree_map(lambda x: _VersionWrapper(_detach_helper(x)), out)
+            entry.storages = out_storages
+            for s in out_storages:
+                st.by_storage[s].append(entry)
+            st.stats.cached_ops += 1
+        else:
+            st.mark_needed(inputs)
+            st.stats.recomputed_ops += 1
+        for s in out_storages:
+            if s not in inputs:
+                st.produced.add(s)
+        if _is_random(func) or st.random_derived.intersection(inputs):
+            st.random_derived.update(out_storages)
+            st.random_derived.update(s for s in map(_storage, written) if s is not None)
+        st.entries[func].append(entry)
+        return out
+
+
+class _CachedMode(TorchDispatchMode):
+    supports_higher_order_operators = True
+
+    def __init__(self, state: _State) -> None:
+        super().__init__()
+        self.state = state
+        self.counter: Counter = Counter()
+
+    def __enter__(self):
+        self.counter.clear()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        st = self.state
+        idx = self.counter[func]
+        self.counter[func] += 1
+        entries = st.entries.get(func, [])
+        if idx >= len(entries):
+            raise RuntimeError(
+                f"sac_compile: {func} ran during recompute but not in the forward "
+                "(the checkpointed function is not deterministic in the ops it runs)"
+            )
+        e = entries[idx]
+        if e.cached and not e.dropped:
+            return tree_map(lambda w: w.get_val(False) if isinstance(w, _VersionWrapper) else w, e.value)
+        if e.dropped:
+            return tree_map(_stand_in, e.geometry, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 4)
+        if e.rng_state is not None:
+            _set_rng_state(e.rng_state)
+        return func(*args, **kwargs)
+
+
+def _stand_in(geom: Any) -> Any:
+    if isinstance(geom, tuple) and len(geom) == 4 and isinstance(geom[2], torch.dtype):
+        shape, stride, dtype, device = geom
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return geom
+
+
+@contextlib.contextmanager
+def _chained_pack_hook(state: _State):
+    """Note what autograd saves, then hand it to the checkpoint's own pack hook."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        yield
+        return
+    outer_pack, outer_unpack = top
+
+    def pack(t: torch.Tensor):
+        s = _storage(t)
+        if s is not None:
+            state.saved_storages.add(s)
+        return outer_pack(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
+        yield
+
+
+def checkpoint_with_regions(
+    fn,
+    *args: Any,
+    keep: KeepSet,
+    preserve_rng_state: bool = True,
+    stats_out: list | None = None,
+    **kwargs: Any,
+):
+    """Run ``fn(*args, **kwargs)`` under the eager engine keeping the regions in ``keep``."""
+    state = _State(preserve_rng_state)
+
+    def context_fn():
+        return _CachingMode(state), _CachedMode(state)
+
+    def run(*a: Any, **k: Any):
+        session = EagerSession(keep)
+        s_token = _SESSION.set(session)
+        m_token = ops._MARKER_SINK.set(session.sink)
+        try:
+            if not state.forward_done:
+                with _chained_pack_hook(state):
+                    out = fn(*a, **k)
+                state.stats.regions_entered = session.entered
+                state.finalize()
+            else:
+                out = fn(*a, **k)
+            return out
+        finally:
+            ops._MARKER_SINK.reset(m_token)
+            _SESSION.reset(s_token)
+
+    out = checkpoint(
+        run,
+        *args,
+        use_reentrant=False,
+        context_fn=context_fn,
+        preserve_rng_state=preserve_rng_state,
+        **kwargs,
+    )
+    if stats_out is not None:
+        stats_out.append(state.stats)
+    return out

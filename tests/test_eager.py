@@ -1,0 +1,240 @@
+"""The eager engine: bit-identical gradients, in-place writes, RNG, collectives, memory."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+import sac_compile as sc
+from sac_compile.demo_models import Block, MoEBlock
+from sac_compile.eager import checkpoint_with_regions
+
+KEEPS = [frozenset(), frozenset({"attn"}), frozenset({"mlp"}), frozenset({"experts"}), sc.ALL_REGIONS]
+
+
+def step(module, x, mode, keep=frozenset(), seed=5, **kwargs):
+    """(output, grads, stats) of sum(module(x)).backward() under a checkpointing mode."""
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    torch.manual_seed(seed)
+    stats = []
+    if mode == "none":
+        out = module(x)
+    elif mode == "full":
+        out = checkpoint(module, x, use_reentrant=False)
+    else:
+        out = checkpoint_with_regions(module, x, keep=keep, stats_out=stats, **kwargs)
+    out.sum().backward()
+    grads = [p.grad for p in module.parameters()] + [x.grad]
+    return out.detach(), grads, (stats[0] if stats else None)
+
+
+def assert_bit_identical(a, b):
+    out_a, grads_a, _ = a
+    out_b, grads_b, _ = b
+    assert torch.equal(out_a, out_b)
+    assert len(grads_a) == len(grads_b)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        assert ga is not None and gb is not None, "every parameter's gradient is live"
+        assert torch.equal(ga, gb)
+
+
+@pytest.mark.parametrize(
+    "keep", KEEPS, ids=lambda k: "+".join(sorted(k)) if isinstance(k, frozenset) else "all"
+)
+@pytest.mark.parametrize("make", [lambda: Block(16, dropout=0.2), lambda: MoEBlock(16)], ids=["block", "moe"])
+def test_kept_equals_full_recompute_equals_no_checkpoint(make, keep):
+    torch.manual_seed(0)
+    module = make()
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    ref = step(module, x, "none")
+    assert_bit_identical(step(module, x, "full"), ref)
+    assert_bit_identical(step(module, x, "sac", keep), ref)
+
+
+def test_kept_regions_are_what_is_cached():
+    torch.manual_seed(0)
+    block = Block(16)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    _, _, attn = step(block, x, "sac", frozenset({"attn"}))
+    _, _, both = step(block, x, "sac", sc.ALL_REGIONS)
+    _, _, none = step(block, x, "sac", frozenset())
+    assert set(attn.held_by_region) == {"attn"} and attn.held_bytes > 0
+    assert set(both.held_by_region) == {"attn", "mlp"}
+    assert none.held_bytes == 0 and none.cached_ops == 0
+    assert attn.regions_entered == {"attn": 1, "mlp": 1}
+
+
+class Marked(nn.Module):
+    """Overlapping and unbalanced regions around in-place writes."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+
+    def forward(self, x):
+        a = sc.region("a")
+        b = sc.region("b")
+        a.__enter__()
+        h = torch.tanh(x @ self.w)  # a
+        b.__enter__()
+        h = h @ self.w  # a+b
+        a.__exit__()
+        h = torch.sigmoid(h)  # b
+        b.__exit__()
+        b.__exit__()  # exit without enter: harmless
+        sc.region("late").__enter__()  # never exited: open to the end
+        return (h @ self.w).cos()
+
+
+@pytest.mark.parametrize("keep", [frozenset({"a"}), frozenset({"b"}), frozenset({"late"}), sc.ALL_REGIONS])
+def test_overlapping_and_unbalanced_regions(keep):
+    torch.manual_seed(0)
+    m = Marked()
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = step(m, x, "none")
+    got = step(m, x, "sac", keep)
+    assert_bit_identical(got, ref)
+    held = set(got[2].held_by_region)
+    if keep == frozenset({"b"}):
+        assert held <= {"b", "a+b"} and held
+    if keep == frozenset({"a"}):
+        assert held <= {"a", "a+b"} and held
+
+
+class InPlace(nn.Module):
+    """zeros-then-index_add_, add_/relu_ on region-produced values, writes through views."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+
+    def forward(self, x):
+        with sc.region("r"):
+            out = torch.zeros_like(x)
+            idx = torch.tensor([0, 2, 3])
+            out.index_add_(0, idx, torch.tanh(x[idx] @ self.w))
+            h = x @ self.w
+            h.add_(1.0)
+            h.relu_()
+            buf = torch.zeros(x.shape[0], 2 * x.shape[1])
+            view = buf[:, : x.shape[1]]
+            view.copy_(h)
+            view.mul_(2)
+        return (out + buf[:, : x.shape[1]] + buf.sum()).sin()
+
+
+def test_in_place_writes_inside_a_kept_region_stay_bit_identical():
+    torch.manual_seed(0)
+    m = InPlace()
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = step(m, x, "none")
+    got = step(m, x, "sac", frozenset({"r"}))
+    assert_bit_identical(got, ref)
+    assert got[2].mutated_recomputes >= 3  # zeros_like, the x @ w product, the buffer
+
+
+def test_pytorch_sac_fails_where_the_engine_does_not():
+    """The same in-place pattern under PyTorch's own SAC caching every op it sees."""
+    torch.manual_seed(0)
+    m = InPlace()
+    x = torch.randn(4, 8, requires_grad=True)
+    cache_all = functools.partial(create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: True)
+    out = checkpoint(m, x, use_reentrant=False, context_fn=cache_all)
+    with pytest.raises(RuntimeError, match="mutated"):
+        out.sum().backward()
+
+
+def test_random_producer_written_in_place_without_rng_preservation_is_a_forward_error():
+    class M(nn.Module):
+        def forward(self, x):
+            with sc.region("drop"):
+                y = torch.nn.functional.dropout(x, 0.5)
+                y.mul_(3)
+            return y.sum()
+
+    x = torch.randn(8, requires_grad=True)
+    # red before the check existed: the forward passed and the gradients were silently wrong
+    msg = r"aten\.mul_\.Tensor writes in place .*shape \(8,\).* made by aten\.mul\.Tensor in region\(s\) drop"
+    with pytest.raises(RuntimeError, match=msg + r".*preserve_rng_state=True"):
+        checkpoint_with_regions(M(), x, keep=frozenset({"drop"}), preserve_rng_state=False)
+
+
+def test_dropout_in_kept_and_recomputed_regions_matches_no_checkpoint():
+    torch.manual_seed(0)
+    block = Block(16, dropout=0.5)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    ref = step(block, x, "none", seed=11)
+    for keep in (frozenset({"mlp"}), frozenset({"attn"})):  # dropout kept in one, recomputed in other
+        assert_bit_identical(step(block, x, "sac", keep, seed=11), ref)
+    other = step(block, x, "none", seed=12)
+    assert not torch.equal(other[0], ref[0])  # the dropout is live
+
+
+def test_marker_outside_any_scope_is_a_no_op():
+    x = torch.randn(3)
+    with sc.region("r"):
+        y = torch.exp(x)
+    assert torch.equal(y, torch.exp(x))
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_are_always_recomputed_and_counted(world_of_one):
+    import torch.distributed as dist
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            with sc.region("comm"):
+                h = x @ self.w
+                dist.all_reduce(h)  # in place, into a buffer made in the region
+                h = torch.tanh(h)
+            return h.cos()
+
+    torch.manual_seed(0)
+    m = M()
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = step(m, x, "none")
+    got = step(m, x, "sac", frozenset({"comm"}))
+    assert_bit_identical(got, ref)
+    assert got[2].forced_collectives == 1
+
+
+def _net_forward_bytes(fn) -> int:
+    """Net CPU bytes allocated by fn() and still held when it returns (profiler accounting)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        out = fn()
+    del out
+    return sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+@pytest.mark.parametrize("make", [lambda: Block(32), lambda: MoEBlock(32)], ids=["block", "moe"])
+def test_no_keep_set_retains_more_than_no_checkpoint(make):
+    torch.manual_seed(0)
+    module = make()
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    baseline = _net_forward_bytes(lambda: module(x))
+    held = {}
+    for keep in KEEPS:
+        held[str(sorted(keep)) if isinstance(keep, frozenset) else "all"] = _net_forward_bytes(
+            lambda keep=keep: checkpoint_with_regions(module, x, keep=keep)
+        )
+    assert baseline > 0
+    assert all(v <= baseline for v in held.values()), (baseline, held)
+    assert held["all"] > held["[]"]  # keeping holds something
