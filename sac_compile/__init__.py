@@ -8,6 +8,7 @@ from .inspection import PartitionReport, capture_partition
 from .keep import ALL_REGIONS
 from .markers import region
 from .records import collect_records, recent_records
+from .seam import LEGACY_ATTR, apply_selective_checkpointing
 
 __all__ = [
     # Marking regions
@@ -16,6 +17,9 @@ __all__ = [
     "ALL_REGIONS",  # keep every marked region
     "make_sac_backend",  # memoised backend for a keep set
     "sac_backend",  # Inductor backend keeping every marked region
+    # Wrapping layers (eager, per-layer compile, whole-model compile)
+    "apply_selective_checkpointing",  # one call per wrap site; see its decision table
+    "LEGACY_ATTR",  # module attribute opting into reentrant checkpointing
     # Inspecting
     "capture_partition",  # what a compiled fn saves and recomputes
     "PartitionReport",

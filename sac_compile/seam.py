@@ -1,0 +1,208 @@
+"""``apply_selective_checkpointing``: one call per wrap site, right in every mode.
+
+The module is wrapped *in place*: its class is swapped for a generated subclass
+(as ``fully_shard`` does) whose ``_call_impl`` runs the original call, hooks
+included, inside the checkpoint. The module object, its ``state_dict`` keys,
+parameters, hooks and module paths stay exactly those of the unwrapped module.
+
+Decision table (evaluated at every call):
+
+=====================================================  =========================================
+situation                                              what runs
+=====================================================  =========================================
+module sets ``sac_legacy_checkpoint = True``            reentrant ``torch.utils.checkpoint``;
+                                                       ``keep`` ignored (reported once)
+traced by an outer ``torch.compile``                   scope markers carrying this site's keep
+                                                       set; no eager checkpoint
+``compile=True`` (or a dict of compile options)        the module compiled with the memoised
+                                                       ``make_sac_backend(keep)``, one scope; no
+                                                       eager checkpoint around it
+eager, empty ``keep``                                  plain non-reentrant checkpoint (full
+                                                       recompute, behaviour-preserving)
+eager, non-empty ``keep``                              the eager engine (:mod:`sac_compile.eager`)
+=====================================================  =========================================
+
+``fully_shard`` goes outside: ``fully_shard(apply_selective_checkpointing(layer, keep))``.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from .backend import make_sac_backend
+from .eager import checkpoint_with_regions
+from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+
+__all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_wrapped"]
+
+log = logging.getLogger("sac_compile")
+
+#: Set this attribute to True on a module whose forward relies on grad-mode tricks
+#: (state that must see the original forward run exactly once, reentrantly).
+LEGACY_ATTR = "sac_legacy_checkpoint"
+
+_COMPILE_KEYS = {"fullgraph", "dynamic"}
+_BACKEND_KEYS = {"inner", "inductor_config"}
+
+
+@dataclass(frozen=True)
+class SeamConfig:
+    keep: KeepSet
+    preserve_rng_state: bool
+    compile_options: tuple[tuple[str, Any], ...] | None  # None: not compiled by the seam
+
+
+_SUBCLASSES: dict[type, type] = {}
+_legacy_reported: set[int] = set()
+
+
+def is_wrapped(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "_sac_seam", None), SeamConfig)
+
+
+def apply_selective_checkpointing(
+    module: nn.Module,
+    keep: object = (),
+    *,
+    preserve_rng_state: bool = True,
+    compile: bool | Mapping[str, Any] = False,
+) -> nn.Module:
+    """Checkpoint ``module`` keeping the regions in ``keep``; returns ``module`` itself.
+
+    Args:
+        module: the layer to checkpoint (wrapped in place; see the decision table in
+            this module's docstring).
+        keep: region names to keep (save), ``sac_compile.ALL_REGIONS``, or ``()`` for
+            full recompute.
+        preserve_rng_state: replay the RNG in the recompute (eager modes).
+        compile: ``True`` or a dict with any of ``fullgraph``, ``dynamic`` (for
+            ``torch.compile``) and ``inner``, ``inductor_config`` (for
+            ``make_sac_backend``): compile the module as one checkpoint scope.
+
+    Wrapping an already wrapped module with the same arguments returns it unchanged;
+    with different arguments it is a ``ValueError`` (never silently nested).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"apply_selective_checkpointing wraps an nn.Module, got {type(module).__name__}")
+    keep_set = normalize_keep(keep)
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
+    options = _compile_options(compile)
+    config = SeamConfig(keep_set, preserve_rng_state, options)
+    existing = getattr(module, "_sac_seam", None)
+    if existing is not None:
+        if existing == config:
+            return module
+        raise ValueError(
+            f"{type(module).__name__} is already wrapped by apply_selective_checkpointing with "
+            f"keep={format_keep(existing.keep)!r}, compile={existing.compile_options}; wrapping it again "
+            f"with keep={format_keep(keep_set)!r}, compile={options} would nest two checkpoints. "
+            "Wrap each module once."
+        )
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        raise ValueError(
+            f"{type(module).__name__} was already compiled with module.compile(); apply "
+            "apply_selective_checkpointing first (or pass compile=True to it)"
+        )
+    module._sac_seam = config
+    module.__class__ = _subclass_for(type(module))
+    if options is not None:
+        opts = dict(options)
+        backend = make_sac_backend(
+            keep_set,
+            **{k: v for k, v in opts.items() if k in _BACKEND_KEYS},
+        )
+        module.compile(backend=backend, **{k: v for k, v in opts.items() if k in _COMPILE_KEYS})
+    return module
+
+
+def _compile_options(compile: object) -> tuple[tuple[str, Any], ...] | None:
+    if compile is False:
+        return None
+    if compile is True:
+        return ()
+    if isinstance(compile, Mapping):
+        unknown = set(compile) - _COMPILE_KEYS - _BACKEND_KEYS
+        if unknown:
+            raise ValueError(
+                f"compile options {sorted(unknown)} are not understood; use "
+                f"{sorted(_COMPILE_KEYS | _BACKEND_KEYS)}"
+            )
+        items = []
+        for k, v in compile.items():
+            if k == "inductor_config":
+                v = tuple(sorted(dict(v).items()))
+            items.append((k, v))
+        return tuple(sorted(items))
+    raise TypeError(f"compile must be a bool or a dict of options, got {type(compile).__name__} {compile!r}")
+
+
+def _subclass_for(cls: type) -> type:
+    """The generated subclass of ``cls`` whose ``_call_impl`` applies the seam."""
+    if cls not in _SUBCLASSES:
+        # A fresh code object per class: Dynamo keys its cache on code objects, so
+        # distinct layer classes do not share (and exhaust) one recompile budget.
+        template = _seam_call_impl
+        code = template.__code__.replace(co_name=f"_sac_call_impl_{cls.__name__}")
+        call_impl = types.FunctionType(code, template.__globals__, code.co_name, template.__defaults__)
+        _SUBCLASSES[cls] = type(
+            f"SelectiveCheckpointed{cls.__name__}",
+            (cls,),
+            {"_call_impl": call_impl, "__module__": cls.__module__, "_sac_seam_class": True},
+        )
+    return _SUBCLASSES[cls]
+
+
+def _seam_call_impl(self, *args, **kwargs):
+    config: SeamConfig = self._sac_seam
+    # The original class's call (hooks included) is the next one after the
+    # generated class in the MRO; fully_shard may have swapped in a subclass.
+    for klass in type(self).__mro__:
+        if "_sac_seam_class" in klass.__dict__:
+            break
+    call = super(klass, self)._call_impl
+    legacy = getattr(self, LEGACY_ATTR, False) is True
+    if torch.compiler.is_compiling():
+        # Straight-line on purpose (no with-block): a graph break inside the layer
+        # must not make Dynamo fall back for the whole frame.
+        keep_text = "" if legacy else format_keep(config.keep)
+        torch.ops.sac_compile.scope_enter(0, keep_text)
+        out = call(*args, **kwargs)
+        torch.ops.sac_compile.scope_exit(0, keep_text)
+        return out
+    if legacy:
+        _report_legacy(self, config)
+        return checkpoint(
+            call, *args, use_reentrant=True, preserve_rng_state=config.preserve_rng_state, **kwargs
+        )
+    if not torch.is_grad_enabled():
+        return call(*args, **kwargs)
+    if config.keep is not ALL_REGIONS and not config.keep:
+        return checkpoint(
+            call, *args, use_reentrant=False, preserve_rng_state=config.preserve_rng_state, **kwargs
+        )
+    return checkpoint_with_regions(
+        call, *args, keep=config.keep, preserve_rng_state=config.preserve_rng_state, **kwargs
+    )
+
+
+def _report_legacy(module: nn.Module, config: SeamConfig) -> None:
+    if id(module) in _legacy_reported:
+        return
+    _legacy_reported.add(id(module))
+    if config.keep is ALL_REGIONS or config.keep:
+        log.warning(
+            "sac_compile: %s sets %s=True, so it is checkpointed reentrantly and keep=%s is ignored "
+            "(every op in it is recomputed)",
+            type(module).__name__,
+            LEGACY_ATTR,
+            format_keep(config.keep),
+        )

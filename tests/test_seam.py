@@ -1,0 +1,197 @@
+"""apply_selective_checkpointing: every decision-table row, identity, idempotence, compile."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import sac_compile as sc
+from sac_compile import seam
+from sac_compile.demo_models import Block, Stack
+
+
+@pytest.fixture
+def stack():
+    torch.manual_seed(0)
+    return Stack(4, 16)
+
+
+@pytest.fixture
+def x():
+    return torch.randn(2, 6, 16, requires_grad=True)
+
+
+def outputs_and_grads(model, x):
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    out = model(x)
+    out.sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+
+def wrap_layers(model, keep, **kwargs):
+    for layer in model.layers:
+        sc.apply_selective_checkpointing(layer, keep, **kwargs)
+    return model
+
+
+class Spy:
+    def __init__(self, monkeypatch, name):
+        self.calls = []
+        real = getattr(seam, name)
+
+        def spy(*args, **kwargs):
+            self.calls.append(kwargs)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(seam, name, spy)
+
+
+class TestDecisionTable:
+    def test_legacy_module_gets_reentrant_and_keep_is_reported(self, monkeypatch, caplog, x):
+        block = Block(16)
+        block.sac_legacy_checkpoint = True
+        sc.apply_selective_checkpointing(block, {"attn"})
+        engine = Spy(monkeypatch, "checkpoint_with_regions")
+        with caplog.at_level(logging.WARNING, logger="sac_compile"):
+            out = block(x)
+            block(x)
+        assert "CheckpointFunction" in out.grad_fn.name()  # reentrant
+        assert engine.calls == []
+        warnings = [r for r in caplog.records if "sac_legacy_checkpoint=True" in r.getMessage()]
+        assert len(warnings) == 1 and "keep=attn is ignored" in warnings[0].getMessage()
+
+    def test_traced_by_an_outer_compile_emits_scope_markers_not_a_checkpoint(self, stack, x):
+        wrap_layers(stack, {"attn"})
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+            return gm
+
+        torch.compile(stack, backend=backend, fullgraph=True)(x)
+        (targets,) = graphs
+        assert targets.count("sac_compile.scope_enter") == 4 and targets.count("sac_compile.scope_exit") == 4
+        assert not any("checkpoint" in t for t in targets)
+
+    def test_compile_true_compiles_with_the_memoised_backend(self, stack, x):
+        ref = outputs_and_grads(copy.deepcopy(stack), x)
+        wrap_layers(stack, {"attn"}, compile=True)
+        assert all(layer._compiled_call_impl is not None for layer in stack.layers)
+        with sc.collect_records() as recs:
+            out, grads = outputs_and_grads(stack, x)
+        assert "CompiledFunction" in stack.layers[-1](x).grad_fn.name()  # no eager checkpoint around it
+        (rec,) = recs  # one graph serves the four layers
+        assert [s.source for s in rec.scopes] == ["scope markers"]
+        assert rec.regions["attn"].kept and not rec.regions["mlp"].kept
+        torch.testing.assert_close(out, ref[0])
+        for g, r in zip(grads, ref[1], strict=True):
+            torch.testing.assert_close(g, r)
+
+    def test_eager_empty_keep_is_plain_non_reentrant_checkpoint(self, monkeypatch, stack, x):
+        ref = outputs_and_grads(copy.deepcopy(stack), x)
+        wrap_layers(stack, ())
+        engine = Spy(monkeypatch, "checkpoint_with_regions")
+        plain = Spy(monkeypatch, "checkpoint")
+        got = outputs_and_grads(stack, x)
+        assert engine.calls == [] and len(plain.calls) == 4
+        assert all(c["use_reentrant"] is False for c in plain.calls)
+        assert torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+
+    @pytest.mark.parametrize("keep", [{"attn"}, {"mlp"}, sc.ALL_REGIONS], ids=["attn", "mlp", "all"])
+    def test_eager_keep_runs_the_engine_bit_identically(self, monkeypatch, stack, x, keep):
+        ref = outputs_and_grads(copy.deepcopy(stack), x)
+        wrap_layers(stack, keep)
+        engine = Spy(monkeypatch, "checkpoint_with_regions")
+        got = outputs_and_grads(stack, x)
+        assert len(engine.calls) == 4
+        assert torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+
+    def test_no_grad_runs_the_module_plainly(self, monkeypatch, stack, x):
+        wrap_layers(stack, {"attn"})
+        engine = Spy(monkeypatch, "checkpoint_with_regions")
+        plain = Spy(monkeypatch, "checkpoint")
+        with torch.no_grad():
+            stack(x)
+        assert engine.calls == [] and plain.calls == []
+
+
+class TestIdentity:
+    def test_state_dict_parameters_and_paths_are_unchanged(self, stack):
+        keys = list(stack.state_dict())
+        names = [n for n, _ in stack.named_modules()]
+        params = [id(p) for p in stack.parameters()]
+        wrap_layers(stack, {"attn"})
+        assert list(stack.state_dict()) == keys
+        assert [n for n, _ in stack.named_modules()] == names
+        assert [id(p) for p in stack.parameters()] == params
+        assert isinstance(stack.layers[0], Block)
+
+    def test_state_dict_round_trips_between_wrapped_and_unwrapped(self, stack, x):
+        wrapped = wrap_layers(copy.deepcopy(stack), {"attn"})
+        for p in wrapped.parameters():
+            p.data.add_(0.5)
+        stack.load_state_dict(wrapped.state_dict())
+        torch.testing.assert_close(stack(x), wrapped(x))
+        fresh = wrap_layers(Stack(4, 16), ())
+        fresh.load_state_dict(stack.state_dict())
+        torch.testing.assert_close(fresh(x), stack(x))
+
+    def test_hooks_run_inside_the_checkpoint(self, x):
+        block = Block(16)
+        calls = []
+        block.register_forward_pre_hook(lambda m, a: calls.append(torch.is_grad_enabled()))
+        sc.apply_selective_checkpointing(block, ())
+        block(x).sum().backward()
+        assert len(calls) == 2  # forward, and again in the recompute
+
+    def test_wrapping_twice_is_idempotent_or_rejected(self):
+        block = Block(16)
+        assert sc.apply_selective_checkpointing(block, {"attn"}) is block
+        cls = type(block)
+        assert sc.apply_selective_checkpointing(block, ["attn"]) is block
+        assert type(block) is cls
+        with pytest.raises(ValueError, match="already wrapped .* keep='attn'.*would nest two checkpoints"):
+            sc.apply_selective_checkpointing(block, {"mlp"})
+
+    def test_bad_arguments(self):
+        with pytest.raises(TypeError, match="wraps an nn.Module"):
+            sc.apply_selective_checkpointing(lambda x: x, ())
+        with pytest.raises(TypeError, match="compile must be a bool or a dict"):
+            sc.apply_selective_checkpointing(Block(16), (), compile="yes")
+        with pytest.raises(ValueError, match=r"compile options \['mode'\] are not understood"):
+            sc.apply_selective_checkpointing(Block(16), (), compile={"mode": "max-autotune"})
+        with pytest.raises(TypeError, match="keep=None is ambiguous"):
+            sc.apply_selective_checkpointing(Block(16), None)
+
+
+class TestCompiled:
+    def test_twelve_wrapped_layers_with_compile_true_all_compile(self, x):
+        torch.manual_seed(0)
+        layers = [sc.apply_selective_checkpointing(Block(16), {"attn"}, compile=True) for _ in range(12)]
+        packed = []
+        with sc.collect_records() as recs:
+            for layer in layers:
+                count = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t) or t, lambda t: t):
+                    out = layer(x)
+                out.sum().backward()
+                packed.append(len(count))
+        assert len([r for r in recs if r.is_training]) == 1
+        assert packed == [packed[0]] * 12
+        eager = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: eager.append(t) or t, lambda t: t):
+            Block(16)(x)
+        assert packed[0] < len(eager)
+
+    def test_whole_model_compile_saves_the_layer_boundaries(self, stack, x):
+        wrap_layers(stack, {"attn"})
+        report = sc.capture_partition(stack, x, backend=sc.sac_backend)
+        (graph,) = report.graphs
+        assert [s.source for s in graph.record.scopes] == ["scope markers"] * 4
+        boundaries = [v for v in graph.saved if v.op == "aten.add" and v.region == "-"]
+        assert len(boundaries) == 3  # the outputs of layers 1-3 feed layers 2-4
+        assert {v.region for v in graph.saved if not v.is_input} == {"attn", "-"}
+        # the whole forward is not recomputed at once: each layer's attention is kept
+        assert sum(1 for v in graph.saved if v.region == "attn") == 8
