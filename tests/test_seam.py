@@ -174,7 +174,9 @@ class TestCompiled:
         with sc.collect_records() as recs:
             for layer in layers:
                 count = []
-                with torch.autograd.graph.saved_tensors_hooks(lambda t, c=count: c.append(t) or t, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t, c=count: c.append(t) or t, lambda t: t
+                ):
                     out = layer(x)
                 out.sum().backward()
                 packed.append(len(count))
