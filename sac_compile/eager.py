@@ -12,6 +12,8 @@ Forward (caching mode), per op, in program order:
 * otherwise it is recomputed in the backward;
 * ``c10d`` / ``_c10d_functional`` ops are always recomputed (counted): their
   destination buffer may have been allocated outside the region;
+* ``out=`` variants are re-run rather than served (their buffer may be new in
+  the recompute); they are not in-place writes in the sense below;
 * an in-place write (``alias_info.is_write`` on a non-``out`` argument) into a
   value produced in this scope marks every cached value on that storage for
   recompute, with the write: the recompute then rebuilds the buffer and writes
@@ -143,6 +145,20 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written
 
 
+def _has_out_args(func: Any, args: tuple, kwargs: dict) -> bool:
+    """An ``out=`` variant: it writes its result into a caller's buffer.
+
+    Never served from the cache: in the recompute the buffer may be a new one
+    (Inductor's extern kernels allocate theirs), which only re-running fills.
+    """
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return False
+    return any(a.is_out and (a.name in kwargs) for a in schema.arguments) or any(
+        a.is_out and i < len(args) for i, a in enumerate(schema.arguments)
+    )
+
+
 def _is_collective(func: Any) -> bool:
     return getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES
 
@@ -216,6 +232,12 @@ class _State:
         seen: set[int] = set()
         for entries in self.entries.values():
             for e in entries:
+                if e.cached:
+                    e.rng_state = None  # served from the cache: its RNG state is never replayed
+                elif e.rng_state is not None:
+                    nbytes = sum(t.numel() * t.element_size() for _, t in e.rng_state)
+                    self.stats.held_bytes += nbytes
+                    self.stats.held_by_region["rng"] += nbytes
                 if not e.cached:
                     continue
                 if not e.needed and e.storages:
@@ -271,7 +293,7 @@ class _CachingMode(TorchDispatchMode):
             rng = _rng_state((args, kwargs))
         out = func(*args, **kwargs)
 
-        cached = kept
+        cached = kept and not _has_out_args(func, args, kwargs)
         if _is_collective(func):
             cached = False
             st.stats.forced_collectives += 1

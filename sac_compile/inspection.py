@@ -23,6 +23,7 @@ __all__ = ["GraphPartition", "PartitionReport", "SavedValue", "capture_partition
 
 INPUT = "input"
 PARAM = "param"
+RNG = "rng"
 NO_REGION = "-"
 
 
@@ -106,7 +107,7 @@ class PartitionReport:
         """Region names that own at least one saved activation."""
         names: set[str] = set()
         for v in self.saved:
-            if not v.is_input and v.region != NO_REGION:
+            if not v.is_input and v.region not in (NO_REGION, RNG):
                 names.update(v.region.split("+"))
         return names
 
@@ -245,6 +246,8 @@ def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition |
             regions = regions_of(name)
             if base in fw_inputs:
                 region = PARAM if _is_param(base, unit.input_is_param) else INPUT
+            elif name.startswith("rng_state_output"):
+                region = RNG  # AOTAutograd's saved RNG state for a recomputed random op
             else:
                 region = "+".join(regions) if regions else NO_REGION
             scope = None

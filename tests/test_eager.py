@@ -136,6 +136,26 @@ def test_in_place_writes_inside_a_kept_region_stay_bit_identical():
     assert got[2].mutated_recomputes >= 3  # zeros_like, the x @ w product, the buffer
 
 
+def test_out_variants_in_a_kept_region_are_rerun_into_their_buffer():
+    """Red before: mm.out served from the cache left the recompute's new buffer unfilled."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            buf = torch.empty(x.shape[0], 8)  # outside the region: a new buffer in the recompute
+            with sc.region("r"):
+                torch.mm(x.detach().tanh(), self.w.detach(), out=buf)  # no autograd for out=
+            return (x * buf).sum(dim=1) + (x @ self.w).sum(dim=1)
+
+    torch.manual_seed(0)
+    m = M()
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_bit_identical(step(m, x, "sac", frozenset({"r"})), step(m, x, "none"))
+
+
 def test_pytorch_sac_fails_where_the_engine_does_not():
     """The same in-place pattern under PyTorch's own SAC caching every op it sees."""
     torch.manual_seed(0)

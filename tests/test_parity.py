@@ -1,0 +1,21 @@
+"""Eager and compiled SAC keep the same regions; compiled never holds more."""
+
+import pytest
+import torch
+
+import sac_compile as sc
+from sac_compile.demo_models import Block
+from sac_compile.parity import parity_report
+
+
+@pytest.mark.parametrize("keep", [(), {"attn"}, {"mlp"}, sc.ALL_REGIONS], ids=["none", "attn", "mlp", "all"])
+def test_same_regions_saved_and_compiled_holds_no_more(keep):
+    torch.manual_seed(0)
+    block = Block(32, heads=4)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    report = parity_report(block, x, keep=keep)
+    print(report.format())
+    expected = set() if keep == () else ({"attn", "mlp"} if keep is sc.ALL_REGIONS else set(keep))
+    assert report.saved_regions("eager") == report.saved_regions("compiled") == expected
+    assert report.compiled_bytes <= report.eager_bytes
+    assert report.eager["input"] == report.compiled["input"] == x.numel() * 4
