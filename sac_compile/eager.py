@@ -12,8 +12,8 @@ Forward (caching mode), per op, in program order:
 * otherwise it is recomputed in the backward;
 * ``c10d`` / ``_c10d_functional`` ops are always recomputed (counted): their
   destination buffer may have been allocated outside the region;
-* ``out=`` variants are re-run rather than served (their buffer may be new in
-  the recompute); they are not in-place writes in the sense below;
+* ``out=`` variants, and ops run with grad disabled (compiled code's forward),
+  are re-run rather than served: their buffers may be new in the recompute;
 * an in-place write (``alias_info.is_write`` on a non-``out`` argument) into a
   value produced in this scope marks every cached value on that storage for
   recompute, with the write: the recompute then rebuilds the buffer and writes
@@ -293,7 +293,10 @@ class _CachingMode(TorchDispatchMode):
             rng = _rng_state((args, kwargs))
         out = func(*args, **kwargs)
 
-        cached = kept and not _has_out_args(func, args, kwargs)
+        # Ops run with grad disabled are re-run, not served: compiled code running
+        # here (its forward runs under no_grad) allocates, reuses and fills its own
+        # buffers with kernels this mode never sees.
+        cached = kept and torch.is_grad_enabled() and not _has_out_args(func, args, kwargs)
         if _is_collective(func):
             cached = False
             st.stats.forced_collectives += 1

@@ -62,6 +62,7 @@ class SeamConfig:
 
 _SUBCLASSES: dict[type, type] = {}
 _legacy_reported: set[int] = set()
+_compiled_reported: set[int] = set()
 
 
 def is_wrapped(module: nn.Module) -> bool:
@@ -178,6 +179,7 @@ def _seam_call_impl(self, *args, **kwargs):
         out = call(*args, **kwargs)
         torch.ops.sac_compile.scope_exit(0, keep_text)
         return out
+    _report_compiled_inside(self)
     if legacy:
         _report_legacy(self, config)
         return checkpoint(
@@ -192,6 +194,26 @@ def _seam_call_impl(self, *args, **kwargs):
     return checkpoint_with_regions(
         call, *args, keep=config.keep, preserve_rng_state=config.preserve_rng_state, **kwargs
     )
+
+
+def _report_compiled_inside(module: nn.Module) -> None:
+    """A compiled submodule inside this eager checkpoint: its saved tensors are discarded."""
+    if id(module) in _compiled_reported:
+        return
+    _compiled_reported.add(id(module))
+    compiled = [
+        name or type(module).__name__
+        for name, sub in module.named_modules()
+        if getattr(sub, "_compiled_call_impl", None) is not None
+    ]
+    if compiled:
+        log.warning(
+            "sac_compile: %s is checkpointed eagerly but contains compiled code (%s): the compiled "
+            "graph's saved tensors are discarded and it is recomputed whole in the backward. Pass "
+            "compile=True to apply_selective_checkpointing instead, or compile the whole model.",
+            type(module).__name__,
+            ", ".join(compiled),
+        )
 
 
 def _report_legacy(module: nn.Module, config: SeamConfig) -> None:

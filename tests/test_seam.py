@@ -108,6 +108,24 @@ class TestDecisionTable:
         assert len(engine.calls) == 4
         assert torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
 
+    def test_compiled_code_inside_the_eager_engine_is_reported_and_correct(self, caplog, x):
+        torch.manual_seed(0)
+        block = Block(16)
+        block.attn.compile()
+        ref_out = block(x)
+        ref = torch.autograd.grad(ref_out.sum(), [x, *block.parameters()])
+        sc.apply_selective_checkpointing(block, {"attn", "mlp"})
+        with caplog.at_level(logging.WARNING, logger="sac_compile"):
+            out = block(x)
+            got = torch.autograd.grad(out.sum(), [x, *block.parameters()])
+            block(x)
+        # red before the report existed: nothing was logged
+        msgs = [r.getMessage() for r in caplog.records if "contains compiled code (attn)" in r.getMessage()]
+        assert len(msgs) == 1 and "compile=True" in msgs[0]
+        torch.testing.assert_close(out, ref_out)
+        for g, r in zip(got, ref, strict=True):
+            torch.testing.assert_close(g, r)
+
     def test_no_grad_runs_the_module_plainly(self, monkeypatch, stack, x):
         wrap_layers(stack, {"attn"})
         engine = Spy(monkeypatch, "checkpoint_with_regions")
