@@ -37,6 +37,7 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/saved_memory.py
+	$(PY) benchmarks/eager_vs_compiled.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
