@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import _detach_helper, _VersionWrapper, checkpoint
@@ -120,6 +121,35 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
+class _StorageSet:
+    """Storages by address, ignoring addresses whose storage has since been freed.
+
+    A freed storage's address is soon reused by a new tensor; weak references
+    tell the two apart.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[int, StorageWeakRef] = {}
+
+    def add_tensor(self, t: torch.Tensor) -> None:
+        try:
+            ref = StorageWeakRef(t.untyped_storage())
+        except (NotImplementedError, RuntimeError):
+            return
+        self._refs[ref.cdata] = ref
+
+    def __contains__(self, cdata: object) -> bool:
+        ref = self._refs.get(cdata)  # type: ignore[arg-type]
+        return ref is not None and not ref.expired()
+
+    def live(self) -> tuple[int, ...]:
+        return tuple(c for c, r in self._refs.items() if not r.expired())
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
 def _tensor_storages(tree: Any) -> tuple[int, ...]:
     out = []
     for t in tree_leaves(tree):
@@ -191,13 +221,14 @@ class _State:
         self.preserve_rng_state = preserve_rng_state
         self.entries: dict[Any, list[_Entry]] = defaultdict(list)
         self.by_storage: dict[int, list[_Entry]] = defaultdict(list)
-        self.produced: set[int] = set()  # storages created by ops in this scope
+        self.produced = _StorageSet()  # storages created by ops in this scope
         self.mutated: set[int] = set()
-        self.saved_storages: set[int] = set()  # what autograd saved for backward
+        self.saved_storages = _StorageSet()  # what autograd saved for backward
         self.stats = EngineStats()
         self.forward_done = False
+        self.stand_ins = _StorageSet()  # dropped entries' stand-ins (recompute)
         # storages holding random numbers or values computed from them
-        self.random_derived: set[int] = set()
+        self.random_derived = _StorageSet()
 
     # -- forward bookkeeping --------------------------------------------------
     def mark_needed(self, storages: tuple[int, ...]) -> None:
@@ -228,7 +259,7 @@ class _State:
     def finalize(self) -> None:
         """End of the forward: drop cached values nothing will read."""
         self.forward_done = True
-        self.mark_needed(tuple(self.saved_storages))
+        self.mark_needed(self.saved_storages.live())
         seen: set[int] = set()
         for entries in self.entries.values():
             for e in entries:
@@ -316,12 +347,12 @@ class _CachingMode(TorchDispatchMode):
         else:
             st.mark_needed(inputs)
             st.stats.recomputed_ops += 1
-        for s in out_storages:
-            if s not in inputs:
-                st.produced.add(s)
-        if _is_random(func) or st.random_derived.intersection(inputs):
-            st.random_derived.update(out_storages)
-            st.random_derived.update(s for s in map(_storage, written) if s is not None)
+        for t in _tensors(out):
+            if _storage(t) not in inputs:
+                st.produced.add_tensor(t)
+        if _is_random(func) or any(s in st.random_derived for s in inputs):
+            for t in _tensors(out) + written:
+                st.random_derived.add_tensor(t)
         st.entries[func].append(entry)
         return out
 
@@ -355,7 +386,15 @@ class _CachedMode(TorchDispatchMode):
         if e.cached and not e.dropped:
             return tree_map(lambda w: w.get_val(False) if isinstance(w, _VersionWrapper) else w, e.value)
         if e.dropped:
-            return tree_map(_stand_in, e.geometry, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 4)
+            out = tree_map(_stand_in, e.geometry, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 4)
+            for t in _tensors(out):
+                st.stand_ins.add_tensor(t)
+            return out
+        if any(s in st.stand_ins for s in _tensor_storages((args, kwargs))):
+            raise AssertionError(
+                f"sac_compile internal error: {func} would read a dropped cache entry during recompute; "
+                "please report this with the model"
+            )
         if e.rng_state is not None:
             _set_rng_state(e.rng_state)
         return func(*args, **kwargs)
@@ -378,9 +417,7 @@ def _chained_pack_hook(state: _State):
     outer_pack, outer_unpack = top
 
     def pack(t: torch.Tensor):
-        s = _storage(t)
-        if s is not None:
-            state.saved_storages.add(s)
+        state.saved_storages.add_tensor(t)
         return outer_pack(t)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):

@@ -194,6 +194,29 @@ def test_dropout_in_kept_and_recomputed_regions_matches_no_checkpoint():
     assert not torch.equal(other[0], ref[0])  # the dropout is live
 
 
+def test_cached_values_nothing_reads_are_dropped():
+    """mm -> add -> mul kept: autograd saves none of their outputs, only the last is read."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            with sc.region("r"):
+                c = ((x @ self.w) + 1) * 2
+            return c.sin()
+
+    torch.manual_seed(0)
+    m = M()
+    x = torch.randn(4, 8, requires_grad=True)
+    got = step(m, x, "sac", frozenset({"r"}))
+    assert_bit_identical(got, step(m, x, "none"))
+    stats = got[2]
+    assert stats.cached_ops == 3 and stats.dropped_ops == 2
+    assert stats.held_bytes == 4 * 8 * 4  # only c, which sin's backward reads
+
+
 def test_marker_outside_any_scope_is_a_no_op():
     x = torch.randn(3)
     with sc.region("r"):
