@@ -14,3 +14,15 @@ def _fresh_compile_state():
     with torch.compiler.config.patch(force_disable_caches=True):
         yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A single-process gloo group (file:// rendezvous), for collectives in one process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

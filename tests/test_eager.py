@@ -224,17 +224,6 @@ def test_marker_outside_any_scope_is_a_no_op():
     assert torch.equal(y, torch.exp(x))
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def test_collectives_are_always_recomputed_and_counted(world_of_one):
     import torch.distributed as dist
 

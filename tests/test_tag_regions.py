@@ -282,17 +282,6 @@ def test_upstream_nested_compile_region_inductor_gradients():
         torch.testing.assert_close(g, r)
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_functional_collective_in_a_kept_region_is_not_recommunicated(world_of_one, inner):
     """wait_tensor follows its all_reduce: kept, the backward does not communicate again."""
