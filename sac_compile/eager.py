@@ -22,10 +22,19 @@ Forward (caching mode), per op, in program order:
 * a random op that is recomputed remembers the RNG state it ran with, so the
   recompute draws the same numbers even when earlier random ops are cached.
 
-Memory: when the forward ends, cached values that neither autograd saved for
-backward nor a recomputed op reads are dropped (the recompute gets an
-uninitialised stand-in of the same geometry, which nothing reads). Keeping
-regions therefore never holds more than running without checkpointing.
+Memory: when the forward ends, cached floating-point values that neither
+autograd saved for backward nor a recomputed op reads are dropped (the
+recompute gets an uninitialised stand-in of the same geometry, which nothing
+reads; integer results are kept, since Python may read them without an op).
+What remains is what the backward or the recompute reads. The exception to
+"never more than no checkpoint": a kept value read only by a recomputed op
+(which saves nothing of it) is held to feed the recompute, and all outputs of a
+multi-output op are held when one of them is read.
+
+A kept in-place write into a tensor from outside the scope (a buffer, an
+input) happens once: the recompute hands back the written argument without
+writing again. If a recomputed op read that tensor earlier, the recompute would
+see the written value: that is a forward-time error.
 
 Relies on ``torch.utils.checkpoint`` internals: ``_VersionWrapper`` and
 ``_detach_helper`` (version-checked detached aliases), and on
@@ -54,6 +63,7 @@ __all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions"]
 
 _IGNORED = {torch.ops.aten.detach.default, torch.ops.prim.device.default} | set(ops.MARKER_OPS)
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+_LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 
 
 class EagerSession:
@@ -98,6 +108,7 @@ class _Entry:
     geometry: Any = None  # tree of (shape, stride, dtype, device) when dropped
     rng_state: Any = None
     nbytes: int = 0
+    served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
 
 
 @dataclass
@@ -175,6 +186,37 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written
 
 
+def _out_written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors an ``out=`` variant writes into."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.is_out:
+            value = kwargs.get(arg.name, args[i] if i < len(args) else None)
+            written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return written
+
+
+def _serve_written(func: Any, written_index: int | str):
+    """For a kept in-place write into an outside tensor: return that argument in the recompute.
+
+    Only for ops whose single return aliases the written argument (``add_``,
+    ``mul_``, ``copy_`` ...) or that return nothing; others are re-run.
+    """
+    schema = func._schema
+    rets = schema.returns
+    if len(rets) == 0:
+        return lambda args, kwargs: None
+    arg = next(a for i, a in enumerate(schema.arguments) if i == written_index or a.name == written_index)
+    if len(rets) == 1 and rets[0].alias_info is not None and arg.alias_info is not None:
+        if set(rets[0].alias_info.before_set) == set(arg.alias_info.before_set):
+            index = schema.arguments.index(arg)
+            return lambda args, kwargs: kwargs[arg.name] if arg.name in kwargs else args[index]
+    return None
+
+
 def _has_out_args(func: Any, args: tuple, kwargs: dict) -> bool:
     """An ``out=`` variant: it writes its result into a caller's buffer.
 
@@ -198,6 +240,10 @@ def _is_random(func: Any) -> bool:
 
 
 def _rng_state(tree: Any) -> tuple:
+    """The RNG state a random op will draw from: an explicit generator's, else the defaults'."""
+    generators = [g for g in tree_leaves(tree) if isinstance(g, torch.Generator)]
+    if generators:
+        return tuple((g, g.get_state()) for g in generators)
     devices = {t.device for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
     state = [("cpu", torch.get_rng_state())]
     for dev in devices:
@@ -208,7 +254,9 @@ def _rng_state(tree: Any) -> tuple:
 
 def _set_rng_state(state: tuple) -> None:
     for dev, s in state:
-        if dev == "cpu":
+        if isinstance(dev, torch.Generator):
+            dev.set_state(s)
+        elif dev == "cpu":
             torch.set_rng_state(s)
         else:
             torch.cuda.set_rng_state(s, dev)
@@ -227,6 +275,7 @@ class _State:
         self.stats = EngineStats()
         self.forward_done = False
         self.stand_ins = _StorageSet()  # dropped entries' stand-ins (recompute)
+        self.read_by_recomputed = _StorageSet()  # tensors recomputed ops read
         # storages holding random numbers or values computed from them
         self.random_derived = _StorageSet()
 
@@ -271,7 +320,9 @@ class _State:
                     self.stats.held_by_region["rng"] += nbytes
                 if not e.cached:
                     continue
-                if not e.needed and e.storages:
+                # Only floating-point values are dropped: Python can read integer
+                # results (indices) without an aten op (.tolist()), which we cannot see.
+                if not e.needed and e.storages and all(t.is_floating_point() or t.is_complex() for t in _cached_tensors(e.value)):
                     e.geometry = tree_map(
                         lambda w: (
                             (w.val.shape, w.val.stride(), w.val.dtype, w.val.device)
@@ -300,6 +351,26 @@ def _cached_tensors(value: Any) -> list[torch.Tensor]:
         for w in tree_leaves(value, is_leaf=lambda x: isinstance(x, _VersionWrapper))
         if isinstance(w, _VersionWrapper) and isinstance(w.val, torch.Tensor)
     ]
+
+
+def _kept_external_write(st: _State, func: Any, regions: tuple[str, ...], writes: list) -> Any:
+    """Decide how the recompute treats a kept in-place write into a tensor from outside the scope."""
+    for s, t in writes:
+        if s in st.read_by_recomputed:
+            raise RuntimeError(
+                f"sac_compile: {func} writes in place, in kept region(s) {'+'.join(regions)}, into a tensor "
+                f"of shape {tuple(t.shape)} ({t.dtype}) from outside the checkpoint that a recomputed op read "
+                "earlier; the recompute would read the written value. Move the write out of the kept "
+                "region, or keep the earlier reader too."
+            )
+    schema = func._schema
+    index = next(
+        (i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write),
+        None,
+    )
+    if index is None:
+        return None
+    return _serve_written(func, index)
 
 
 class _CachingMode(TorchDispatchMode):
@@ -331,14 +402,26 @@ class _CachingMode(TorchDispatchMode):
         if _is_collective(func):
             cached = False
             st.stats.forced_collectives += 1
+        external_writes = []
         for t in written:
             s = _storage(t)
             if s is not None and s in st.produced:
                 st.mark_mutated(s, func, regions, t)
                 cached = False  # the write is redone on the rebuilt buffer
+            elif s is not None:
+                external_writes.append((s, t))
+        for t in _out_written(func, args, kwargs):
+            s = _storage(t)
+            if s is not None and s in st.produced:
+                st.mark_mutated(s, func, regions, t)
         entry = _Entry(func, regions, cached, inputs=inputs, rng_state=rng)
+        if external_writes and cached:
+            entry.served_write = _kept_external_write(st, func, regions, external_writes)
+            cached = entry.cached = entry.served_write is None and cached
         out_storages = _tensor_storages(out)
-        if cached:
+        if entry.served_write is not None:
+            st.stats.cached_ops += 1
+        elif cached:
             entry.value = tree_map(lambda x: _VersionWrapper(_detach_helper(x)), out)
             entry.storages = out_storages
             for s in out_storages:
@@ -346,9 +429,12 @@ class _CachingMode(TorchDispatchMode):
             st.stats.cached_ops += 1
         else:
             st.mark_needed(inputs)
+            for t in _tensors((args, kwargs)):
+                st.read_by_recomputed.add_tensor(t)
             st.stats.recomputed_ops += 1
         for t in _tensors(out):
-            if _storage(t) not in inputs:
+            # lift_fresh returns its input: a torch.tensor(...) literal made in the scope
+            if _storage(t) not in inputs or func in _LIFT_FRESH:
                 st.produced.add_tensor(t)
         if _is_random(func) or any(s in st.random_derived for s in inputs):
             for t in _tensors(out) + written:
@@ -383,8 +469,15 @@ class _CachedMode(TorchDispatchMode):
                 "(the checkpointed function is not deterministic in the ops it runs)"
             )
         e = entries[idx]
+        if e.served_write is not None:
+            # a kept write into a tensor from outside the scope: it happened once, in
+            # the forward; hand back the written argument without writing again
+            return e.served_write(args, kwargs)
         if e.cached and not e.dropped:
-            return tree_map(lambda w: w.get_val(False) if isinstance(w, _VersionWrapper) else w, e.value)
+            # a fresh alias per recompute: autograd attaches view metadata to what it gets
+            return tree_map(
+                lambda w: _detach_helper(w.get_val(False)) if isinstance(w, _VersionWrapper) else w, e.value
+            )
         if e.dropped:
             out = tree_map(_stand_in, e.geometry, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 4)
             for t in _tensors(out):

@@ -271,3 +271,104 @@ def test_no_keep_set_retains_more_than_no_checkpoint(make):
     assert baseline > 0
     assert all(v <= baseline for v in held.values()), (baseline, held)
     assert held["all"] > held["[]"]  # keeping holds something
+
+
+# Cases found in review (each was wrong or crashed before its fix): functions of one
+# input, compared bit for bit with a plain run.
+class _Buffered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("buf", torch.arange(4.0))
+
+    def forward(self, x):
+        with sc.region("r"):
+            self.buf.add_(1.0)  # kept write into a buffer: happens once, served in the recompute
+            self.buf.mul_(2.0)
+        return (x * self.buf).sin()
+
+
+def _out_write_into_cached(x):
+    with sc.region("r"):
+        a = x.exp()
+    h = (x + a.detach()).sin()
+    torch.mul(x.detach(), 3.0, out=a.detach())  # out= into a kept, scope-produced value
+    return h + (x * a.detach()).cos()
+
+
+def _literal_written(x):
+    m = torch.tensor([1.0, 2.0, 3.0, 4.0])  # reaches the engine as lift_fresh
+    with sc.region("r"):
+        m.mul_(2)
+    return (x + m).sin()
+
+
+def _indices_read_by_python(x):
+    with sc.region("r"):
+        order = torch.argsort(x.detach())
+    rows = order.tolist()  # no aten op reads it: it must not be dropped
+    return x[rows[:3]].sin()
+
+
+_GEN = torch.Generator()
+
+
+def _own_generator(x):
+    _GEN.manual_seed(7)
+    with sc.region("r"):
+        kept = torch.rand(4, generator=_GEN)  # cached: does not draw in the recompute
+    n = torch.rand(4, generator=_GEN)  # recomputed: must replay its generator state
+    return (x * n * kept).sin()
+
+
+@pytest.mark.parametrize(
+    "make_fn",
+    [
+        _Buffered,
+        lambda: _out_write_into_cached,
+        lambda: _literal_written,
+        lambda: _indices_read_by_python,
+        lambda: _own_generator,
+    ],
+    ids=["kept-buffer-writes", "out-into-cached", "literal-written", "indices-tolist", "own-generator"],
+)
+def test_review_cases_are_bit_identical(make_fn):
+    outs = []
+    for mode in ("none", "sac"):
+        torch.manual_seed(1)
+        fn = make_fn()
+        x = torch.randn(4, requires_grad=True)
+        out = fn(x) if mode == "none" else checkpoint_with_regions(fn, x, keep=frozenset({"r"}))
+        out.sum().backward()
+        outs.append((out.detach(), x.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_kept_write_into_an_outside_tensor_read_earlier_is_a_forward_error():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("buf", torch.arange(4.0))
+
+        def forward(self, x):
+            h = (x + self.buf).sin()  # recomputed: would read the written buffer
+            with sc.region("r"):
+                self.buf.add_(1.0)
+            return h
+
+    with pytest.raises(
+        RuntimeError, match=r"aten\.add_\.Tensor writes in place, in kept region\(s\) r.*read earlier"
+    ):
+        checkpoint_with_regions(M(), torch.randn(4, requires_grad=True), keep=frozenset({"r"}))
+
+
+def test_backward_twice_with_retain_graph():
+    def fn(x):
+        with sc.region("r"):
+            b = (x * 3).view(16)
+        return b.sin()
+
+    x = torch.randn(4, 4, requires_grad=True)
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}))
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * 3 * torch.cos(3 * x))
