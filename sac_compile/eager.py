@@ -322,7 +322,11 @@ class _State:
                     continue
                 # Only floating-point values are dropped: Python can read integer
                 # results (indices) without an aten op (.tolist()), which we cannot see.
-                if not e.needed and e.storages and all(t.is_floating_point() or t.is_complex() for t in _cached_tensors(e.value)):
+                if (
+                    not e.needed
+                    and e.storages
+                    and all(t.is_floating_point() or t.is_complex() for t in _cached_tensors(e.value))
+                ):
                     e.geometry = tree_map(
                         lambda w: (
                             (w.val.shape, w.val.stride(), w.val.dtype, w.val.device)
