@@ -26,10 +26,10 @@ Memory: when the forward ends, cached floating-point values that neither
 autograd saved for backward nor a recomputed op reads are dropped (the
 recompute gets an uninitialised stand-in of the same geometry, which nothing
 reads; integer results are kept, since Python may read them without an op).
-What remains is what the backward or the recompute reads. The exception to
-"never more than no checkpoint": a kept value read only by a recomputed op
-(which saves nothing of it) is held to feed the recompute, and all outputs of a
-multi-output op are held when one of them is read.
+Dropping is per output (an unread output of a multi-output op goes, the read
+one stays). What remains is what the backward or the recompute reads. The
+exception to "never more than no checkpoint": a kept value read only by a
+recomputed op (which saves nothing of it) is held to feed the recompute.
 
 A kept in-place write into a tensor from outside the scope (a buffer, an
 input) happens once: the recompute hands back the written argument without
@@ -103,9 +103,7 @@ class _Entry:
     value: Any = None  # tree of _VersionWrapper when cached
     storages: tuple[int, ...] = ()
     inputs: tuple[int, ...] = ()
-    needed: bool = False
-    dropped: bool = False
-    geometry: Any = None  # tree of (shape, stride, dtype, device) when dropped
+    dropped: bool = False  # every output dropped (the recompute gets stand-ins)
     rng_state: Any = None
     nbytes: int = 0
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
@@ -275,15 +273,21 @@ class _State:
         self.stats = EngineStats()
         self.forward_done = False
         self.stand_ins = _StorageSet()  # dropped entries' stand-ins (recompute)
+        self.needed_storages: set[int] = set()  # read by autograd or by a recomputed op
         self.read_by_recomputed = _StorageSet()  # tensors recomputed ops read
         # storages holding random numbers or values computed from them
         self.random_derived = _StorageSet()
 
     # -- forward bookkeeping --------------------------------------------------
     def mark_needed(self, storages: tuple[int, ...]) -> None:
-        for s in storages:
-            for e in self.by_storage.get(s, ()):
-                e.needed = True
+        self.needed_storages.update(storages)
+
+    def _keep_or_drop(self, leaf: Any) -> Any:
+        if isinstance(leaf, _VersionWrapper) and isinstance(leaf.val, torch.Tensor):
+            t = leaf.val
+            if _storage(t) not in self.needed_storages and (t.is_floating_point() or t.is_complex()):
+                return _Geometry(t)
+        return leaf
 
     def mark_mutated(self, storage: int, func: Any, regions: tuple[str, ...], target: torch.Tensor) -> None:
         """A write into a value produced in this scope: recompute all cached values on it."""
@@ -320,27 +324,18 @@ class _State:
                     self.stats.held_by_region["rng"] += nbytes
                 if not e.cached:
                     continue
-                # Only floating-point values are dropped: Python can read integer
-                # results (indices) without an aten op (.tolist()), which we cannot see.
-                if (
-                    not e.needed
-                    and e.storages
-                    and all(t.is_floating_point() or t.is_complex() for t in _cached_tensors(e.value))
-                ):
-                    e.geometry = tree_map(
-                        lambda w: (
-                            (w.val.shape, w.val.stride(), w.val.dtype, w.val.device)
-                            if isinstance(w, _VersionWrapper) and isinstance(w.val, torch.Tensor)
-                            else w
-                        ),
-                        e.value,
-                    )
-                    e.value = None
+                # Per output: a value is dropped when nothing reads it. Only
+                # floating-point values: Python can read integer results
+                # (indices) without an aten op (.tolist()), which we cannot see.
+                e.value = tree_map(self._keep_or_drop, e.value)
+                if e.storages and not _cached_tensors(e.value):
                     e.dropped = True
                     self.stats.dropped_ops += 1
                     continue
-                for s, t in zip(e.storages, _cached_tensors(e.value)):
-                    if s not in seen:
+                for t in _cached_tensors(e.value):
+                    s = _storage(t)
+                    # a view of an input or parameter costs no memory of its own
+                    if s not in seen and s in self.produced:
                         seen.add(s)
                         nbytes = t.untyped_storage().nbytes()
                         e.nbytes += nbytes
@@ -477,15 +472,10 @@ class _CachedMode(TorchDispatchMode):
             # a kept write into a tensor from outside the scope: it happened once, in
             # the forward; hand back the written argument without writing again
             return e.served_write(args, kwargs)
-        if e.cached and not e.dropped:
-            # a fresh alias per recompute: autograd attaches view metadata to what it gets
-            return tree_map(
-                lambda w: _detach_helper(w.get_val(False)) if isinstance(w, _VersionWrapper) else w, e.value
-            )
-        if e.dropped:
-            out = tree_map(_stand_in, e.geometry, is_leaf=lambda x: isinstance(x, tuple) and len(x) == 4)
-            for t in _tensors(out):
-                st.stand_ins.add_tensor(t)
+        if e.cached:
+            # a fresh alias per recompute (autograd attaches view metadata to what it
+            # gets); a dropped output gets a stand-in of its geometry, which nothing reads
+            out = tree_map(lambda leaf: _serve_leaf(leaf, st), e.value)
             return out
         if any(s in st.stand_ins for s in _tensor_storages((args, kwargs))):
             raise AssertionError(
@@ -497,11 +487,24 @@ class _CachedMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _stand_in(geom: Any) -> Any:
-    if isinstance(geom, tuple) and len(geom) == 4 and isinstance(geom[2], torch.dtype):
-        shape, stride, dtype, device = geom
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    return geom
+class _Geometry:
+    """Shape, strides, dtype and device of a dropped cached output."""
+
+    __slots__ = ("device", "dtype", "shape", "stride")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+
+
+def _serve_leaf(leaf: Any, st: _State) -> Any:
+    if isinstance(leaf, _VersionWrapper):
+        val = leaf.get_val(False)
+        return _detach_helper(val) if isinstance(val, torch.Tensor) else val
+    if isinstance(leaf, _Geometry):
+        t = torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype, device=leaf.device)
+        st.stand_ins.add_tensor(t)
+        return t
+    return leaf
 
 
 @contextlib.contextmanager
