@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import types
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +62,9 @@ class SeamConfig:
 
 
 _SUBCLASSES: dict[type, type] = {}
-_legacy_reported: set[int] = set()
-_compiled_reported: set[int] = set()
+# Reported once per module object (weakly held: ids are reused once a module dies).
+_legacy_reported: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_compiled_reported: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def is_wrapped(module: nn.Module) -> bool:
@@ -198,9 +200,9 @@ def _seam_call_impl(self, *args, **kwargs):
 
 def _report_compiled_inside(module: nn.Module) -> None:
     """A compiled submodule inside this eager checkpoint: its saved tensors are discarded."""
-    if id(module) in _compiled_reported:
+    if module in _compiled_reported:
         return
-    _compiled_reported.add(id(module))
+    _compiled_reported.add(module)
     compiled = [
         name or type(module).__name__
         for name, sub in module.named_modules()
@@ -217,9 +219,9 @@ def _report_compiled_inside(module: nn.Module) -> None:
 
 
 def _report_legacy(module: nn.Module, config: SeamConfig) -> None:
-    if id(module) in _legacy_reported:
+    if module in _legacy_reported:
         return
-    _legacy_reported.add(id(module))
+    _legacy_reported.add(module)
     if config.keep is ALL_REGIONS or config.keep:
         log.warning(
             "sac_compile: %s sets %s=True, so it is checkpointed reentrantly and keep=%s is ignored "
