@@ -39,7 +39,7 @@ _INNER = ("inductor", "aot_eager")
 class CompileUnit:
     """One Dynamo graph compiled by a :class:`SacBackend`, for capture_partition."""
 
-    def __init__(self, backend: SacBackend, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, backend: SacBackend, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
         self.backend = backend
         self.dynamo_graph_name = getattr(gm, "_get_name", lambda: "graph")()
         self.records: list = []
@@ -48,11 +48,8 @@ class CompileUnit:
         self.graphs: dict[str, Any] = {}  # "forward" / "backward" / "inference" -> snapshot
         # per Dynamo graph input (AOTAutograd's primals_1, primals_2, ... in order):
         # True for parameters and buffers, whose saving costs no activation memory
-        self.input_is_param: list[bool] = []
-
-    def note_inputs(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        self.input_is_param = [
+        self.input_is_param: list[bool] = [
             isinstance(ex, torch.nn.Parameter) or "_buffers_" in name
             for name, ex in zip(names, example_inputs)
         ]
@@ -107,8 +104,7 @@ class SacBackend:
         return self._passes[initial_open]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        unit = CompileUnit(self, gm)
-        unit.note_inputs(gm, example_inputs)
+        unit = CompileUnit(self, gm, example_inputs)
         with _capture_lock:
             capturing = bool(_capture_sinks)
             for sink in _capture_sinks:
@@ -246,10 +242,14 @@ def make_sac_backend(
                 raise ValueError(f"inductor_config key {key!r} is not a torch._inductor.config option")
         config_items = tuple(sorted((str(k), v) for k, v in inductor_config.items()))
     key = (format_keep(keep_set), inner, repr(config_items))
+    return _memoised(key, lambda: SacBackend(keep_set, inner, config_items))
+
+
+def _memoised(key: tuple, make: Callable[[], SacBackend]) -> SacBackend:
     with _BACKENDS_LOCK:
         backend = _BACKENDS.get(key)
         if backend is None:
-            backend = _BACKENDS[key] = SacBackend(keep_set, inner, config_items)
+            backend = _BACKENDS[key] = make()
     return backend
 
 
@@ -261,12 +261,9 @@ def baseline_backend(inner: str = "inductor") -> SacBackend:
     """
     if inner not in _INNER:
         raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
-    key = ("<baseline>", inner, "()")
-    with _BACKENDS_LOCK:
-        backend = _BACKENDS.get(key)
-        if backend is None:
-            backend = _BACKENDS[key] = SacBackend(frozenset(), inner, (), checkpoint=False)
-    return backend
+    return _memoised(
+        ("<baseline>", inner, "()"), lambda: SacBackend(frozenset(), inner, (), checkpoint=False)
+    )
 
 
 #: Inductor backend keeping every marked region.

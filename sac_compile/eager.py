@@ -105,7 +105,6 @@ class _Entry:
     inputs: tuple[int, ...] = ()
     dropped: bool = False  # every output dropped (the recompute gets stand-ins)
     rng_state: Any = None
-    nbytes: int = 0
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
 
 
@@ -169,64 +168,63 @@ def _tensor_storages(tree: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensors an op writes in place, judged on its schema (``out`` arguments excluded)."""
+@dataclass
+class _Writes:
+    """What an op writes, read off its schema (not its name)."""
+
+    in_place: list[torch.Tensor]  # ``alias_info.is_write`` on a non-``out`` argument
+    out: list[torch.Tensor]  # ``out=`` arguments
+    # An ``out=`` variant writes its result into a caller's buffer: never served
+    # from the cache, since in the recompute the buffer may be a new one
+    # (Inductor's extern kernels allocate theirs), which only re-running fills.
+    has_out: bool
+
+
+def _writes(func: Any, args: tuple, kwargs: dict) -> _Writes:
+    writes = _Writes([], [], False)
     schema = getattr(func, "_schema", None)
     if schema is None:
-        return []
-    written = []
+        return writes
     for i, arg in enumerate(schema.arguments):
         info = arg.alias_info
-        if info is None or not info.is_write or arg.is_out:
+        if not arg.is_out and (info is None or not info.is_write):
             continue
+        passed = arg.name in kwargs or i < len(args)
         value = kwargs.get(arg.name, args[i] if i < len(args) else None)
-        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return written
-
-
-def _out_written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensors an ``out=`` variant writes into."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return []
-    written = []
-    for i, arg in enumerate(schema.arguments):
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
         if arg.is_out:
-            value = kwargs.get(arg.name, args[i] if i < len(args) else None)
-            written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
-    return written
+            writes.out.extend(tensors)
+            writes.has_out = writes.has_out or passed
+        else:
+            writes.in_place.extend(tensors)
+    return writes
 
 
-def _serve_written(func: Any, written_index: int | str):
+def _served_write(func: Any):
     """For a kept in-place write into an outside tensor: return that argument in the recompute.
 
-    Only for ops whose single return aliases the written argument (``add_``,
-    ``mul_``, ``copy_`` ...) or that return nothing; others are re-run.
+    Only for ops that return nothing, or whose single return aliases the
+    (first) written argument (``add_``, ``mul_``, ``copy_`` ...); None otherwise
+    (the op is then cached as usual).
     """
     schema = func._schema
     rets = schema.returns
+    index, arg = next(
+        (
+            (i, a)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        ),
+        (None, None),
+    )
+    if arg is None:
+        return None
     if len(rets) == 0:
         return lambda args, kwargs: None
-    arg = next(a for i, a in enumerate(schema.arguments) if i == written_index or a.name == written_index)
-    if len(rets) == 1 and rets[0].alias_info is not None and arg.alias_info is not None:
+    if len(rets) == 1 and rets[0].alias_info is not None:
         if set(rets[0].alias_info.before_set) == set(arg.alias_info.before_set):
-            index = schema.arguments.index(arg)
             return lambda args, kwargs: kwargs[arg.name] if arg.name in kwargs else args[index]
     return None
-
-
-def _has_out_args(func: Any, args: tuple, kwargs: dict) -> bool:
-    """An ``out=`` variant: it writes its result into a caller's buffer.
-
-    Never served from the cache: in the recompute the buffer may be a new one
-    (Inductor's extern kernels allocate theirs), which only re-running fills.
-    """
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return False
-    return any(a.is_out and (a.name in kwargs) for a in schema.arguments) or any(
-        a.is_out and i < len(args) for i, a in enumerate(schema.arguments)
-    )
 
 
 def _is_collective(func: Any) -> bool:
@@ -268,7 +266,6 @@ class _State:
         self.entries: dict[Any, list[_Entry]] = defaultdict(list)
         self.by_storage: dict[int, list[_Entry]] = defaultdict(list)
         self.produced = _StorageSet()  # storages created by ops in this scope
-        self.mutated: set[int] = set()
         self.saved_storages = _StorageSet()  # what autograd saved for backward
         self.stats = EngineStats()
         self.forward_done = False
@@ -291,7 +288,6 @@ class _State:
 
     def mark_mutated(self, storage: int, func: Any, regions: tuple[str, ...], target: torch.Tensor) -> None:
         """A write into a value produced in this scope: recompute all cached values on it."""
-        self.mutated.add(storage)
         if storage in self.random_derived and not self.preserve_rng_state:
             cached = [e for e in self.by_storage.get(storage, ()) if e.cached]
             if cached:
@@ -338,7 +334,6 @@ class _State:
                     if s not in seen and s in self.produced:
                         seen.add(s)
                         nbytes = t.untyped_storage().nbytes()
-                        e.nbytes += nbytes
                         self.stats.held_bytes += nbytes
                         key = "+".join(e.regions) or "-"
                         self.stats.held_by_region[key] += nbytes
@@ -362,14 +357,7 @@ def _kept_external_write(st: _State, func: Any, regions: tuple[str, ...], writes
                 "earlier; the recompute would read the written value. Move the write out of the kept "
                 "region, or keep the earlier reader too."
             )
-    schema = func._schema
-    index = next(
-        (i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write),
-        None,
-    )
-    if index is None:
-        return None
-    return _serve_written(func, index)
+    return _served_write(func)
 
 
 class _CachingMode(TorchDispatchMode):
@@ -388,7 +376,7 @@ class _CachingMode(TorchDispatchMode):
         kept = session is not None and session.kept()
         regions = session.open_names() if session is not None else ()
         inputs = _tensor_storages((args, kwargs))
-        written = _written(func, args, kwargs)
+        writes = _writes(func, args, kwargs)
         rng = None
         if _is_random(func) and st.preserve_rng_state:
             rng = _rng_state((args, kwargs))
@@ -397,19 +385,19 @@ class _CachingMode(TorchDispatchMode):
         # Ops run with grad disabled are re-run, not served: compiled code running
         # here (its forward runs under no_grad) allocates, reuses and fills its own
         # buffers with kernels this mode never sees.
-        cached = kept and torch.is_grad_enabled() and not _has_out_args(func, args, kwargs)
+        cached = kept and torch.is_grad_enabled() and not writes.has_out
         if _is_collective(func):
             cached = False
             st.stats.forced_collectives += 1
         external_writes = []
-        for t in written:
+        for t in writes.in_place:
             s = _storage(t)
             if s is not None and s in st.produced:
                 st.mark_mutated(s, func, regions, t)
                 cached = False  # the write is redone on the rebuilt buffer
             elif s is not None:
                 external_writes.append((s, t))
-        for t in _out_written(func, args, kwargs):
+        for t in writes.out:
             s = _storage(t)
             if s is not None and s in st.produced:
                 st.mark_mutated(s, func, regions, t)
@@ -436,7 +424,7 @@ class _CachingMode(TorchDispatchMode):
             if _storage(t) not in inputs or func in _LIFT_FRESH:
                 st.produced.add_tensor(t)
         if _is_random(func) or any(s in st.random_derived for s in inputs):
-            for t in _tensors(out) + written:
+            for t in _tensors(out) + writes.in_place:
                 st.random_derived.add_tensor(t)
         st.entries[func].append(entry)
         return out
