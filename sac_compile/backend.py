@@ -39,9 +39,7 @@ _INNER = ("inductor", "aot_eager")
 class CompileUnit:
     """One Dynamo graph compiled by a :class:`SacBackend`, for capture_partition."""
 
-    def __init__(self, backend: SacBackend, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
-        self.backend = backend
-        self.dynamo_graph_name = getattr(gm, "_get_name", lambda: "graph")()
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
         self.records: list = []
         self.with_fallbacks = with_block_fallbacks(gm)
         self.decorated_context = enclosing_decorated_regions()
@@ -104,7 +102,7 @@ class SacBackend:
         return self._passes[initial_open]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        unit = CompileUnit(self, gm, example_inputs)
+        unit = CompileUnit(gm, example_inputs)
         with _capture_lock:
             capturing = bool(_capture_sinks)
             for sink in _capture_sinks:

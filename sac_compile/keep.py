@@ -94,10 +94,6 @@ def normalize_keep(keep: object) -> KeepSet:
     return frozenset(names)
 
 
-def keep_contains(keep: KeepSet, name: str) -> bool:
-    return name in keep
-
-
 def format_keep(keep: KeepSet) -> str:
     """Stable text for a keep set (cache keys, reports, scope-marker payloads)."""
     if keep is ALL_REGIONS:
