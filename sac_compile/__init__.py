@@ -4,6 +4,9 @@ Importing the package registers the ``sac_compile::*`` marker ops and nothing he
 """
 
 from .backend import make_sac_backend, sac_backend
+from .config import SacConfig
+from .declare import RegionDeclarations, declare_regions, declared_regions, undeclare_regions
+from .diagnostics import SacDiagnosticError, set_strict, strict
 from .inspection import PartitionReport, capture_partition
 from .keep import ALL_REGIONS
 from .markers import region
@@ -13,6 +16,10 @@ from .seam import LEGACY_ATTR, apply_selective_checkpointing
 __all__ = [
     # Marking regions
     "region",  # context manager and decorator: with region("attn"): ...
+    "declare_regions",  # {module path pattern: region name}, no code change
+    "undeclare_regions",
+    "declared_regions",
+    "RegionDeclarations",
     # Compiling
     "ALL_REGIONS",  # keep every marked region
     "make_sac_backend",  # memoised backend for a keep set
@@ -20,6 +27,11 @@ __all__ = [
     # Wrapping layers (eager, per-layer compile, whole-model compile)
     "apply_selective_checkpointing",  # one call per wrap site; see its decision table
     "LEGACY_ATTR",  # module attribute opting into reentrant checkpointing
+    "SacConfig",  # one frozen config applied to a whole model
+    # Diagnostics (logger "sac_compile", WARNING)
+    "SacDiagnosticError",
+    "set_strict",
+    "strict",
     # Inspecting
     "capture_partition",  # what a compiled fn saves and recomputes
     "PartitionReport",

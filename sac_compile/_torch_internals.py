@@ -7,6 +7,8 @@ changes one of them breaks here, loudly, and nowhere else. Target: torch 2.13.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
 import torch
 from functorch.compile import make_boxed_func
@@ -112,3 +114,93 @@ def register_inductor_noop_lowerings(ops) -> None:
     for op in ops:
         if op not in lowering.lowerings:
             lowering.register_lowering(op, type_promotion_kind=None)(_drop_marker)
+
+
+# --- Diagnostics: what Dynamo is compiling right now ----------------------------------
+
+
+def current_dynamo_tx():
+    """The root ``InstructionTranslator`` while Dynamo traces a frame, else None.
+
+    Relies on ``torch._dynamo.symbolic_convert.InstructionTranslator.current_tx``
+    (a thread-local set for the whole trace, including the backend call), its
+    ``output.compiler_fn`` (the backend, wrapped), ``nn_module_stack`` (module key
+    -> (path, class) for the module calls being inlined) and ``f_code``.
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:
+        return None
+
+
+def unwrap_dynamo_backend(fn):
+    """The user's backend behind Dynamo's wrappers (``WrapBackendDebug``, ``torch.compile``'s)."""
+    for _ in range(8):
+        inner = getattr(fn, "_torchdynamo_orig_backend", None)
+        if inner is None and type(fn).__name__ == "_TorchCompileWrapper":
+            inner = getattr(fn, "compiler_fn", None)
+        if inner is None or inner is fn:
+            return fn
+        fn = inner
+    return fn
+
+
+def current_compile_id() -> str | None:
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return None if cid is None else str(cid)
+
+
+def inside_backend_call() -> bool:
+    """Whether Dynamo is calling a backend on this thread (``OutputGraph._call_user_compiler``
+    is on the Python stack): a marker traced now is traced by the backend (AOTAutograd),
+    not by Dynamo itself."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_call_user_compiler" and code.co_filename.endswith(_OUTPUT_GRAPH):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_OUTPUT_GRAPH = os.path.join("_dynamo", "output_graph.py")
+
+
+def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:
+    """Names of the values a partitioned forward graph saves for the backward.
+
+    AOTAutograd's forward returns (mutated inputs, user outputs, intermediate
+    bases, rng offsets, *saved values*); ``fw_metadata.num_forward`` counts the
+    part before the saved values (torch/_functorch/_aot_autograd/schemas.py).
+    Read from the ``TracingContext`` while the forward compiler runs.
+    """
+    from torch._guards import TracingContext
+
+    ctx = TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    num_forward = getattr(meta, "num_forward", None)
+    if num_forward is None:
+        return None
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    return [v.name for v in values[num_forward:] if isinstance(v, torch.fx.Node)]
+
+
+def cache_dir() -> str:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or the default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as _cache_dir
+
+    return _cache_dir()
+
+
+def compile_caches_enabled() -> bool:
+    """Whether FX-graph / AOTAutograd caches may serve a graph without running our pass."""
+    import torch._functorch.config as fconfig
+
+    if torch.compiler.config.force_disable_caches if hasattr(torch.compiler, "config") else False:
+        return False
+    return bool(inductor_config().fx_graph_cache or fconfig.enable_autograd_cache)

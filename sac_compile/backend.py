@@ -19,6 +19,10 @@ object for the same configuration: one new backend per layer would exhaust
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 
 from . import _torch_internals as ti
-from . import records
+from . import diagnostics, ops, records
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from .markers import enclosing_decorated_regions, with_block_fallbacks
 from .passes.tag_regions import TagRegionsPass, tag_regions
@@ -44,6 +48,10 @@ class CompileUnit:
         self.with_fallbacks = with_block_fallbacks(gm)
         self.decorated_context = enclosing_decorated_regions()
         self.graphs: dict[str, Any] = {}  # "forward" / "backward" / "inference" -> snapshot
+        self.saved_names: list[str] | None = None  # what the partitioned forward saves
+        self.module = _compiled_module_name()
+        self.layer_paths = _layer_paths(gm)
+        self.swallowed = _swallowed_layers(gm)
         # per Dynamo graph input (AOTAutograd's primals_1, primals_2, ... in order):
         # True for parameters and buffers, whose saving costs no activation memory
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -62,6 +70,60 @@ _capture_sinks: list[list[CompileUnit]] = []
 
 def _current_unit() -> CompileUnit | None:
     return getattr(_state, "unit", None)
+
+
+def compiling_unit() -> CompileUnit | None:
+    """The graph a sac backend is compiling on this thread right now, if any."""
+    return _current_unit()
+
+
+def _compiled_module_name() -> str:
+    """The module whose frame Dynamo is compiling (for diagnostics)."""
+    tx = ti.current_dynamo_tx()
+    code = getattr(tx, "f_code", None)
+    if code is not None and code.co_argcount > 0:
+        obj = getattr(tx, "f_locals", {}).get(code.co_varnames[0])
+        if isinstance(obj, torch.nn.Module):
+            return diagnostics.describe_module(getattr(obj, "_orig_mod", obj))
+    # a resume function, a region's __enter__ run on its own, a plain function:
+    # the module whose method is running below it
+    module = diagnostics.innermost_module_on_stack(2)
+    if module is not None:
+        return diagnostics.describe_module(module)
+    return f"{code.co_name}()" if code is not None else "<unknown>"
+
+
+def _swallowed_layers(gm: torch.fx.GraphModule) -> list[str]:
+    """Layers wrapped with compile=True traced by this (outer) compile: scope markers with id 1.
+
+    A compile of the layer itself traces them at its root (no module around them).
+    """
+    found = []
+    for node in gm.graph.nodes:
+        if ops.marker_kind(node) == "scope_enter" and node.args[0] == 1:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            if stack:
+                path, cls = stack[-1]
+                path = ".".join("*" if p.isdigit() else p for p in records.clean_module_path(path).split("."))
+                name = getattr(cls, "__name__", str(cls)).replace("SelectiveCheckpointed", "", 1)
+                found.append(f"{name} ({path or '<root>'})")
+    return found
+
+
+def _layer_paths(gm: torch.fx.GraphModule) -> list[str]:
+    """Sibling layers a graph spans: module paths ``...<int>`` sharing a parent and class."""
+    groups: dict[tuple[str, str], set[str]] = {}
+    for node in gm.graph.nodes:
+        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            clean = records.clean_module_path(path)
+            parent, _, last = clean.rpartition(".")
+            if last.isdigit():
+                groups.setdefault((parent, getattr(cls, "__name__", str(cls))), set()).add(clean)
+    best: list[str] = []
+    for paths in groups.values():
+        if len(paths) > len(best):
+            best = sorted(paths, key=lambda p: int(p.rpartition(".")[2]))
+    return best
 
 
 class SacBackend:
@@ -112,19 +174,21 @@ class SacBackend:
         _state.unit = unit
         try:
             if self.inner == "inductor":
-                return self._compile_inductor(gm, example_inputs, pass_, unit if capturing else None)
-            return self._compile_aot_eager(gm, example_inputs, pass_, unit)
+                compiled = self._compile_inductor(gm, example_inputs, pass_, unit, capturing)
+            else:
+                compiled = self._compile_aot_eager(gm, example_inputs, pass_, unit)
         finally:
             _state.unit = prev
+        if pass_ is None:
+            return compiled
+        return diagnostics.with_reporter(compiled, _graph_reporter(self, unit, gm, example_inputs, pass_))
 
-    def _compile_inductor(self, gm, example_inputs, pass_, unit):
+    def _compile_inductor(self, gm, example_inputs, pass_, unit, capturing):
         patches = dict(self.inductor_config)
         if pass_ is not None:
             patches["joint_custom_pre_pass"] = pass_
-        kwargs = {}
-        if unit is not None:
-            kwargs["inner_compile"] = functools.partial(_capturing_inner_compile, unit)
-        return ti.compile_fx(gm, example_inputs, config_patches=patches, **kwargs)
+        inner = functools.partial(_capturing_inner_compile, unit, capturing)
+        return ti.compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
 
     def _compile_aot_eager(self, gm, example_inputs, pass_, unit):
         def partition(joint, joint_inputs, **kwargs):
@@ -138,6 +202,8 @@ class SacBackend:
                     # Inductor runs joint passes on inference graphs too; here we do it.
                     tag_regions(g.graph, self.keep, initial_open=unit.decorated_context)
                 unit.graphs[kind] = _snapshot(g)
+                if kind == "forward":
+                    unit.saved_names = ti.forward_saved_outputs(g)
                 return ti.make_boxed_func(g.forward)
 
             return compile_graph
@@ -151,7 +217,7 @@ class SacBackend:
         )(gm, example_inputs)
 
 
-def _capturing_inner_compile(unit: CompileUnit, gm, example_inputs, **kwargs):
+def _capturing_inner_compile(unit: CompileUnit, capturing: bool, gm, example_inputs, **kwargs):
     from torch._inductor.compile_fx import compile_fx_inner
 
     if kwargs.get("is_backward"):
@@ -160,8 +226,95 @@ def _capturing_inner_compile(unit: CompileUnit, gm, example_inputs, **kwargs):
         kind = "inference"
     else:
         kind = "forward"
-    unit.graphs[kind] = _snapshot(gm)  # before Inductor's post-grad passes mutate gm
+        unit.saved_names = ti.forward_saved_outputs(gm)
+    if capturing:
+        unit.graphs[kind] = _snapshot(gm)  # before Inductor's post-grad passes mutate gm
     return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+# --- Diagnostics for one compiled graph ---------------------------------------------
+
+_SIDE_VERSION = 1
+
+
+def _graph_reporter(self_backend, unit: CompileUnit, gm, example_inputs, pass_) -> diagnostics.GraphReporter:
+    """The graph's diagnoses: from the pass's records, or (warm cache hit) from the side file."""
+    key = _side_key(gm, example_inputs, pass_)
+    if unit.records:
+        found = diagnostics.graph_diagnoses(
+            unit.records,
+            saved_names=unit.saved_names,
+            with_fallbacks=unit.with_fallbacks,
+            layer_paths=unit.layer_paths,
+            module=unit.module,
+            swallowed=unit.swallowed,
+            backend_name=repr(self_backend),
+        )
+        regions = sorted({name for rec in unit.records for name in rec.regions})
+        keep_names = sorted(
+            {n for rec in unit.records for s in rec.scopes if s.keep is not ALL_REGIONS for n in s.keep}
+        )
+        if ti.compile_caches_enabled():
+            _write_side(key, found, regions, keep_names)
+    else:
+        side = _read_side(key)
+        if side is None:
+            if any(_is_marker(n) for n in gm.graph.nodes):
+                logging.getLogger("sac_compile").info(
+                    "sac_compile: graph of %s was served from the compile cache and its diagnostics were not "
+                    "found (%s); it was not checked. Set torch.compiler.config.force_disable_caches=True once "
+                    "to re-check.",
+                    unit.module,
+                    _side_path(key),
+                )
+            return diagnostics.GraphReporter([], set(), unit.module)
+        found, regions, keep_names = side
+    diagnostics.note_regions(regions)
+    return diagnostics.GraphReporter(found, set(keep_names), unit.module)
+
+
+def _is_marker(node: torch.fx.Node) -> bool:
+    return ops.marker_kind(node) is not None
+
+
+def _side_key(gm, example_inputs, pass_) -> str:
+    metas = [
+        (
+            tuple(getattr(x, "shape", ())),
+            str(getattr(x, "dtype", type(x).__name__)),
+            getattr(x, "requires_grad", None),
+        )
+        for x in example_inputs
+    ]
+    text = f"{_SIDE_VERSION}|{gm.code}|{pass_.uuid().hex()}|{metas}|{torch.is_grad_enabled()}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _side_path(key: str) -> str:
+    return os.path.join(ti.cache_dir(), "sac_compile", key[:2], f"{key}.json")
+
+
+def _write_side(key: str, found, regions, keep_names) -> None:
+    path = _side_path(key)
+    data = {"diagnoses": [d.to_json() for d in found], "regions": list(regions), "keep": list(keep_names)}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache dir must not break compiling
+        logging.getLogger("sac_compile").info("sac_compile: could not write %s: %s", path, e)
+
+
+def _read_side(key: str):
+    try:
+        with open(_side_path(key)) as f:
+            data = json.load(f)
+        found = [diagnostics.Diagnosis.from_json(d) for d in data["diagnoses"]]
+        return found, data["regions"], data["keep"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:

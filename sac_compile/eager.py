@@ -73,6 +73,7 @@ class EagerSession:
         self.keep = keep
         self.open: Counter[str] = Counter()
         self.entered: Counter[str] = Counter()
+        self.unbalanced: list[tuple[str, str]] = []
 
     def sink(self, kind: str, payload: tuple) -> None:
         if kind == "region_enter":
@@ -82,6 +83,13 @@ class EagerSession:
             # an exit without an enter is a no-op here (nothing was open)
             if self.open[payload[0]] > 0:
                 self.open[payload[0]] -= 1
+            else:
+                self.unbalanced.append((payload[0], "exit without enter"))
+
+    def close(self) -> list[tuple[str, str]]:
+        """End of the checkpointed call: the unbalanced markers seen in it."""
+        left_open = [(n, "enter without exit") for n, c in sorted(self.open.items()) for _ in range(c)]
+        return self.unbalanced + left_open
 
     def open_names(self) -> tuple[str, ...]:
         return tuple(sorted(n for n, c in self.open.items() if c > 0))
@@ -120,6 +128,7 @@ class EngineStats:
     held_bytes: int = 0  # bytes of cached values held after the forward
     held_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     regions_entered: Counter = field(default_factory=Counter)
+    unbalanced: list = field(default_factory=list)  # (region, "enter without exit" | "exit without enter")
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -535,6 +544,7 @@ def checkpoint_with_regions(
                 with _chained_pack_hook(state):
                     out = fn(*a, **k)
                 state.stats.regions_entered = session.entered
+                state.stats.unbalanced = session.close()
                 state.finalize()
             else:
                 out = fn(*a, **k)

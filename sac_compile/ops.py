@@ -47,11 +47,13 @@ def _emit(kind: str, payload: tuple) -> None:
         sink(kind, payload)
 
 
-def _on_trace() -> None:
+def _on_trace(kind: str, payload: tuple) -> None:
     # Fake implementations run when Dynamo or AOTAutograd trace a marker.
     from ._torch_internals import register_inductor_noop_lowerings
+    from .diagnostics import marker_traced
 
     register_inductor_noop_lowerings(MARKER_OPS)
+    marker_traced(kind, payload)
 
 
 @torch.library.custom_op("sac_compile::region_enter", mutates_args=())
@@ -61,7 +63,7 @@ def region_enter(name: str) -> None:
 
 @region_enter.register_fake
 def _region_enter_fake(name: str) -> None:
-    _on_trace()
+    _on_trace("region_enter", (name,))
 
 
 @torch.library.custom_op("sac_compile::region_exit", mutates_args=())
@@ -71,7 +73,7 @@ def region_exit(name: str) -> None:
 
 @region_exit.register_fake
 def _region_exit_fake(name: str) -> None:
-    _on_trace()
+    _on_trace("region_exit", (name,))
 
 
 @torch.library.custom_op("sac_compile::scope_enter", mutates_args=())
@@ -81,7 +83,7 @@ def scope_enter(scope_id: int, keep: str) -> None:
 
 @scope_enter.register_fake
 def _scope_enter_fake(scope_id: int, keep: str) -> None:
-    _on_trace()
+    _on_trace("scope_enter", (scope_id, keep))
 
 
 @torch.library.custom_op("sac_compile::scope_exit", mutates_args=())
@@ -91,7 +93,7 @@ def scope_exit(scope_id: int, keep: str) -> None:
 
 @scope_exit.register_fake
 def _scope_exit_fake(scope_id: int, keep: str) -> None:
-    _on_trace()
+    _on_trace("scope_exit", (scope_id, keep))
 
 
 REGION_ENTER = torch.ops.sac_compile.region_enter.default

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -68,6 +69,8 @@ class GraphRecord:
     # region.__enter__/__exit__'s own frame: the frame around that `with` block
     # fell back to eager (a graph break inside it), so its ops were not compiled.
     eager_fallbacks: list[tuple[str, str, str]] = field(default_factory=list)
+    # region name -> {(module path, class name)} where it was entered (from nn_module_stack)
+    region_modules: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
     # node name -> regions open when it ran, for the partition report
     node_regions: dict[str, tuple[str, ...]] = field(default_factory=dict)
     node_scope: dict[str, int] = field(default_factory=dict)
@@ -80,6 +83,41 @@ class GraphRecord:
 
     def region_names(self) -> list[str]:
         return sorted(self.regions)
+
+
+def clean_module_path(path: str) -> str:
+    """``L['self'].layers.0.attn`` (Dynamo's source name) -> ``layers.0.attn``."""
+    path = re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", str(path))
+    path = re.sub(r"(^|\.)_modules\[['\"]([^'\"]*)['\"]\]", r"\1\2", path)
+    return path
+
+
+def describe_modules(where: set[tuple[str, str]]) -> str:
+    """``{("layers.0.attn", "Attention"), ("layers.1.attn", "Attention")}`` -> ``Attention (layers.*.attn)``."""
+    if not where:
+        return "<unknown module>"
+    by_class: dict[str, list[str]] = {}
+    for path, cls in sorted(where):
+        by_class.setdefault(cls, []).append(path)
+    parts = []
+    for cls, paths in by_class.items():
+        shown = sorted({_generalise(p, paths) for p in paths})
+        parts.append(f"{cls} ({', '.join(p or '<root>' for p in shown)})")
+    return "; ".join(parts)
+
+
+def _generalise(path: str, paths: list[str]) -> str:
+    """Replace an integer component by ``*`` where sibling paths differ only there."""
+    parts = path.split(".")
+    for i, comp in enumerate(parts):
+        if comp.isdigit():
+            others = [q.split(".") for q in paths]
+            if any(
+                len(o) == len(parts) and o[i] != comp and o[:i] == parts[:i] and o[i].isdigit()
+                for o in others
+            ):
+                parts[i] = "*"
+    return ".".join(parts)
 
 
 _counter = itertools.count()

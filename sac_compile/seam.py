@@ -27,7 +27,6 @@ eager, non-empty ``keep``                              the eager engine (:mod:`s
 
 from __future__ import annotations
 
-import logging
 import types
 import weakref
 from collections.abc import Mapping
@@ -38,13 +37,13 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from . import diagnostics
 from .backend import make_sac_backend
 from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 
 __all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_wrapped"]
 
-log = logging.getLogger("sac_compile")
 
 #: Set this attribute to True on a module whose forward relies on grad-mode tricks
 #: (state that must see the original forward run exactly once, reentrantly).
@@ -62,9 +61,11 @@ class SeamConfig:
 
 
 _SUBCLASSES: dict[type, type] = {}
-# Reported once per module object (weakly held: ids are reused once a module dies).
-_legacy_reported: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_compiled_reported: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Modules already checked for diagnoses (weakly held: ids are reused once a module dies);
+# the diagnoses themselves are deduplicated per root module by sac_compile.diagnostics.
+_legacy_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_compiled_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_eager_calls: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def is_wrapped(module: nn.Module) -> bool:
@@ -175,11 +176,14 @@ def _seam_call_impl(self, *args, **kwargs):
     legacy = getattr(self, LEGACY_ATTR, False) is True
     if torch.compiler.is_compiling():
         # Straight-line on purpose (no with-block): a graph break inside the layer
-        # must not make Dynamo fall back for the whole frame.
+        # must not make Dynamo fall back for the whole frame. Scope id 1 says that
+        # this layer asked for its own compile (an outer compile swallowing it is
+        # reported when the marker is traced); the id is constant per wrap site.
         keep_text = "" if legacy else format_keep(config.keep)
-        torch.ops.sac_compile.scope_enter(0, keep_text)
+        scope_id = 0 if config.compile_options is None else 1
+        torch.ops.sac_compile.scope_enter(scope_id, keep_text)
         out = call(*args, **kwargs)
-        torch.ops.sac_compile.scope_exit(0, keep_text)
+        torch.ops.sac_compile.scope_exit(scope_id, keep_text)
         return out
     _report_compiled_inside(self)
     if legacy:
@@ -193,40 +197,114 @@ def _seam_call_impl(self, *args, **kwargs):
         return checkpoint(
             call, *args, use_reentrant=False, preserve_rng_state=config.preserve_rng_state, **kwargs
         )
-    return checkpoint_with_regions(
-        call, *args, keep=config.keep, preserve_rng_state=config.preserve_rng_state, **kwargs
+    if self in _eager_calls and _eager_calls[self] < 0:
+        return checkpoint_with_regions(
+            call, *args, keep=config.keep, preserve_rng_state=config.preserve_rng_state, **kwargs
+        )
+    stats: list = []
+    out = checkpoint_with_regions(
+        call, *args, keep=config.keep, preserve_rng_state=config.preserve_rng_state, stats_out=stats, **kwargs
     )
+    _check_eager(self, config, stats[0])
+    return out
+
+
+def _check_eager(module: nn.Module, config: SeamConfig, stats) -> None:
+    """Diagnoses of one eager engine call (until the module has been checked twice)."""
+    owner = diagnostics.owner_on_stack(2)
+    where = _where(module, owner)
+    diagnostics.note_regions(stats.regions_entered)
+    calls = _eager_calls.get(module, 0) + 1
+    if calls == 1:
+        held = {name for key in stats.held_by_region for name in key.split("+")}
+        for name in sorted(stats.regions_entered):
+            if (config.keep is ALL_REGIONS or name in config.keep) and name not in held:
+                diagnostics.report(
+                    diagnostics.Diagnosis(
+                        diagnostics.KEPT_NOTHING,
+                        name,
+                        where,
+                        "it is kept, but after the forward nothing computed in it is held (the backward "
+                        "reads none of its values, or they are views, collectives or in-place targets, "
+                        "which are recomputed), so keeping it saves nothing. Mark the op whose output the "
+                        "backward needs, or drop the name from keep.",
+                    ),
+                    owner,
+                )
+        for name, how in sorted(set(stats.unbalanced)):
+            diagnostics.report(
+                diagnostics.Diagnosis(
+                    diagnostics.UNBALANCED,
+                    name,
+                    where,
+                    f"{how} inside the checkpointed call: "
+                    + (
+                        "the region stayed open to the end of the layer"
+                        if how == "enter without exit"
+                        else "the exit was ignored"
+                    )
+                    + ". Use region(...) as a with-block or decorator so that enter and exit pair up.",
+                ),
+                owner,
+            )
+    _eager_calls[module] = calls  # after reporting: a strict error does not count the call
+    explicit = () if config.keep is ALL_REGIONS else tuple(config.keep)
+    if explicit and calls < 2:
+        return  # judged on a repeat, once the rest of the model has run
+    names = diagnostics.unrecorded(explicit)
+    if names:
+        diagnostics.report(diagnostics.keep_unused(names, where), owner)
+    _eager_calls[module] = -1  # checked
+
+
+def _where(module: nn.Module, owner: object) -> str:
+    """``Block (layers.*)``: the module's class and its path in the root, indices generalised."""
+    path = None
+    if isinstance(owner, nn.Module):
+        path = next((name for name, sub in owner.named_modules() if sub is module), None)
+    if path is not None:
+        path = ".".join("*" if part.isdigit() else part for part in path.split(".")) or "<root>"
+    return diagnostics.describe_module(module, path)
 
 
 def _report_compiled_inside(module: nn.Module) -> None:
     """A compiled submodule inside this eager checkpoint: its saved tensors are discarded."""
-    if module in _compiled_reported:
+    if module in _compiled_checked:
         return
-    _compiled_reported.add(module)
+    _compiled_checked.add(module)
     compiled = [
-        name or type(module).__name__
+        name or "<itself>"
         for name, sub in module.named_modules()
         if getattr(sub, "_compiled_call_impl", None) is not None
     ]
     if compiled:
-        log.warning(
-            "sac_compile: %s is checkpointed eagerly but contains compiled code (%s): the compiled "
-            "graph's saved tensors are discarded and it is recomputed whole in the backward. Pass "
-            "compile=True to apply_selective_checkpointing instead, or compile the whole model.",
-            type(module).__name__,
-            ", ".join(compiled),
+        owner = diagnostics.owner_on_stack(3)
+        diagnostics.report(
+            diagnostics.Diagnosis(
+                diagnostics.COMPILED_IN_EAGER,
+                "-",
+                _where(module, owner),
+                f"it is checkpointed eagerly but contains compiled code ({', '.join(compiled)}): the "
+                "compiled graph's saved tensors are discarded and it is recomputed whole in the backward. "
+                "Pass compile=True to apply_selective_checkpointing instead, or compile the whole model.",
+            ),
+            owner,
         )
 
 
 def _report_legacy(module: nn.Module, config: SeamConfig) -> None:
-    if module in _legacy_reported:
+    if module in _legacy_checked:
         return
-    _legacy_reported.add(module)
+    _legacy_checked.add(module)
     if config.keep is ALL_REGIONS or config.keep:
-        log.warning(
-            "sac_compile: %s sets %s=True, so it is checkpointed reentrantly and keep=%s is ignored "
-            "(every op in it is recomputed)",
-            type(module).__name__,
-            LEGACY_ATTR,
-            format_keep(config.keep),
+        owner = diagnostics.owner_on_stack(3)
+        diagnostics.report(
+            diagnostics.Diagnosis(
+                diagnostics.LEGACY_KEEP_IGNORED,
+                format_keep(config.keep),
+                _where(module, owner),
+                f"it sets {LEGACY_ATTR}=True, so it is checkpointed reentrantly and keep="
+                f"{format_keep(config.keep)!r} is ignored (every op in it is recomputed)",
+            ),
+            owner,
         )

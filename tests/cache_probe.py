@@ -1,9 +1,12 @@
 """Run in a fresh process by test_cache.py: compile once with the caches on, print JSON.
 
 Usage: python -m tests.cache_probe KEEP[,KEEP...]   (cache dir from TORCHINDUCTOR_CACHE_DIR)
+
+Also prints what the ``sac_compile`` logger said (INFO and up).
 """
 
 import json
+import logging
 import sys
 
 import torch
@@ -25,11 +28,19 @@ def main() -> None:
         packed.append([list(t.shape), t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()])
         return t
 
+    logged = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = lambda r: logged.append([r.levelname, r.getMessage()])
+    logger = logging.getLogger("sac_compile")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
     with sc.collect_records() as recs:
         compiled = torch.compile(model, backend=sc.make_sac_backend(keep))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = compiled(x)
         out.sum().backward()
+        compiled(x).sum().backward()  # a second step: keep-unused is judged on a repeat
     print(
         json.dumps(
             {
@@ -38,6 +49,7 @@ def main() -> None:
                 "pass_ran": len(recs),
                 "saved_shapes": sorted(map(str, packed)),
                 "grad": float(model.w1.grad.sum()),
+                "logged": logged,
             }
         )
     )

@@ -48,3 +48,27 @@ def test_same_configuration_hits_and_another_keep_set_does_not(tmp_path):
     assert then_b["saved_shapes"] != first_a["saved_shapes"]
     # the gradients do not depend on what was saved
     assert then_b["grad"] == pytest.approx(first_a["grad"], rel=1e-5)
+
+
+@pytest.mark.subprocess
+def test_diagnostics_neither_misfire_nor_go_silent_on_a_warm_cache(tmp_path):
+    """keep={"a","zz"}: "zz" never appears. Cold: the pass reports it. Warm (the pass does
+    not run): the same report, read from the side file, and "a" is not reported although
+    no marker was traced into a tagging pass in that process. Red without the side file:
+    the warm run logs nothing (silent); without the regions it stores, "a" misfires."""
+    cold = _probe("a,zz", tmp_path)
+    warm = _probe("a,zz", tmp_path)
+    assert cold["pass_ran"] == 1 and warm["pass_ran"] == 0 and warm["autograd_cache_hit"] == 1
+    warnings = [[m for lvl, m in run["logged"] if lvl == "WARNING"] for run in (cold, warm)]
+    assert len(warnings[0]) == 1 and "[keep-unused] region 'zz'" in warnings[0][0]
+    assert warnings[1] == warnings[0]
+
+    # Without the side file a warm hit cannot be checked: said at INFO, nothing misfires.
+    side = tmp_path / "sac_compile"
+    assert side.is_dir()
+    for f in side.rglob("*.json"):
+        f.unlink()
+    unchecked = _probe("a,zz", tmp_path)
+    assert unchecked["pass_ran"] == 0
+    assert [lvl for lvl, _ in unchecked["logged"]] == ["INFO"]
+    assert "was not checked" in unchecked["logged"][0][1]

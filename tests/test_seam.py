@@ -60,7 +60,7 @@ class TestDecisionTable:
         assert "CheckpointFunction" in out.grad_fn.name()  # reentrant
         assert engine.calls == []
         warnings = [r for r in caplog.records if "sac_legacy_checkpoint=True" in r.getMessage()]
-        assert len(warnings) == 1 and "keep=attn is ignored" in warnings[0].getMessage()
+        assert len(warnings) == 1 and "keep='attn' is ignored" in warnings[0].getMessage()
 
     def test_traced_by_an_outer_compile_emits_scope_markers_not_a_checkpoint(self, stack, x):
         wrap_layers(stack, {"attn"})

@@ -108,6 +108,7 @@ def tag_regions(graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...]
         for n in markers:
             if ops.marker_kind(n) == "region_enter":
                 rec.regions.setdefault(str(n.args[0]), records.RegionStats(str(n.args[0]))).entered += 1
+                _note_module(rec, n)
         if graph.owning_module is not None and rec.regions:
             # Inductor runs joint passes on HOP bodies (cond branches, ...) before
             # the graph holding them; leave a note for the outer graph's record.
@@ -232,6 +233,7 @@ def _tag_forward(
             open_count[name] += 1
             local_enters[name] += 1
             rec.regions.setdefault(name, records.RegionStats(name)).entered += 1
+            _note_module(rec, n)
             continue
         if kind == "region_exit":
             name = str(n.args[0])
@@ -301,6 +303,18 @@ def _tag_forward(
         rec.unbalanced.extend([(name, "enter without exit")] * count)
     rec.outside_scope = sorted(outside)
     rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(overrides.items())]
+
+
+def _note_module(rec: records.GraphRecord, marker: fx.Node) -> None:
+    """Where a region was entered: the innermost module Dynamo saw around the marker."""
+    stack = marker.meta.get("nn_module_stack") or {}
+    if not stack:
+        return
+    path, cls = list(stack.values())[-1]
+    name = getattr(cls, "__name__", str(cls))
+    if name.startswith("SelectiveCheckpointed"):
+        name = name[len("SelectiveCheckpointed") :]
+    rec.region_modules.setdefault(str(marker.args[0]), set()).add((records.clean_module_path(path), name))
 
 
 def _policy_for(n: fx.Node, kept: bool) -> CheckpointPolicy | None:

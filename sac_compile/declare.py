@@ -1,0 +1,192 @@
+"""``declare_regions``: mark regions by module path, without touching the model's code.
+
+``declare_regions(model, {"model.layers.*.self_attn": "attn"})`` runs every
+matched module's call inside ``region("attn")``: a forward pre-hook emits the
+enter marker and a forward hook (``always_call=True``, so it also runs when the
+forward raises) emits the exit. Hooks are traced by Dynamo like the rest of the
+module call, so this works eagerly, under ``torch.compile`` (``fullgraph=True``
+included) and inside ``apply_selective_checkpointing`` (whose checkpoint runs
+the module's hooks inside it).
+
+Patterns are matched against the full dotted path from the root, as
+``model.named_modules()`` reports it; ``*`` stands for exactly one path
+component (``"layers.*.mlp"`` matches ``layers.0.mlp``, not ``layers.0.x.mlp``).
+The root module itself is the empty path ``""``. A model wrapped by
+``torch.compile`` (an ``OptimizedModule``) is matched through the module it wraps.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from . import ops  # noqa: F401  (registers the marker ops)
+from .keep import validate_region_name
+
+__all__ = ["RegionDeclarations", "declare_regions", "undeclare_regions"]
+
+_ATTR = "_sac_declared"  # module attribute: {region name: (pre handle, post handle)}
+
+
+@dataclass
+class RegionDeclarations:
+    """What one :func:`declare_regions` call installed; ``remove()`` takes it out again."""
+
+    model: nn.Module
+    # module path -> region names this call declared on it (in the order given)
+    modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _handles: list[tuple[nn.Module, str]] = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        """Remove the hooks this call installed (declarations made by other calls stay)."""
+        for module, name in self._handles:
+            declared = module.__dict__.get(_ATTR, {})
+            handles = declared.pop(name, None)
+            if handles is not None:
+                for h in handles:
+                    h.remove()
+        self._handles.clear()
+        self.modules.clear()
+
+    def __enter__(self) -> RegionDeclarations:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def declare_regions(model: nn.Module, declarations: Mapping[str, str]) -> RegionDeclarations:
+    """Run each module matching a pattern inside ``region(name)``.
+
+    Args:
+        model: the root module; paths are relative to it.
+        declarations: ``{pattern: region name}``. A pattern is a dotted module
+            path where ``*`` matches one component.
+
+    Returns:
+        A :class:`RegionDeclarations` handle (``.modules`` lists what matched,
+        ``.remove()`` undoes it; also a context manager).
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``declarations`` is not a
+            mapping of strings to strings.
+        ValueError: a pattern matches no module (the message lists the closest
+            module paths), a pattern is malformed, or a region name is invalid.
+
+    Declaring the same name on the same module twice is a no-op, so calling this
+    again with the same arguments changes nothing.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"declare_regions takes an nn.Module, got {type(model).__name__}")
+    if not isinstance(declarations, Mapping):
+        raise TypeError(
+            "declare_regions takes a mapping {module path pattern: region name}, "
+            f"got {type(declarations).__name__} {declarations!r}"
+        )
+    root = getattr(model, "_orig_mod", model)  # torch.compile(model)
+    paths = {path: module for path, module in root.named_modules()}
+    plan: list[tuple[str, str, nn.Module]] = []
+    for pattern, name in declarations.items():
+        _check_pattern(pattern)
+        validate_region_name(name)
+        matched = [p for p in paths if match_path(pattern, p)]
+        if not matched:
+            raise ValueError(_no_match_message(pattern, list(paths)))
+        plan.extend((p, name, paths[p]) for p in matched)
+
+    handle = RegionDeclarations(model)
+    for path, name, module in plan:
+        declared = module.__dict__.setdefault(_ATTR, {})
+        if name not in declared:
+            declared[name] = _install(module, name)
+            handle._handles.append((module, name))
+        handle.modules[path] = handle.modules.get(path, ()) + (name,)
+    return handle
+
+
+def undeclare_regions(model: nn.Module) -> int:
+    """Remove every declared region under ``model``; returns how many were removed."""
+    root = getattr(model, "_orig_mod", model)
+    removed = 0
+    for module in root.modules():
+        declared = module.__dict__.get(_ATTR)
+        while declared:
+            _, handles = declared.popitem()
+            for h in handles:
+                h.remove()
+            removed += 1
+    return removed
+
+
+def declared_regions(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """``{module path: region names}`` currently declared under ``model``."""
+    root = getattr(model, "_orig_mod", model)
+    return {
+        path: tuple(module.__dict__[_ATTR])
+        for path, module in root.named_modules()
+        if module.__dict__.get(_ATTR)
+    }
+
+
+def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHandle]:
+    def enter(_module, _args):
+        torch.ops.sac_compile.region_enter(name)
+
+    def exit_(_module, _args, _output):
+        torch.ops.sac_compile.region_exit(name)
+
+    # prepend: the region encloses hooks registered earlier (e.g. by fully_shard)
+    pre = module.register_forward_pre_hook(enter, prepend=True)
+    post = module.register_forward_hook(exit_, always_call=True)
+    return pre, post
+
+
+def match_path(pattern: str, path: str) -> bool:
+    """``*`` matches exactly one dotted component; everything else literally."""
+    if pattern == "":
+        return path == ""
+    want = pattern.split(".")
+    have = path.split(".") if path else []
+    return len(want) == len(have) and all(w == "*" or w == h for w, h in zip(want, have))
+
+
+def _check_pattern(pattern: object) -> None:
+    if not isinstance(pattern, str):
+        raise TypeError(f"a module path pattern must be a str, got {type(pattern).__name__} {pattern!r}")
+    if pattern == "":
+        return  # the root module
+    parts = pattern.split(".")
+    for part in parts:
+        if part == "":
+            raise ValueError(
+                f"module path pattern {pattern!r} has an empty component; write dotted paths as "
+                "named_modules() reports them, e.g. 'model.layers.*.self_attn'"
+            )
+        if part != "*" and any(c in part for c in "*?[]"):
+            raise ValueError(
+                f"module path pattern {pattern!r}: {part!r} mixes a wildcard with text; '*' stands for "
+                "one whole path component (e.g. 'layers.*.mlp'), list the modules explicitly otherwise"
+            )
+
+
+def _no_match_message(pattern: str, paths: list[str]) -> str:
+    generic = sorted({".".join("*" if c.isdigit() else c for c in p.split(".")) for p in paths if p})
+    near = difflib.get_close_matches(pattern, generic, n=5, cutoff=0.5)
+    if not near:
+        # the same depth, or the same last component
+        last = pattern.rsplit(".", 1)[-1]
+        near = [g for g in generic if g.rsplit(".", 1)[-1] == last][:5]
+    hint = (
+        f" Closest module paths: {', '.join(map(repr, near))}."
+        if near
+        else f" Module paths look like: {', '.join(map(repr, generic[:5]))}."
+    )
+    return (
+        f"declare_regions: pattern {pattern!r} matches no module (patterns match the full dotted path "
+        f"from the root, as named_modules() reports it; '*' matches one component).{hint}"
+    )
