@@ -52,6 +52,7 @@ class CompileUnit:
         self.module = _compiled_module_name()
         self.layer_paths = _layer_paths(gm)
         self.swallowed = _swallowed_layers(gm)
+        self.grad_enabled = torch.is_grad_enabled()
         # per Dynamo graph input (AOTAutograd's primals_1, primals_2, ... in order):
         # True for parameters and buffers, whose saving costs no activation memory
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -248,6 +249,7 @@ def _graph_reporter(self_backend, unit: CompileUnit, gm, example_inputs, pass_) 
             layer_paths=unit.layer_paths,
             module=unit.module,
             swallowed=unit.swallowed,
+            grad_enabled=unit.grad_enabled,
             backend_name=repr(self_backend),
         )
         regions = sorted({name for rec in unit.records for name in rec.regions})

@@ -22,6 +22,8 @@ kind                        situation
 5 ``no-scope``              one graph spans several layers and holds no checkpoint scope
 - ``compile-swallowed``     an outer ``torch.compile`` traced a layer wrapped with
                             ``compile=True``: the layer's own backend never runs
+- ``compile-fallback``      a layer wrapped with ``compile=True`` runs eagerly (Dynamo did not
+                            compile it: recompile limit, skipped frame); the eager engine runs
 - ``legacy-keep-ignored``   a layer opted into reentrant checkpointing with a non-empty keep
 ==========================  ==================================================================
 
@@ -81,6 +83,7 @@ EAGER_FALLBACK = "eager-fallback"
 COMPILED_IN_EAGER = "compiled-in-eager"
 NO_SCOPE = "no-scope"
 COMPILE_SWALLOWED = "compile-swallowed"
+COMPILE_FALLBACK = "compile-fallback"
 LEGACY_KEEP_IGNORED = "legacy-keep-ignored"
 KINDS = (
     KEEP_UNUSED,
@@ -92,6 +95,7 @@ KINDS = (
     COMPILED_IN_EAGER,
     NO_SCOPE,
     COMPILE_SWALLOWED,
+    COMPILE_FALLBACK,
     LEGACY_KEEP_IGNORED,
 )
 
@@ -281,6 +285,7 @@ def graph_diagnoses(
     module: str,
     swallowed: list[str] = (),
     backend_name: str = "",
+    grad_enabled: bool = True,
 ) -> list[Diagnosis]:
     """What one compiled graph's tagging records say is wrong (kinds 2, 4 and 5)."""
     from .records import describe_modules
@@ -333,7 +338,17 @@ def graph_diagnoses(
                         "(e.g. the matmul or attention core), or drop the name from keep.",
                     )
                 )
-        for name, how in sorted(set(rec.unbalanced)):
+        # A graph without a backward compiled while gradients were on (a graph break
+        # left it only a marker, or nothing in it needs grad) still splits the region;
+        # under no_grad / inference mode markers mean nothing and are not reported.
+        unbalanced = rec.unbalanced if (rec.is_training or grad_enabled) else []
+        split_decorated = sorted(
+            set(rec.decorated_context)
+            | {n for n, how in unbalanced if how == "enter without exit" and n in rec.decorated_enters}
+        )
+        # a decorated region split by a graph break: one graph-break report, not unbalanced
+        unbalanced = [(n, how) for n, how in unbalanced if n not in split_decorated]
+        for name, how in sorted(set(unbalanced)):
             add(
                 Diagnosis(
                     UNBALANCED,
@@ -349,7 +364,7 @@ def graph_diagnoses(
                     "exception skipped the exit; use region(...) as a with-block or decorator.",
                 )
             )
-        for name in rec.decorated_context:
+        for name in split_decorated:
             add(
                 Diagnosis(
                     GRAPH_BREAK,

@@ -34,7 +34,17 @@ import torch.nn as nn
 
 from .config import SacConfig
 
-__all__ = ["LAYERS", "config_for", "layer_inputs", "regions_for", "tiny_llama", "tiny_qwen3_moe"]
+__all__ = [
+    "LAYERS",
+    "LayerCall",
+    "batch",
+    "config_for",
+    "layer_call",
+    "layer_inputs",
+    "regions_for",
+    "tiny_llama",
+    "tiny_qwen3_moe",
+]
 
 #: The decoder layers of every ``*ForCausalLM`` supported here.
 LAYERS = "model.layers.*"
@@ -140,3 +150,22 @@ def layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dic
         config=model.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=pos
     )
     return h, {"attention_mask": mask, "position_embeddings": cos_sin, "position_ids": pos}
+
+
+class LayerCall(nn.Module):
+    """One decoder layer called as the model calls it, as a one-argument module
+    (for ``capture_partition`` / ``parity_report`` on a single layer)."""
+
+    def __init__(self, layer: nn.Module, kwargs: dict[str, Any]) -> None:
+        super().__init__()
+        self.layer = layer
+        self.kwargs = kwargs
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.layer(hidden_states, **self.kwargs)
+
+
+def layer_call(model: nn.Module, ids: torch.Tensor, index: int = 0) -> tuple[LayerCall, torch.Tensor]:
+    """``(LayerCall for decoder layer `index`, its input hidden states)``."""
+    h, kwargs = layer_inputs(model, ids)
+    return LayerCall(getattr(model, "_orig_mod", model).model.layers[index], kwargs), h

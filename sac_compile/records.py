@@ -69,6 +69,8 @@ class GraphRecord:
     # region.__enter__/__exit__'s own frame: the frame around that `with` block
     # fell back to eager (a graph break inside it), so its ops were not compiled.
     eager_fallbacks: list[tuple[str, str, str]] = field(default_factory=list)
+    # regions whose enter marker came from the @region decorator's wrapper
+    decorated_enters: set[str] = field(default_factory=set)
     # region name -> {(module path, class name)} where it was entered (from nn_module_stack)
     region_modules: dict[str, set[tuple[str, str]]] = field(default_factory=dict)
     # node name -> regions open when it ran, for the partition report

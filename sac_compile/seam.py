@@ -60,11 +60,12 @@ class SeamConfig:
     compile_options: tuple[tuple[str, Any], ...] | None  # None: not compiled by the seam
 
 
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple, type] = {}
 # Modules already checked for diagnoses (weakly held: ids are reused once a module dies);
 # the diagnoses themselves are deduplicated per root module by sac_compile.diagnostics.
 _legacy_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _compiled_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_fallback_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _eager_calls: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
@@ -117,7 +118,7 @@ def apply_selective_checkpointing(
             "apply_selective_checkpointing first (or pass compile=True to it)"
         )
     module._sac_seam = config
-    module.__class__ = _subclass_for(type(module))
+    module.__class__ = _subclass_for(type(module), config)
     if options is not None:
         opts = dict(options)
         backend = make_sac_backend(
@@ -149,20 +150,23 @@ def _compile_options(compile: object) -> tuple[tuple[str, Any], ...] | None:
     raise TypeError(f"compile must be a bool or a dict of options, got {type(compile).__name__} {compile!r}")
 
 
-def _subclass_for(cls: type) -> type:
+def _subclass_for(cls: type, config: SeamConfig) -> type:
     """The generated subclass of ``cls`` whose ``_call_impl`` applies the seam."""
-    if cls not in _SUBCLASSES:
-        # A fresh code object per class: Dynamo keys its cache on code objects, so
-        # distinct layer classes do not share (and exhaust) one recompile budget.
+    key = (cls, format_keep(config.keep), config.preserve_rng_state, repr(config.compile_options))
+    if key not in _SUBCLASSES:
+        # A fresh code object per class and configuration: Dynamo keys its cache
+        # (and its recompile_limit of 8 entries) on code objects, and each backend
+        # needs its own entries, so distinct layer classes or keep sets do not share
+        # (and exhaust) one budget and silently run eagerly.
         template = _seam_call_impl
         code = template.__code__.replace(co_name=f"_sac_call_impl_{cls.__name__}")
         call_impl = types.FunctionType(code, template.__globals__, code.co_name, template.__defaults__)
-        _SUBCLASSES[cls] = type(
+        _SUBCLASSES[key] = type(
             f"SelectiveCheckpointed{cls.__name__}",
             (cls,),
             {"_call_impl": call_impl, "__module__": cls.__module__, "_sac_seam_class": True},
         )
-    return _SUBCLASSES[cls]
+    return _SUBCLASSES[key]
 
 
 def _seam_call_impl(self, *args, **kwargs):
@@ -185,6 +189,8 @@ def _seam_call_impl(self, *args, **kwargs):
         out = call(*args, **kwargs)
         torch.ops.sac_compile.scope_exit(scope_id, keep_text)
         return out
+    if config.compile_options is not None:
+        _report_compile_fallback(self)
     _report_compiled_inside(self)
     if legacy:
         _report_legacy(self, config)
@@ -273,9 +279,9 @@ def _report_compiled_inside(module: nn.Module) -> None:
         return
     _compiled_checked.add(module)
     compiled = [
-        name or "<itself>"
+        name
         for name, sub in module.named_modules()
-        if getattr(sub, "_compiled_call_impl", None) is not None
+        if name and getattr(sub, "_compiled_call_impl", None) is not None
     ]
     if compiled:
         owner = diagnostics.owner_on_stack(3)
@@ -290,6 +296,25 @@ def _report_compiled_inside(module: nn.Module) -> None:
             ),
             owner,
         )
+
+
+def _report_compile_fallback(module: nn.Module) -> None:
+    """A layer wrapped with compile=True is running eagerly: Dynamo did not compile it."""
+    if module in _fallback_checked:
+        return
+    _fallback_checked.add(module)
+    owner = diagnostics.owner_on_stack(3)
+    diagnostics.report(
+        diagnostics.Diagnosis(
+            diagnostics.COMPILE_FALLBACK,
+            "-",
+            _where(module, owner),
+            "it was wrapped with compile=True but runs eagerly: Dynamo did not compile its call (recompile "
+            "limit reached, the frame was skipped, or compiling is disabled), so the eager engine checkpoints "
+            "it instead (correct, slower). See TORCH_LOGS=recompiles,graph_breaks.",
+        ),
+        owner,
+    )
 
 
 def _report_legacy(module: nn.Module, config: SeamConfig) -> None:

@@ -264,6 +264,29 @@ def test_outer_compile_swallowing_per_layer_compile_is_reported(reports):
     assert len(reports("compile-swallowed")) == 2  # another model, another (trace-time) report
 
 
+def test_a_compile_true_layer_running_eagerly_is_reported(reports):
+    # Red without: seam._report_compile_fallback.
+    model = _stack(n=2, keep={"attn"}, compile=AOT)
+    with torch.compiler.set_stance("force_eager"):
+        _steps(model, 2)
+    got = reports("compile-fallback")
+    assert len(got) == 1 and "Block (layers.*)" in got[0], got
+    assert reports("compiled-in-eager") == []  # a layer's own compile is not "compiled code inside"
+
+
+def test_many_keep_sets_on_one_layer_class_all_compile(reports):
+    # One generated code object per (class, configuration): Dynamo's recompile_limit (8)
+    # counts per code object, so ten keep sets on one class must not exhaust it.
+    names = [f"k{i}" for i in range(10)]
+    model = Stack(n=10, d=16)
+    for layer, name in zip(model.layers, names):
+        sc.apply_selective_checkpointing(layer, keep={"attn", name}, compile=AOT)
+    with sc.collect_records() as recs:
+        _steps(model, 1)
+    assert len(recs) == 10
+    assert reports("compile-fallback") == []
+
+
 # --- Correct configurations, deduplication, strict ------------------------------------------
 
 

@@ -105,10 +105,24 @@ def tag_regions(graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...]
     if is_training:
         _tag_forward(nodes, _forward_nodes(nodes), keep, initial_open, rec)
     else:
+        open_count: Counter[str] = Counter(initial_open)
+        local_enters: Counter[str] = Counter()
         for n in markers:
-            if ops.marker_kind(n) == "region_enter":
-                rec.regions.setdefault(str(n.args[0]), records.RegionStats(str(n.args[0]))).entered += 1
+            kind = ops.marker_kind(n)
+            name = str(n.args[0])
+            if kind == "region_enter":
+                rec.regions.setdefault(name, records.RegionStats(name)).entered += 1
                 _note_module(rec, n)
+                open_count[name] += 1
+                local_enters[name] += 1
+            elif kind == "region_exit":
+                if open_count[name] > 0:
+                    open_count[name] -= 1
+                    local_enters[name] = max(0, local_enters[name] - 1)
+                else:
+                    rec.unbalanced.append((name, "exit without enter"))
+        for name, count in local_enters.items():
+            rec.unbalanced.extend([(name, "enter without exit")] * count)
         if graph.owning_module is not None and rec.regions:
             # Inductor runs joint passes on HOP bodies (cond branches, ...) before
             # the graph holding them; leave a note for the outer graph's record.
@@ -307,6 +321,8 @@ def _tag_forward(
 
 def _note_module(rec: records.GraphRecord, marker: fx.Node) -> None:
     """Where a region was entered: the innermost module Dynamo saw around the marker."""
+    if "_region_wrapper" in (marker.meta.get("stack_trace") or ""):
+        rec.decorated_enters.add(str(marker.args[0]))  # the @region wrapper emitted it
     stack = marker.meta.get("nn_module_stack") or {}
     if not stack:
         return
