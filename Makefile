@@ -38,6 +38,7 @@ demo: install
 bench: install
 	$(PY) benchmarks/saved_memory.py
 	$(PY) benchmarks/eager_vs_compiled.py
+	$(PY) benchmarks/hf_moe_keep_sets.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
