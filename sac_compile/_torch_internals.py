@@ -147,6 +147,30 @@ def unwrap_dynamo_backend(fn):
     return fn
 
 
+_end_callbacks: dict = {}
+
+
+def on_dynamo_compile_end(callback) -> None:
+    """``callback(compile_id: str)`` after each Dynamo frame compile (``torch._dynamo.callback``).
+
+    Idempotent; call it before relying on it, since ``torch._dynamo.reset()``
+    clears Dynamo's callbacks. The callback must not raise: Dynamo runs it
+    holding a lock and a counter.
+    """
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    run = _end_callbacks.get(callback)
+    if run is None:
+
+        def run(args) -> None:
+            if args.callback_trigger == CallbackTrigger.DYNAMO:
+                callback(str(args.compile_id))
+
+        _end_callbacks[callback] = run
+    if run not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(run)
+
+
 def current_compile_id() -> str | None:
     from torch._guards import CompileContext
 
@@ -168,6 +192,14 @@ def inside_backend_call() -> bool:
 
 
 _OUTPUT_GRAPH = os.path.join("_dynamo", "output_graph.py")
+
+
+def aot_cache_hits() -> int:
+    """How many graphs the AOTAutograd cache has served in this process
+    (``torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]``)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["autograd_cache_hit"])
 
 
 def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:

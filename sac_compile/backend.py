@@ -171,6 +171,7 @@ class SacBackend:
             for sink in _capture_sinks:
                 sink.append(unit)
         pass_ = self.tagging_pass(unit.decorated_context) if self.checkpoint else None
+        diagnostics.note_sac_backend()  # this compile is ours: no "no-pass" at its end
         prev = _current_unit()
         _state.unit = unit
         try:

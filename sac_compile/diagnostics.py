@@ -509,39 +509,102 @@ def _marker_traced(kind: str, payload: tuple) -> None:
         return
     trace = tx.output
     region_name = str(payload[0]) if kind.startswith("region") else f"<scope keep={payload[1]!r}>"
+    cid = ti.current_compile_id()
+    backend = _backend_name(ti.unwrap_dynamo_backend(tx.output.compiler_fn))
     if not ti.inside_backend_call():
         # Dynamo's sighting: remember where the marker is
         module_stack = list(getattr(tx, "nn_module_stack", {}).values())
+        found = []
         if kind == "scope_enter" and payload[0] == 1 and module_stack:
-            _remember(trace, (COMPILE_SWALLOWED, "-"), _where_in_trace(tx, module_stack))
+            found.append(((COMPILE_SWALLOWED, "-"), _where_in_trace(tx, module_stack)))
         if kind.startswith("region"):
-            _remember(trace, (NO_PASS, region_name), _where_in_trace(tx, module_stack))
+            found.append(((NO_PASS, region_name), _where_in_trace(tx, module_stack)))
+        for key, where in found:
+            _remember(trace, key, where)
+            _watch(cid, key, where, backend)
         return
     if compiling_unit() is not None:
         return  # a sac backend is compiling this graph
     # AOTAutograd's sighting inside a backend that is not ours
-    backend = _backend_name(ti.unwrap_dynamo_backend(tx.output.compiler_fn))
     with _trace_lock:
         seen_now, done = _trace_state(trace)
         seen = dict(seen_now)
         todo = [(k, w) for k, w in seen.items() if k not in done and (k[0] != NO_PASS or k[1] == region_name)]
         done.update(k for k, _ in todo)
+        if cid in _watched:
+            _watched[cid]["reported"].update(k for k, _ in todo)
     owner = owner_on_stack(3)
-    for (dkind, region), where in todo:
-        if dkind == COMPILE_SWALLOWED:
-            report(compile_swallowed(where, backend), owner)
-        else:
-            report(
-                Diagnosis(
-                    NO_PASS,
-                    region,
-                    where,
-                    f"its markers were compiled by torch.compile with backend {backend}, which does not run "
-                    "sac_compile's tagging pass, so the region keeps nothing (and no checkpointing happens "
-                    "in the graph). Compile with backend=sac_compile.sac_backend or make_sac_backend(keep=...).",
-                ),
-                owner,
-            )
+    for key, where in todo:
+        report(_trace_diagnosis(key, where, backend), owner)
+
+
+def _trace_diagnosis(key: tuple[str, str], where: str, backend: str, note: str = "") -> Diagnosis:
+    kind, region = key
+    if kind == COMPILE_SWALLOWED:
+        return compile_swallowed(where, backend)
+    return Diagnosis(
+        NO_PASS,
+        region,
+        where,
+        f"its markers were compiled by torch.compile with backend {backend}, which does not run "
+        "sac_compile's tagging pass, so the region keeps nothing (and no checkpointing happens "
+        f"in the graph){note}. Compile with backend=sac_compile.sac_backend or make_sac_backend(keep=...).",
+    )
+
+
+# A warm AOTAutograd cache serves a foreign backend's graph without tracing it again,
+# so AOTAutograd's sighting never comes. Per Dynamo compile (compile id), the sightings
+# are kept until the compile ends; if no sac backend compiled in it and the
+# AOTAutograd cache served a graph meanwhile, they are reported then (logged: Dynamo
+# runs end-of-compile callbacks under its own lock, where raising is unsafe).
+_watched: dict[str | None, dict] = {}
+
+
+def _watch(cid: str | None, key: tuple[str, str], where: str, backend: str) -> None:
+    from . import _torch_internals as ti
+
+    if cid is None:
+        return
+    ti.on_dynamo_compile_end(_on_compile_end)
+    with _trace_lock:
+        state = _watched.get(cid)
+        if state is None:
+            state = _watched[cid] = {
+                "hits": ti.aot_cache_hits(),
+                "sightings": {},
+                "reported": set(),
+                "sac": False,
+                "backend": backend,
+            }
+        state["sightings"].setdefault(key, where)
+
+
+def note_sac_backend() -> None:
+    """A sac backend is compiling in the current Dynamo compile."""
+    from . import _torch_internals as ti
+
+    cid = ti.current_compile_id()
+    with _trace_lock:
+        if cid in _watched:
+            _watched[cid]["sac"] = True
+
+
+def _on_compile_end(cid: str) -> None:
+    from . import _torch_internals as ti
+
+    with _trace_lock:
+        state = _watched.pop(cid, None)
+    if state is None or state["sac"] or ti.aot_cache_hits() <= state["hits"]:
+        return
+    owner = owner_on_stack(2)
+    for key, where in state["sightings"].items():
+        if key in state["reported"]:
+            continue
+        d = _trace_diagnosis(key, where, state["backend"], " (the graph was served from the compile cache)")
+        try:
+            report(d, owner)
+        except SacDiagnosticError:
+            log.error("%s", d.message())
 
 
 def _where_in_trace(tx, module_stack: list) -> str:

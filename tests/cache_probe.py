@@ -1,6 +1,6 @@
 """Run in a fresh process by test_cache.py: compile once with the caches on, print JSON.
 
-Usage: python -m tests.cache_probe KEEP[,KEEP...]   (cache dir from TORCHINDUCTOR_CACHE_DIR)
+Usage: python -m tests.cache_probe KEEP[,KEEP...] [--plain]   (cache dir from TORCHINDUCTOR_CACHE_DIR)
 
 Also prints what the ``sac_compile`` logger said (INFO and up).
 """
@@ -35,8 +35,9 @@ def main() -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 
+    plain = sys.argv[2:] == ["--plain"]  # plain torch.compile: Inductor without the pass
     with sc.collect_records() as recs:
-        compiled = torch.compile(model, backend=sc.make_sac_backend(keep))
+        compiled = torch.compile(model) if plain else torch.compile(model, backend=sc.make_sac_backend(keep))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = compiled(x)
         out.sum().backward()

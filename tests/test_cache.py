@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _probe(keep: str, cache_dir: Path) -> dict:
+def _probe(keep: str, cache_dir: Path, *extra: str) -> dict:
     env = dict(os.environ)
     env.update(
         TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
@@ -21,7 +21,7 @@ def _probe(keep: str, cache_dir: Path) -> dict:
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.cache_probe", keep],
+        [sys.executable, "-m", "tests.cache_probe", keep, *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -72,3 +72,19 @@ def test_diagnostics_neither_misfire_nor_go_silent_on_a_warm_cache(tmp_path):
     assert unchecked["pass_ran"] == 0
     assert [lvl for lvl, _ in unchecked["logged"]] == ["INFO"]
     assert "was not checked" in unchecked["logged"][0][1]
+
+
+@pytest.mark.subprocess
+def test_no_pass_is_reported_when_the_plain_compile_is_served_from_the_cache(tmp_path):
+    """Plain torch.compile (Inductor, no pass) of a marked model: cold, AOTAutograd traces
+    the markers and no-pass fires; warm, the cache serves the graph without tracing it.
+    Red without diagnostics._on_compile_end's cache-hit check: the warm run is silent."""
+    cold = _probe("", tmp_path, "--plain")
+    warm = _probe("", tmp_path, "--plain")
+    assert warm["autograd_cache_hit"] == 1
+    for run in (cold, warm):
+        warnings = sorted(m.split(":")[0] for lvl, m in run["logged"] if lvl == "WARNING")
+        assert warnings == [
+            "sac_compile [no-pass] region 'a' in TwoRegions",
+            "sac_compile [no-pass] region 'b' in TwoRegions",
+        ], run["logged"]
