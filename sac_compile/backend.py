@@ -104,10 +104,7 @@ def _swallowed_layers(gm: torch.fx.GraphModule) -> list[str]:
         if ops.marker_kind(node) == "scope_enter" and node.args[0] == 1:
             stack = list((node.meta.get("nn_module_stack") or {}).values())
             if stack:
-                path, cls = stack[-1]
-                path = ".".join("*" if p.isdigit() else p for p in records.clean_module_path(path).split("."))
-                name = getattr(cls, "__name__", str(cls)).replace("SelectiveCheckpointed", "", 1)
-                found.append(f"{name} ({path or '<root>'})")
+                found.append(records.describe_stack_entry(*stack[-1]))
     return found
 
 

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import ops  # noqa: F401  (registers the marker ops)
 from .keep import validate_region_name
+from .records import generic_path
 
 __all__ = ["RegionDeclarations", "declare_regions", "undeclare_regions"]
 
@@ -175,7 +176,7 @@ def _check_pattern(pattern: object) -> None:
 
 
 def _no_match_message(pattern: str, paths: list[str]) -> str:
-    generic = sorted({".".join("*" if c.isdigit() else c for c in p.split(".")) for p in paths if p})
+    generic = sorted({generic_path(p) for p in paths if p})
     near = difflib.get_close_matches(pattern, generic, n=5, cutoff=0.5)
     if not near:
         # the same depth, or the same last component

@@ -265,11 +265,11 @@ def keep_unused(names: list[str], module: str) -> Diagnosis:
     )
 
 
-def describe_module(module: object, path: str | None = None) -> str:
-    cls = type(module).__name__ if not isinstance(module, str) else module
-    # the seam's generated subclass: name the user's class
-    if cls.startswith("SelectiveCheckpointed") and not isinstance(module, str):
-        cls = type(module).__mro__[1].__name__
+def describe_module(module: nn.Module, path: str | None = None) -> str:
+    """``Block`` or ``Block (layers.*)`` (the user's class, not the seam's generated one)."""
+    from .records import user_class_name
+
+    cls = user_class_name(type(module))
     return f"{cls} ({path})" if path else cls
 
 
@@ -608,14 +608,10 @@ def _on_compile_end(cid: str) -> None:
 
 
 def _where_in_trace(tx, module_stack: list) -> str:
-    from .records import clean_module_path
+    from .records import describe_stack_entry
 
     if module_stack:
-        path, cls = module_stack[-1]
-        cls_name = getattr(cls, "__name__", str(cls)).replace("SelectiveCheckpointed", "", 1)
-        # indices generalised, so that N identical layers give one diagnosis
-        path = ".".join("*" if p.isdigit() else p for p in clean_module_path(path).split("."))
-        return f"{cls_name} ({path or '<root>'})"
+        return describe_stack_entry(*module_stack[-1])
     code = tx.f_code
     if code.co_argcount > 0:
         obj = tx.f_locals.get(code.co_varnames[0])

@@ -94,6 +94,25 @@ def clean_module_path(path: str) -> str:
     return path
 
 
+_SEAM_PREFIX = "SelectiveCheckpointed"  # the seam's generated subclasses (sac_compile.seam)
+
+
+def user_class_name(cls: object) -> str:
+    """The user's class name: the seam's generated ``SelectiveCheckpointedBlock`` reads ``Block``
+    (and ``fully_shard``'s ``FSDPSelectiveCheckpointedBlock`` reads ``FSDPBlock``)."""
+    return getattr(cls, "__name__", str(cls)).replace(_SEAM_PREFIX, "", 1)
+
+
+def generic_path(path: str) -> str:
+    """``layers.3.attn`` -> ``layers.*.attn``: N identical layers read (and deduplicate) as one."""
+    return ".".join("*" if part.isdigit() else part for part in path.split("."))
+
+
+def describe_stack_entry(path: str, cls: object) -> str:
+    """An ``nn_module_stack`` entry as ``Block (layers.*)``."""
+    return f"{user_class_name(cls)} ({generic_path(clean_module_path(path)) or '<root>'})"
+
+
 def describe_modules(where: set[tuple[str, str]]) -> str:
     """``{("layers.0.attn", "Attention"), ("layers.1.attn", "Attention")}`` -> ``Attention (layers.*.attn)``."""
     if not where:

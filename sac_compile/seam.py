@@ -41,6 +41,7 @@ from . import diagnostics
 from .backend import make_sac_backend
 from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+from .records import generic_path
 
 __all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_wrapped"]
 
@@ -269,7 +270,7 @@ def _where(module: nn.Module, owner: object) -> str:
     if isinstance(owner, nn.Module):
         path = next((name for name, sub in owner.named_modules() if sub is module), None)
     if path is not None:
-        path = ".".join("*" if part.isdigit() else part for part in path.split(".")) or "<root>"
+        path = generic_path(path) or "<root>"
     return diagnostics.describe_module(module, path)
 
 

@@ -327,10 +327,8 @@ def _note_module(rec: records.GraphRecord, marker: fx.Node) -> None:
     if not stack:
         return
     path, cls = list(stack.values())[-1]
-    name = getattr(cls, "__name__", str(cls))
-    if name.startswith("SelectiveCheckpointed"):
-        name = name[len("SelectiveCheckpointed") :]
-    rec.region_modules.setdefault(str(marker.args[0]), set()).add((records.clean_module_path(path), name))
+    where = (records.clean_module_path(path), records.user_class_name(cls))
+    rec.region_modules.setdefault(str(marker.args[0]), set()).add(where)
 
 
 def _policy_for(n: fx.Node, kept: bool) -> CheckpointPolicy | None:
