@@ -63,19 +63,8 @@ def step(model, ids) -> float:
 def eager_bytes(model, ids, keep) -> int:
     """Bytes one decoder layer holds for backward in eager mode."""
     layer, h = hf.layer_call(model, ids)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     if keep is None:
-        held: dict[int, int] = {}
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params:
-                held[s.data_ptr()] = s.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(h).sum().backward()
-        return sum(held.values())
+        return sc.autograd_saved_bytes(layer, h, exclude=model.parameters())
     stats: list = []
     checkpoint_with_regions(layer, h, keep=set(keep), stats_out=stats).sum().backward()
     activations = sum(v for k, v in stats[0].held_by_region.items() if k != "rng")

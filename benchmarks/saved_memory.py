@@ -57,22 +57,6 @@ def configurations(inner: str, budgets: list[float]) -> list[tuple[str, object]]
     return configs
 
 
-def hook_bytes(layer_fn, x: torch.Tensor, params: set[int]) -> int:
-    """Bytes of distinct storages the compiled layer saves for backward, parameters excluded."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = layer_fn(x)
-    out.sum().backward()
-    return sum(storages.values())
-
-
 def report_bytes(layer, x: torch.Tensor, backend) -> int:
     if isinstance(backend, BudgetBackend):
         with functorch_config.patch(activation_memory_budget=backend.budget):
@@ -99,7 +83,6 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     model = Stack(args.layers, args.d_model, args.heads)
     x = torch.randn(args.batch, args.seq, args.d_model, requires_grad=True)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     budgets = [float(b) for b in args.budgets.split(",") if b]
     configs = configurations(args.inner, budgets)
 
@@ -112,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
             from_report = report_bytes(layer0, x, backend)
             fns = [torch.compile(layer, backend=backend) for layer in model.layers]
             compiled[name] = fns
-            from_hooks = hook_bytes(fns[0], x, params)
+            from_hooks = sc.autograd_saved_bytes(fns[0], x, exclude=model.parameters())
             rows[name] = {"report_bytes": from_report, "hook_bytes": from_hooks}
 
         def step(fns):

@@ -7,7 +7,7 @@ from .backend import make_sac_backend, sac_backend
 from .config import SacConfig
 from .declare import RegionDeclarations, declare_regions, declared_regions, undeclare_regions
 from .diagnostics import SacDiagnosticError, set_strict, strict
-from .inspection import PartitionReport, capture_partition
+from .inspection import PartitionReport, autograd_saved_bytes, capture_partition
 from .keep import ALL_REGIONS
 from .markers import region
 from .records import collect_records, recent_records
@@ -35,6 +35,7 @@ __all__ = [
     # Inspecting
     "capture_partition",  # what a compiled fn saves and recomputes
     "PartitionReport",
+    "autograd_saved_bytes",  # what autograd saves while fn runs (an independent check)
     "collect_records",  # what the tagging pass saw, per graph
     "recent_records",
 ]

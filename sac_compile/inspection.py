@@ -19,7 +19,7 @@ import torch
 from . import backend as _backend
 from .records import GraphRecord
 
-__all__ = ["GraphPartition", "PartitionReport", "SavedValue", "capture_partition"]
+__all__ = ["GraphPartition", "PartitionReport", "SavedValue", "autograd_saved_bytes", "capture_partition"]
 
 INPUT = "input"
 PARAM = "param"
@@ -347,3 +347,26 @@ def _scalar_loss(out: Any) -> torch.Tensor | None:
     if not leaves:
         return None
     return sum(t.sum() for t in leaves)
+
+
+def autograd_saved_bytes(fn, *args: Any, exclude: Any = ()) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn(*args)`` runs.
+
+    An independent check of a partition report (and the eager no-checkpoint
+    baseline): ``saved_tensors_hooks`` see what the compiled graph or the eager
+    ops hand to autograd. Storages of the tensors in ``exclude`` (pass the
+    parameters) are left out. Runs ``fn(*args).sum().backward()``.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    out.sum().backward()
+    return sum(storages.values())

@@ -125,18 +125,7 @@ def test_eager_held_bytes_per_layer_rise_with_kept_regions(name):
     _, model, (a, b) = _pair(name)
     sc.declare_regions(model, hf.regions_for(model))
     layer, h = _layer0(model)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held_none: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            held_none[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(h).sum().backward()
-    none = sum(held_none.values())
+    none = sc.autograd_saved_bytes(layer, h, exclude=model.parameters())
     from sac_compile.eager import checkpoint_with_regions
 
     held = {}
