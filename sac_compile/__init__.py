@@ -7,7 +7,7 @@ from .backend import make_sac_backend, sac_backend
 from .config import SacConfig
 from .declare import RegionDeclarations, declare_regions, declared_regions, undeclare_regions
 from .diagnostics import SacDiagnosticError, set_strict, strict
-from .inspection import PartitionReport, autograd_saved_bytes, capture_partition
+from .inspection import PartitionReport, autograd_saved_bytes, capture_partition, collectives_run
 from .keep import ALL_REGIONS
 from .markers import region
 from .records import collect_records, recent_records
@@ -36,6 +36,7 @@ __all__ = [
     "capture_partition",  # what a compiled fn saves and recomputes
     "PartitionReport",
     "autograd_saved_bytes",  # what autograd saves while fn runs (an independent check)
+    "collectives_run",  # the collectives fn runs (forward, backward, recompute)
     "collect_records",  # what the tagging pass saw, per graph
     "recent_records",
 ]

@@ -14,7 +14,17 @@ import torch.nn.functional as F
 from .keep import ALL_REGIONS
 from .markers import checkpoint_scope, region
 
-__all__ = ["Attention", "Block", "MoE", "MoEBlock", "ScopedStack", "Stack"]
+__all__ = [
+    "Attention",
+    "Block",
+    "EPBlock",
+    "EPStack",
+    "ExpertParallelMoE",
+    "MoE",
+    "MoEBlock",
+    "ScopedStack",
+    "Stack",
+]
 
 
 class Attention(nn.Module):
@@ -138,3 +148,163 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
         return x + self.moe(self.ln2(x))
+
+
+class ExpertParallelMoE(nn.Module):
+    """Top-k mixture of experts whose experts are split over the ranks of ``group``
+    (expert parallelism): router -> dispatch all-to-all -> expert GEMMs -> combine all-to-all.
+
+    Every shape is static (GShard-style fixed capacity: each expert has ``C`` slots
+    per source rank, ``C`` = the number of local tokens, so no token is ever
+    dropped and the result equals a single process holding every expert), so the
+    all-to-alls have equal splits and compile without data-dependent sizes. The
+    collectives are the autograd-aware functional ones
+    (``all_to_all_single_autograd``): their backward is itself an all-to-all.
+
+    Regions, per micro-batch: ``"moe.router"`` (gate, top-k, slot indices),
+    ``"moe.dispatch"`` (scatter into expert slots + all-to-all), ``"moe.experts"``
+    (two batched GEMMs with SiLU between), ``"moe.combine"`` (all-to-all back +
+    weighted gather). With ``micro_batches=2`` the tokens are split in two whose
+    stages interleave inside the layer (dispatch 0, dispatch 1, experts 0,
+    combine 0, experts 1, combine 1), so that micro-batch 1's dispatch can overlap
+    micro-batch 0's experts; each stage of each micro-batch is its own region.
+
+    ``group=None`` runs every expert in this process (no collective): the
+    single-process reference. :meth:`shard_from` copies a reference's weights,
+    this rank's slice of the experts.
+    """
+
+    def __init__(
+        self,
+        d: int = 16,
+        n_experts: int = 4,
+        top_k: int = 2,
+        hidden: int | None = None,
+        group: object = None,
+        micro_batches: int = 1,
+    ) -> None:
+        super().__init__()
+        import torch.distributed as dist
+
+        self.world = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        if n_experts % self.world:
+            raise ValueError(f"n_experts={n_experts} must be divisible by the group size {self.world}")
+        if micro_batches not in (1, 2):
+            raise ValueError(f"micro_batches={micro_batches!r}: expected 1 or 2")
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        hidden = hidden or 2 * d
+        self.group = group
+        self.n_experts, self.top_k, self.micro_batches = n_experts, top_k, micro_batches
+        local = n_experts // self.world
+        self.gate = nn.Linear(d, n_experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(local, d, hidden) / d**0.5)
+        self.w_out = nn.Parameter(torch.randn(local, hidden, d) / hidden**0.5)
+
+    @torch.no_grad()
+    def shard_from(self, full: ExpertParallelMoE) -> ExpertParallelMoE:
+        """Copy ``full``'s gate and this rank's slice of its experts."""
+        local = self.w_in.shape[0]
+        self.gate.weight.copy_(full.gate.weight)
+        self.w_in.copy_(full.w_in[self.rank * local : (self.rank + 1) * local])
+        self.w_out.copy_(full.w_out[self.rank * local : (self.rank + 1) * local])
+        return self
+
+    def _all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return t
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        return all_to_all_single_autograd(t, None, None, self.group)
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gate weights [T*k], source token [T*k] and expert slot [T*k] of every (token, choice)."""
+        tokens = x.shape[0]
+        probs = torch.softmax(self.gate(x), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        expert = chosen.reshape(-1)
+        token = torch.arange(tokens, device=x.device).repeat_interleave(self.top_k)
+        one_hot = F.one_hot(expert, self.n_experts)
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # arrival order within the expert
+        return weights.reshape(-1), token, expert * tokens + position
+
+    def _dispatch(self, x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        send = x.new_zeros(self.n_experts * x.shape[0], x.shape[1]).index_add(0, slot, x[token])
+        return self._all_to_all(send)  # [world (source), local experts, C, d]
+
+    def _experts(self, received: torch.Tensor, capacity: int) -> torch.Tensor:
+        local, d = self.w_in.shape[0], received.shape[-1]
+        h = received.view(self.world, local, capacity, d).transpose(0, 1).reshape(local, -1, d)
+        y = torch.bmm(F.silu(torch.bmm(h, self.w_in)), self.w_out)
+        return y.view(local, self.world, capacity, d).transpose(0, 1).reshape(-1, d)
+
+    def _combine(self, y: torch.Tensor, weights, token, slot, tokens: int) -> torch.Tensor:
+        back = self._all_to_all(y)  # [experts * C, d], this rank's tokens
+        out = back.new_zeros(tokens, back.shape[-1])
+        return out.index_add(0, token, back[slot] * weights[:, None].to(back.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        chunks = x.reshape(-1, shape[-1]).chunk(self.micro_batches)
+        routes, received, outs = [], [], []
+        for mb in chunks:
+            with region("moe.router"):
+                routes.append(self._route(mb))
+        for mb, (_, token, slot) in zip(chunks, routes):
+            with region("moe.dispatch"):
+                received.append(self._dispatch(mb, token, slot))
+        for mb, route, recv in zip(chunks, routes, received):
+            with region("moe.experts"):
+                y = self._experts(recv, mb.shape[0])
+            with region("moe.combine"):
+                outs.append(self._combine(y, *route, mb.shape[0]))
+        return torch.cat(outs).reshape(shape)
+
+
+class EPBlock(nn.Module):
+    """Pre-norm block: attention (``"attn"``) then an :class:`ExpertParallelMoE`."""
+
+    def __init__(
+        self,
+        d: int = 16,
+        heads: int = 2,
+        n_experts: int = 4,
+        top_k: int = 2,
+        group: object = None,
+        micro_batches: int = 1,
+    ) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.moe = ExpertParallelMoE(d, n_experts, top_k, group=group, micro_batches=micro_batches)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.moe(self.ln2(x))
+
+
+class EPStack(nn.Module):
+    """``n`` :class:`EPBlock` layers; ``group=None`` is the single-process reference."""
+
+    def __init__(
+        self, n: int = 2, d: int = 16, heads: int = 2, n_experts: int = 4, top_k: int = 2, **kw
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(EPBlock(d, heads, n_experts, top_k, **kw) for _ in range(n))
+
+    @torch.no_grad()
+    def shard_from(self, full: EPStack) -> EPStack:
+        """Copy ``full``'s replicated weights and this rank's slice of every layer's experts."""
+        for mine, ref in zip(self.layers, full.layers, strict=True):
+            for name, p in mine.named_parameters():
+                if not name.startswith("moe."):
+                    p.copy_(ref.get_parameter(name))
+            mine.moe.shard_from(ref.moe)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x

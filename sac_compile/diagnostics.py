@@ -25,6 +25,8 @@ kind                        situation
 - ``compile-fallback``      a layer wrapped with ``compile=True`` runs eagerly (Dynamo did not
                             compile it: recompile limit, skipped frame); the eager engine runs
 - ``legacy-keep-ignored``   a layer opted into reentrant checkpointing with a non-empty keep
+- ``collective-recomputed`` the eager engine ran a collective inside a kept region: it is
+                            recomputed (communicates again) in the backward all the same
 ==========================  ==================================================================
 
 Deduplication is on the whole diagnosis (kind, region, module, text) per
@@ -85,6 +87,7 @@ NO_SCOPE = "no-scope"
 COMPILE_SWALLOWED = "compile-swallowed"
 COMPILE_FALLBACK = "compile-fallback"
 LEGACY_KEEP_IGNORED = "legacy-keep-ignored"
+COLLECTIVE_RECOMPUTED = "collective-recomputed"
 KINDS = (
     KEEP_UNUSED,
     KEPT_NOTHING,
@@ -97,6 +100,7 @@ KINDS = (
     COMPILE_SWALLOWED,
     COMPILE_FALLBACK,
     LEGACY_KEEP_IGNORED,
+    COLLECTIVE_RECOMPUTED,
 )
 
 

@@ -10,8 +10,12 @@ Forward (caching mode), per op, in program order:
 
 * in a kept region: its output is cached (a detached alias);
 * otherwise it is recomputed in the backward;
-* ``c10d`` / ``_c10d_functional`` ops are always recomputed (counted): their
-  destination buffer may have been allocated outside the region;
+* ``c10d`` / ``_c10d_functional`` ops are always recomputed: their destination
+  buffer may have been allocated outside the region. Each collective (not its
+  ``wait_tensor`` / wrapper companions) is counted, by region; one in a kept
+  region is a *forced* recompute (reported by the seam). A recomputed functional
+  collective is waited on at once: when only kept ops read it, nothing else
+  would, and the process group would hold the unwaited work (and its buffer);
 * ``out=`` variants, and ops run with grad disabled (compiled code's forward),
   are re-run rather than served: their buffers may be new in the recompute;
 * an in-place write (``alias_info.is_write`` on a non-``out`` argument) into a
@@ -63,6 +67,10 @@ __all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions"]
 
 _IGNORED = {torch.ops.aten.detach.default, torch.ops.prim.device.default} | set(ops.MARKER_OPS)
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+# recomputed with their collective, but not communication themselves
+_COLLECTIVE_COMPANIONS = frozenset(
+    {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd"}
+)
 _LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 
 
@@ -123,7 +131,9 @@ class EngineStats:
     cached_ops: int = 0
     recomputed_ops: int = 0
     dropped_ops: int = 0
-    forced_collectives: int = 0
+    forced_collectives: int = 0  # collectives in kept regions, recomputed anyway
+    # (regions open, op name, forced) of every collective this call ran, in order
+    collectives: list[tuple[tuple[str, ...], str, bool]] = field(default_factory=list)
     mutated_recomputes: int = 0
     held_bytes: int = 0  # bytes of cached values held after the forward
     held_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -237,7 +247,19 @@ def _served_write(func: Any):
 
 
 def _is_collective(func: Any) -> bool:
+    """A ``c10d`` / ``_c10d_functional`` op, communication or companion (always recomputed)."""
     return getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
+def _communicates(func: Any) -> bool:
+    """A collective proper (counted), as opposed to its wait / wrapper companions."""
+    return _is_collective(func) and func._schema.name not in _COLLECTIVE_COMPANIONS
+
+
+def _wait_functional(func: Any, out: Any) -> None:
+    if func.namespace == "_c10d_functional":
+        for t in _tensors(out):
+            torch.ops._c10d_functional.wait_tensor.default(t)
 
 
 def _is_random(func: Any) -> bool:
@@ -396,8 +418,12 @@ class _CachingMode(TorchDispatchMode):
         # buffers with kernels this mode never sees.
         cached = kept and torch.is_grad_enabled() and not writes.has_out
         if _is_collective(func):
+            if _communicates(func):
+                # (a functional collective's forward runs with grad disabled, under its
+                # autograd kernel: kept is what the region asked for)
+                st.stats.collectives.append((regions, str(func.overloadpacket), kept))
+                st.stats.forced_collectives += kept
             cached = False
-            st.stats.forced_collectives += 1
         external_writes = []
         for t in writes.in_place:
             s = _storage(t)
@@ -481,7 +507,10 @@ class _CachedMode(TorchDispatchMode):
             )
         if e.rng_state is not None:
             _set_rng_state(e.rng_state)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if _communicates(func):
+            _wait_functional(func, out)
+        return out
 
 
 class _Geometry:

@@ -10,7 +10,7 @@ a *recomputed* node is a forward node that the backward graph computes again.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,14 @@ import torch
 from . import backend as _backend
 from .records import GraphRecord
 
-__all__ = ["GraphPartition", "PartitionReport", "SavedValue", "autograd_saved_bytes", "capture_partition"]
+__all__ = [
+    "GraphPartition",
+    "PartitionReport",
+    "SavedValue",
+    "autograd_saved_bytes",
+    "capture_partition",
+    "collectives_run",
+]
 
 INPUT = "input"
 PARAM = "param"
@@ -370,3 +377,31 @@ def autograd_saved_bytes(fn, *args: Any, exclude: Any = ()) -> int:
         out = fn(*args)
     out.sum().backward()
     return sum(storages.values())
+
+
+def collectives_run(fn, *args: Any, **kwargs: Any) -> tuple[Any, Counter]:
+    """Run ``fn(*args, **kwargs)`` and count the collectives it runs, by op.
+
+    Counts ``c10d`` / ``_c10d_functional`` communication ops (not ``wait_tensor``
+    and the async wrapper) seen by a ``TorchDispatchMode``, including those a
+    backward run inside ``fn`` executes (autograd carries the mode into the
+    backward) and those that compiled code calls (Inductor and ``aot_eager``
+    call collectives as ops). Returns ``(fn's result, Counter)``.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .eager import _communicates
+
+    counts: Counter = Counter()
+
+    class _Count(TorchDispatchMode):
+        supports_higher_order_operators = True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _communicates(func):
+                counts[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        out = fn(*args, **kwargs)
+    return out, counts

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -216,6 +217,29 @@ def _seam_call_impl(self, *args, **kwargs):
     return out
 
 
+def _report_forced_collectives(stats, config: SeamConfig, where: str, owner: object) -> None:
+    """Collectives the eager engine re-ran in the backward although their region is kept."""
+    forced: dict[str, Counter] = {}
+    for regions, op, was_forced in stats.collectives:
+        for name in regions:
+            if was_forced and (config.keep is ALL_REGIONS or name in config.keep):
+                forced.setdefault(name, Counter())[op] += 1
+    for name, ops_run in sorted(forced.items()):
+        listed = ", ".join(f"{n} x {op}" for op, n in sorted(ops_run.items()))
+        diagnostics.report(
+            diagnostics.Diagnosis(
+                diagnostics.COLLECTIVE_RECOMPUTED,
+                name,
+                where,
+                f"it is kept, but the eager engine recomputes the collectives in it ({listed} per call), "
+                "so the backward communicates again: their output buffers may be written outside the "
+                "region, so eager mode never serves them from a cache. A compiled layer "
+                "(compile=True, or a sac backend) saves kept functional collectives instead.",
+            ),
+            owner,
+        )
+
+
 def _check_eager(module: nn.Module, config: SeamConfig, stats) -> None:
     """Diagnoses of one eager engine call (until the module has been checked twice)."""
     owner = diagnostics.owner_on_stack(2)
@@ -238,6 +262,7 @@ def _check_eager(module: nn.Module, config: SeamConfig, stats) -> None:
                     ),
                     owner,
                 )
+        _report_forced_collectives(stats, config, where, owner)
         for name, how in sorted(set(stats.unbalanced)):
             diagnostics.report(
                 diagnostics.Diagnosis(

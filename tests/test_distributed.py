@@ -5,12 +5,14 @@ Select with ``pytest -m distributed``; ``make test`` runs them.
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 
 import pytest
 import torch
 
-from .distributed import RankFailed, run_ranks
+from sac_compile.testing import RankFailed, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -96,3 +98,156 @@ def test_a_rank_that_raises_fails_fast_with_its_traceback():
 def test_a_hanging_rank_ends_in_a_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 15 s"):
         run_ranks(_hang, timeout=15)
+
+
+# --- expert-parallel MoE ------------------------------------------------------------------
+
+EP_KEEPS = {
+    "full": (),
+    "experts": ("moe.experts",),
+    "dispatch": ("moe.dispatch",),
+    "spanning": ("moe.dispatch", "moe.experts", "moe.combine"),  # across both all-to-alls
+}
+EP_LAYERS = 2
+A2A = "_c10d_functional.all_to_all_single"
+
+
+class _Kinds(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.search(r"\[([a-z-]+)\] region '([^']*)'", record.getMessage())
+        if found:
+            self.seen.add(found.groups())
+
+
+def _ep_moe_vs_single_process(rank: int, world_size: int, compiled: bool, micro_batches: int) -> dict:
+    """Per keep set: one SGD-free training step of a 2-layer expert-parallel MoE (experts split
+    over the ranks, each layer wrapped by the seam) against one process holding every expert,
+    the collectives its backward runs, and (eager) the engine's collective log or (compiled)
+    the partition of one layer."""
+    import torch.distributed as dist
+
+    import sac_compile as sc
+    from sac_compile.demo_models import EPBlock, EPStack
+    from sac_compile.eager import checkpoint_with_regions
+
+    group = dist.group.WORLD
+    out = {}
+    kinds = _Kinds()
+    logging.getLogger("sac_compile").addHandler(kinds)
+    for label, keep in EP_KEEPS.items():
+        kinds.seen.clear()
+        torch.manual_seed(0)
+        ref = EPStack(n=EP_LAYERS, micro_batches=micro_batches)
+        model = EPStack(n=EP_LAYERS, group=group, micro_batches=micro_batches).shard_from(ref)
+        for layer in model.layers:
+            sc.apply_selective_checkpointing(
+                layer, keep=set(keep), compile={"inner": "aot_eager"} if compiled else False
+            )
+        x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+        tokens = x.shape[0] * x.shape[1]
+        local = x.chunk(world_size)[rank]
+        loss = model(local).pow(2).sum() / tokens
+        _, backward = sc.collectives_run(loss.backward)
+        # collectives issued and never waited on (the process group holds their buffers)
+        unwaited = torch._C._distributed_c10d._get_work_registry_size()
+        ref_loss = ref(x).pow(2).sum() / tokens
+        ref_loss.backward()
+        worst = 0.0
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            g = p.grad.clone()
+            if name.endswith(("moe.w_in", "moe.w_out")):  # this rank's experts
+                n = g.shape[0]
+                expected = q.grad[rank * n : (rank + 1) * n]
+            else:  # replicated: the ranks' gradients sum to the whole batch's
+                dist.all_reduce(g)
+                expected = q.grad
+            worst = max(worst, (g - expected).abs().max().item())
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        entry = {
+            "loss": abs(total.item() - ref_loss.item()),
+            "grad": worst,
+            "backward": dict(backward),
+            "diagnosed": sorted(kinds.seen),
+            "unwaited": unwaited,
+        }
+        torch.manual_seed(0)
+        layer = EPBlock(group=group, micro_batches=micro_batches)
+        if compiled:
+            report = sc.capture_partition(
+                layer, local, backend=sc.make_sac_backend(set(keep), inner="aot_eager")
+            )
+            (g,) = report.graphs
+            entry["recomputed"] = {
+                region: sum(op == A2A for _, op in nodes) for region, nodes in g.recomputed.items()
+            }
+            entry["recomputed"] = {r: n for r, n in entry["recomputed"].items() if n}
+            policy = g.record.node_policy
+            collectives = [v for k, v in policy.items() if k.startswith("all_to_all_single")]
+            waits = [v for k, v in policy.items() if k.startswith("wait_tensor")]
+            entry["tags"] = list(zip(collectives, waits, strict=True))
+        else:
+            stats: list = []
+            checkpoint_with_regions(layer, local, keep=frozenset(keep), stats_out=stats).sum().backward()
+            entry["collectives"] = stats[0].collectives
+            entry["forced"] = stats[0].forced_collectives
+        out[label] = entry
+    logging.getLogger("sac_compile").removeHandler(kinds)
+    return out
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["1mb", "2mb"])
+def test_expert_parallel_moe_eager_recomputes_every_collective(micro_batches):
+    """Eager: each forward all-to-all runs again in the backward whatever is kept (forced when
+    its region is kept: counted and reported); gradients match one process."""
+    forward = EP_LAYERS * 2 * micro_batches  # dispatch + combine per micro-batch per layer
+    for r in run_ranks(_ep_moe_vs_single_process, False, micro_batches):
+        for label, keep in EP_KEEPS.items():
+            got = r[label]
+            assert got["loss"] < 1e-6 and got["grad"] < 1e-5, (label, got)
+            assert got["unwaited"] == 0, label
+            # its own backward (an all-to-all per all-to-all) + the recomputed forward ones
+            assert got["backward"] == {A2A: 2 * forward}, (label, got["backward"])
+            regions = [regions for regions, _, _ in got["collectives"]]
+            assert regions == [("moe.dispatch",)] * micro_batches + [("moe.combine",)] * micro_batches
+            forced = [f for _, _, f in got["collectives"]]
+            assert forced == [rs[0] in keep for rs in regions], label
+            assert got["forced"] == sum(forced)
+            reported = {name for kind, name in got["diagnosed"] if kind == "collective-recomputed"}
+            assert reported == {"moe.dispatch", "moe.combine"} & set(keep), (label, got["diagnosed"])
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2], ids=["1mb", "2mb"])
+def test_expert_parallel_moe_compiled_saves_kept_collectives(micro_batches):
+    """Compiled: a kept dispatch is not re-communicated (no forward all-to-all of moe.dispatch in
+    the partitioned backward); with nothing kept every forward all-to-all is recomputed; each
+    collective and its wait_tensor carry the same tag; gradients match one process."""
+    inherent = EP_LAYERS * 2 * micro_batches
+    expected = {
+        "full": {"moe.dispatch": micro_batches, "moe.combine": micro_batches},
+        # the combine's output feeds the gate-weighted gather, recomputed
+        "experts": {"moe.combine": micro_batches},
+        "dispatch": {"moe.combine": micro_batches},
+        "spanning": {},
+    }
+    for r in run_ranks(_ep_moe_vs_single_process, True, micro_batches):
+        for label, keep in EP_KEEPS.items():
+            got = r[label]
+            assert got["loss"] < 1e-6 and got["grad"] < 1e-5, (label, got)
+            assert got["unwaited"] == 0, label
+            assert got["recomputed"] == expected[label], (label, got["recomputed"])
+            recomputed = EP_LAYERS * sum(expected[label].values())
+            assert got["backward"] == {A2A: inherent + recomputed}, (label, got["backward"])
+            assert len(got["tags"]) == 2 * micro_batches
+            for collective, wait in got["tags"]:
+                assert collective == wait, (label, got["tags"])
+            kept = {"moe.dispatch", "moe.combine"} & set(keep)
+            assert [c for c, _ in got["tags"]] == [
+                "MUST_SAVE" if region in kept else "MUST_RECOMPUTE"
+                for region in ["moe.dispatch"] * micro_batches + ["moe.combine"] * micro_batches
+            ], label
+            assert not any(kind == "collective-recomputed" for kind, _ in got["diagnosed"])

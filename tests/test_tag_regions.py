@@ -306,3 +306,27 @@ def test_functional_collective_in_a_kept_region_is_not_recommunicated(world_of_o
     torch._dynamo.reset()
     not_kept = sc.capture_partition(f, x, backend=sc.make_sac_backend((), inner=inner))
     assert {"_c10d_functional.all_reduce", "_c10d_functional.wait_tensor"} <= recomputed_ops(not_kept)
+
+
+@pytest.mark.parametrize("keep", [{"comm"}, {"other"}], ids=["collective-kept", "wait-kept"])
+def test_wait_tensor_takes_its_collectives_tag_across_regions(world_of_one, keep):
+    """The wait of a collective issued in one region may run in another (overlap): it always
+    carries its collective's tag, so the pair is saved or recomputed together."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the autograd rules)
+
+    w = torch.randn(8, 8, requires_grad=True)
+    group_name = world_of_one.group_name
+
+    def f(x):
+        with sc.region("comm"):
+            pending = torch.ops._c10d_functional.all_reduce(x @ w, "sum", group_name)
+        with sc.region("other"):
+            h = torch.tanh(torch.ops._c10d_functional.wait_tensor(pending))
+        return (h @ w).cos()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    report = sc.capture_partition(f, x, backend=sc.make_sac_backend(keep, inner="aot_eager"))
+    rec = report.graphs[0].record
+    assert rec.node_regions["all_reduce"] == ("comm",) and rec.node_regions["wait_tensor"] == ("other",)
+    expected = "MUST_SAVE" if keep == {"comm"} else "MUST_RECOMPUTE"
+    assert rec.node_policy["all_reduce"] == rec.node_policy["wait_tensor"] == expected

@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks (spawned CPU processes) from a test.
+"""Run a function on N gloo ranks (spawned CPU processes): the 2-rank tests and benchmarks.
 
 ``run_ranks(fn, *args, world_size=2, timeout=180)`` spawns ``world_size``
 processes, initialises a gloo process group in each with a ``file://``
