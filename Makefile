@@ -39,6 +39,7 @@ bench: install
 	$(PY) benchmarks/saved_memory.py
 	$(PY) benchmarks/eager_vs_compiled.py
 	$(PY) benchmarks/hf_moe_keep_sets.py
+	$(PY) benchmarks/ep_moe.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
