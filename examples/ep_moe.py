@@ -61,7 +61,7 @@ def train(rank: int, world_size: int, args, mode: str) -> dict:
             f"backward all-to-alls {collectives[A2A]}"
         )
         for name, p in model.named_parameters():
-            if not name.endswith(("moe.w_in", "moe.w_out")):
+            if not name.endswith(("moe.experts.w_in", "moe.experts.w_out")):
                 dist.all_reduce(p.grad)  # replicated weights: data parallel over the ranks
         for o in (opt, ref_opt):
             o.step()

@@ -321,6 +321,7 @@ def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
     """What the partition report needs of a partitioned graph, taken before codegen."""
     placeholders = []
     calls = []
+    inputs = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             placeholders.append((n.name, n.meta.get("val")))
@@ -330,7 +331,8 @@ def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
                 if isinstance(n.args[0], torch.fx.Node):
                     base = n.args[0].name
             calls.append((n.name, _op_name(n.target), base))
-    return {"placeholders": placeholders, "calls": calls}
+            inputs[n.name] = tuple(a.name for a in n.all_input_nodes)
+    return {"placeholders": placeholders, "calls": calls, "inputs": inputs}
 
 
 def _op_name(target: Any) -> str:

@@ -7,6 +7,8 @@ body. Nothing here is needed to use the library.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,19 +22,27 @@ __all__ = [
     "EPBlock",
     "EPStack",
     "ExpertParallelMoE",
+    "Experts",
     "MoE",
     "MoEBlock",
+    "MoETransformer",
+    "Router",
     "ScopedStack",
     "Stack",
 ]
 
 
+def _marked(name: str, marked: bool):
+    return region(name) if marked else contextlib.nullcontext()
+
+
 class Attention(nn.Module):
-    def __init__(self, d: int = 16, heads: int = 2, dropout: float = 0.0) -> None:
+    def __init__(self, d: int = 16, heads: int = 2, dropout: float = 0.0, marked: bool = True) -> None:
         super().__init__()
         if d % heads:
             raise ValueError(f"d={d} must be divisible by heads={heads}")
         self.heads = heads
+        self.marked = marked
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.out = nn.Linear(d, d, bias=False)
         self.drop = nn.Dropout(dropout)
@@ -40,7 +50,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        with region("attn"):
+        with _marked("attn", self.marked):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.drop(self.out(o.transpose(1, 2).reshape(b, s, d)))
 
@@ -150,6 +160,48 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ln2(x))
 
 
+class Router(nn.Module):
+    """Top-k gate: for every (token, choice) its gate weight, token index and expert slot.
+
+    The slot of a choice is ``expert * tokens + its arrival order at that expert``:
+    each expert has ``tokens`` slots, so no token is ever dropped.
+    """
+
+    def __init__(self, d: int, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        self.n_experts, self.top_k = n_experts, top_k
+        self.gate = nn.Linear(d, n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens = x.shape[0]
+        probs = torch.softmax(self.gate(x), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        expert = chosen.reshape(-1)
+        token = torch.arange(tokens, device=x.device).repeat_interleave(self.top_k)
+        one_hot = F.one_hot(expert, self.n_experts)
+        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # arrival order within the expert
+        return weights.reshape(-1), token, expert * tokens + position
+
+
+class Experts(nn.Module):
+    """``local`` experts (two batched GEMMs with SiLU between) over slots laid out
+    ``[source rank, expert, slot, d]``."""
+
+    def __init__(self, local: int, d: int, hidden: int, world: int = 1) -> None:
+        super().__init__()
+        self.world = world
+        self.w_in = nn.Parameter(torch.randn(local, d, hidden) / d**0.5)
+        self.w_out = nn.Parameter(torch.randn(local, hidden, d) / hidden**0.5)
+
+    def forward(self, received: torch.Tensor, capacity: int) -> torch.Tensor:
+        local, d = self.w_in.shape[0], received.shape[-1]
+        h = received.view(self.world, local, capacity, d).transpose(0, 1).reshape(local, -1, d)
+        y = torch.bmm(F.silu(torch.bmm(h, self.w_in)), self.w_out)
+        return y.view(local, self.world, capacity, d).transpose(0, 1).reshape(-1, d)
+
+
 class ExpertParallelMoE(nn.Module):
     """Top-k mixture of experts whose experts are split over the ranks of ``group``
     (expert parallelism): router -> dispatch all-to-all -> expert GEMMs -> combine all-to-all.
@@ -161,13 +213,14 @@ class ExpertParallelMoE(nn.Module):
     collectives are the autograd-aware functional ones
     (``all_to_all_single_autograd``): their backward is itself an all-to-all.
 
-    Regions, per micro-batch: ``"moe.router"`` (gate, top-k, slot indices),
+    Regions, per micro-batch (``marked=False`` leaves them out, for declaring
+    regions by module path instead): ``"moe.router"`` (the :class:`Router`),
     ``"moe.dispatch"`` (scatter into expert slots + all-to-all), ``"moe.experts"``
-    (two batched GEMMs with SiLU between), ``"moe.combine"`` (all-to-all back +
-    weighted gather). With ``micro_batches=2`` the tokens are split in two whose
-    stages interleave inside the layer (dispatch 0, dispatch 1, experts 0,
-    combine 0, experts 1, combine 1), so that micro-batch 1's dispatch can overlap
-    micro-batch 0's experts; each stage of each micro-batch is its own region.
+    (the :class:`Experts`), ``"moe.combine"`` (all-to-all back + weighted gather).
+    With ``micro_batches=2`` the tokens are split in two whose stages interleave
+    inside the layer (dispatch 0, dispatch 1, experts 0, combine 0, experts 1,
+    combine 1), so that micro-batch 1's dispatch can overlap micro-batch 0's
+    experts; each stage of each micro-batch is its own region.
 
     ``group=None`` runs every expert in this process (no collective): the
     single-process reference. :meth:`shard_from` copies a reference's weights,
@@ -182,6 +235,7 @@ class ExpertParallelMoE(nn.Module):
         hidden: int | None = None,
         group: object = None,
         micro_batches: int = 1,
+        marked: bool = True,
     ) -> None:
         super().__init__()
         import torch.distributed as dist
@@ -192,23 +246,18 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"n_experts={n_experts} must be divisible by the group size {self.world}")
         if micro_batches not in (1, 2):
             raise ValueError(f"micro_batches={micro_batches!r}: expected 1 or 2")
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
-        hidden = hidden or 2 * d
-        self.group = group
-        self.n_experts, self.top_k, self.micro_batches = n_experts, top_k, micro_batches
-        local = n_experts // self.world
-        self.gate = nn.Linear(d, n_experts, bias=False)
-        self.w_in = nn.Parameter(torch.randn(local, d, hidden) / d**0.5)
-        self.w_out = nn.Parameter(torch.randn(local, hidden, d) / hidden**0.5)
+        self.group, self.n_experts, self.micro_batches, self.marked = group, n_experts, micro_batches, marked
+        self.router = Router(d, n_experts, top_k)
+        self.experts = Experts(n_experts // self.world, d, hidden or 2 * d, self.world)
 
     @torch.no_grad()
     def shard_from(self, full: ExpertParallelMoE) -> ExpertParallelMoE:
-        """Copy ``full``'s gate and this rank's slice of its experts."""
-        local = self.w_in.shape[0]
-        self.gate.weight.copy_(full.gate.weight)
-        self.w_in.copy_(full.w_in[self.rank * local : (self.rank + 1) * local])
-        self.w_out.copy_(full.w_out[self.rank * local : (self.rank + 1) * local])
+        """Copy ``full``'s router and this rank's slice of its experts."""
+        local = self.experts.w_in.shape[0]
+        mine = slice(self.rank * local, (self.rank + 1) * local)
+        self.router.gate.weight.copy_(full.router.gate.weight)
+        self.experts.w_in.copy_(full.experts.w_in[mine])
+        self.experts.w_out.copy_(full.experts.w_out[mine])
         return self
 
     def _all_to_all(self, t: torch.Tensor) -> torch.Tensor:
@@ -218,26 +267,9 @@ class ExpertParallelMoE(nn.Module):
 
         return all_to_all_single_autograd(t, None, None, self.group)
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gate weights [T*k], source token [T*k] and expert slot [T*k] of every (token, choice)."""
-        tokens = x.shape[0]
-        probs = torch.softmax(self.gate(x), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        expert = chosen.reshape(-1)
-        token = torch.arange(tokens, device=x.device).repeat_interleave(self.top_k)
-        one_hot = F.one_hot(expert, self.n_experts)
-        position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # arrival order within the expert
-        return weights.reshape(-1), token, expert * tokens + position
-
     def _dispatch(self, x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         send = x.new_zeros(self.n_experts * x.shape[0], x.shape[1]).index_add(0, slot, x[token])
         return self._all_to_all(send)  # [world (source), local experts, C, d]
-
-    def _experts(self, received: torch.Tensor, capacity: int) -> torch.Tensor:
-        local, d = self.w_in.shape[0], received.shape[-1]
-        h = received.view(self.world, local, capacity, d).transpose(0, 1).reshape(local, -1, d)
-        y = torch.bmm(F.silu(torch.bmm(h, self.w_in)), self.w_out)
-        return y.view(local, self.world, capacity, d).transpose(0, 1).reshape(-1, d)
 
     def _combine(self, y: torch.Tensor, weights, token, slot, tokens: int) -> torch.Tensor:
         back = self._all_to_all(y)  # [experts * C, d], this rank's tokens
@@ -249,15 +281,15 @@ class ExpertParallelMoE(nn.Module):
         chunks = x.reshape(-1, shape[-1]).chunk(self.micro_batches)
         routes, received, outs = [], [], []
         for mb in chunks:
-            with region("moe.router"):
-                routes.append(self._route(mb))
+            with _marked("moe.router", self.marked):
+                routes.append(self.router(mb))
         for mb, (_, token, slot) in zip(chunks, routes):
-            with region("moe.dispatch"):
+            with _marked("moe.dispatch", self.marked):
                 received.append(self._dispatch(mb, token, slot))
         for mb, route, recv in zip(chunks, routes, received):
-            with region("moe.experts"):
-                y = self._experts(recv, mb.shape[0])
-            with region("moe.combine"):
+            with _marked("moe.experts", self.marked):
+                y = self.experts(recv, mb.shape[0])
+            with _marked("moe.combine", self.marked):
                 outs.append(self._combine(y, *route, mb.shape[0]))
         return torch.cat(outs).reshape(shape)
 
@@ -273,12 +305,15 @@ class EPBlock(nn.Module):
         top_k: int = 2,
         group: object = None,
         micro_batches: int = 1,
+        marked: bool = True,
     ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
+        self.attn = Attention(d, heads, marked=marked)
         self.ln2 = nn.LayerNorm(d)
-        self.moe = ExpertParallelMoE(d, n_experts, top_k, group=group, micro_batches=micro_batches)
+        self.moe = ExpertParallelMoE(
+            d, n_experts, top_k, group=group, micro_batches=micro_batches, marked=marked
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -308,3 +343,37 @@ class EPStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return x
+
+
+class MoETransformer(nn.Module):
+    """The demo's language model: embedding, ``n_layers`` unmarked :class:`EPBlock` layers
+    (attention + a single-process :class:`ExpertParallelMoE`), final norm and head.
+
+    No markers in its code: :attr:`REGIONS` declares them by module path
+    (``sac_compile.declare_regions(model, MoETransformer.REGIONS)``).
+    """
+
+    REGIONS = {"layers.*.attn": "attn", "layers.*.moe.router": "router", "layers.*.moe.experts": "experts"}
+
+    def __init__(
+        self,
+        vocab: int = 256,
+        d: int = 64,
+        n_layers: int = 4,
+        heads: int = 4,
+        n_experts: int = 8,
+        top_k: int = 2,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            EPBlock(d, heads, n_experts, top_k, marked=False) for _ in range(n_layers)
+        )
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))

@@ -237,10 +237,22 @@ def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition |
             name = view_base[name]
         return name
 
+    derived: dict[str, tuple[str, ...]] = {}
+
     def regions_of(name: str) -> tuple[str, ...] | None:
         if record is None:
             return None
-        return record.node_regions.get(name) or record.node_regions.get(root(name))
+        found = record.node_regions.get(name) or record.node_regions.get(root(name))
+        if found is not None or name in record.node_policy or name not in fw_ops:
+            return found
+        # Not a forward node of the joint graph: a backward op that reads only forward
+        # values (cos(x) for sin's gradient), which the partitioner may compute in the
+        # forward and save instead of its inputs. It belongs to its inputs' regions.
+        if name not in derived:
+            derived[name] = ()
+            union = {r for i in fw["inputs"].get(name, ()) for r in (regions_of(i) or ())}
+            derived[name] = tuple(sorted(union))
+        return derived[name] or None
 
     saved: list[SavedValue] = []
     recomputed: dict[str, list[tuple[str, str]]] = defaultdict(list)

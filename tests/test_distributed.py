@@ -159,7 +159,7 @@ def _ep_moe_vs_single_process(rank: int, world_size: int, compiled: bool, micro_
         worst = 0.0
         for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
             g = p.grad.clone()
-            if name.endswith(("moe.w_in", "moe.w_out")):  # this rank's experts
+            if name.endswith(("moe.experts.w_in", "moe.experts.w_out")):  # this rank's experts
                 n = g.shape[0]
                 expected = q.grad[rank * n : (rank + 1) * n]
             else:  # replicated: the ranks' gradients sum to the whole batch's
