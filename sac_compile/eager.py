@@ -16,6 +16,8 @@ Forward (caching mode), per op, in program order:
   region is a *forced* recompute (reported by the seam). A recomputed functional
   collective is waited on at once: when only kept ops read it, nothing else
   would, and the process group would hold the unwaited work (and its buffer);
+* autocast's casts of parameters are not part of the op sequence (autocast's
+  cast cache decides whether they are dispatched at all);
 * ``out=`` variants, and ops run with grad disabled (compiled code's forward),
   are re-run rather than served: their buffers may be new in the recompute;
 * an in-place write (``alias_info.is_write`` on a non-``out`` argument) into a
@@ -246,6 +248,20 @@ def _served_write(func: Any):
     return None
 
 
+def _autocast_weight_cast(func: Any, args: tuple) -> bool:
+    """autocast's cast of a leaf that requires grad (a parameter): autocast caches these casts
+    for the length of its ``with`` block, so whether the op is dispatched at all depends on
+    what ran before (the forward may find a cached cast, the recompute in a fresh autocast
+    block will not). Such casts run, and are neither cached nor counted, in both modes: the
+    recompute casts again (cheap), exactly as without checkpointing."""
+    if func is not torch.ops.aten._to_copy.default or not args:
+        return False
+    t = args[0]
+    # (torch.is_autocast_enabled() reads False here: autocast excludes its own dispatch key
+    # while it redispatches the cast. Any cast of a grad-requiring leaf is treated alike.)
+    return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
+
+
 def _is_collective(func: Any) -> bool:
     """A ``c10d`` / ``_c10d_functional`` op, communication or companion (always recomputed)."""
     return getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES
@@ -400,7 +416,7 @@ class _CachingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _IGNORED:
+        if func in _IGNORED or _autocast_weight_cast(func, args):
             return func(*args, **kwargs)
         st = self.state
         session = _SESSION.get()
@@ -479,7 +495,7 @@ class _CachedMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _IGNORED:
+        if func in _IGNORED or _autocast_weight_cast(func, args):
             return func(*args, **kwargs)
         st = self.state
         idx = self.counter[func]

@@ -193,6 +193,15 @@ def _seam_call_impl(self, *args, **kwargs):
         return out
     if config.compile_options is not None:
         _report_compile_fallback(self)
+        # Reached when Dynamo did not compile this call (a graph break it could not
+        # resume, the recompile limit): we may still be inside torch.compile's dynamic
+        # extent, where Dynamo would try to trace the eager engine's checkpoint (and
+        # fail on its context_fn instead of running the layer). Run it eagerly.
+        return _eager_uncompiled(self, config, call, legacy, args, kwargs)
+    return _eager(self, config, call, legacy, args, kwargs)
+
+
+def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: dict):
     _report_compiled_inside(self)
     if legacy:
         _report_legacy(self, config)
@@ -215,6 +224,9 @@ def _seam_call_impl(self, *args, **kwargs):
     )
     _check_eager(self, config, stats[0])
     return out
+
+
+_eager_uncompiled = torch.compiler.disable(_eager, recursive=True)
 
 
 def _report_forced_collectives(stats, config: SeamConfig, where: str, owner: object) -> None:
