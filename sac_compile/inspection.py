@@ -243,7 +243,7 @@ def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition |
         if record is None:
             return None
         found = record.node_regions.get(name) or record.node_regions.get(root(name))
-        if found is not None or name in record.node_policy or name not in fw_ops:
+        if found is not None or name in record.forward_nodes or name not in fw_ops:
             return found
         # Not a forward node of the joint graph: a backward op that reads only forward
         # values (cos(x) for sin's gradient), which the partitioner may compute in the

@@ -78,6 +78,8 @@ class GraphRecord:
     node_scope: dict[str, int] = field(default_factory=dict)
     # node name -> "MUST_SAVE" / "MUST_RECOMPUTE" / ... as tagged by the pass
     node_policy: dict[str, str] = field(default_factory=dict)
+    # names of the joint graph's forward nodes (tagged or not)
+    forward_nodes: set[str] = field(default_factory=set)
 
     @property
     def whole_graph_scope(self) -> bool:

@@ -103,7 +103,9 @@ def tag_regions(graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...]
         # the first run tagged it and erased the markers: nothing left to do.
         return rec
     if is_training:
-        _tag_forward(nodes, _forward_nodes(nodes), keep, initial_open, rec)
+        forward = _forward_nodes(nodes)
+        rec.forward_nodes = {n.name for n in forward}
+        _tag_forward(nodes, forward, keep, initial_open, rec)
     else:
         open_count: Counter[str] = Counter(initial_open)
         local_enters: Counter[str] = Counter()
