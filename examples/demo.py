@@ -199,7 +199,7 @@ def plot(path: str, rows: list[dict]) -> str:
             [r["time_ratio"] for r in pts],
             [r["held"] / 2**20 for r in pts],
             marker=marker,
-            ls="--",
+            ls="none",
             label=mode,
         )
         for r in pts:
