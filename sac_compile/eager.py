@@ -133,14 +133,19 @@ class EngineStats:
     cached_ops: int = 0
     recomputed_ops: int = 0
     dropped_ops: int = 0
-    forced_collectives: int = 0  # collectives in kept regions, recomputed anyway
-    # (regions open, op name, forced) of every collective this call ran, in order
+    # (regions open, op name, forced: in a kept region, recomputed anyway) of every
+    # collective this call ran, in order
     collectives: list[tuple[tuple[str, ...], str, bool]] = field(default_factory=list)
     mutated_recomputes: int = 0
     held_bytes: int = 0  # bytes of cached values held after the forward
     held_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     regions_entered: Counter = field(default_factory=Counter)
     unbalanced: list = field(default_factory=list)  # (region, "enter without exit" | "exit without enter")
+
+    @property
+    def forced_collectives(self) -> int:
+        """Collectives in kept regions, recomputed anyway."""
+        return sum(forced for _, _, forced in self.collectives)
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -438,7 +443,6 @@ class _CachingMode(TorchDispatchMode):
                 # (a functional collective's forward runs with grad disabled, under its
                 # autograd kernel: kept is what the region asked for)
                 st.stats.collectives.append((regions, str(func.overloadpacket), kept))
-                st.stats.forced_collectives += kept
             cached = False
         external_writes = []
         for t in writes.in_place:

@@ -96,13 +96,13 @@ def clean_module_path(path: str) -> str:
     return path
 
 
-_SEAM_PREFIX = "SelectiveCheckpointed"  # the seam's generated subclasses (sac_compile.seam)
+SEAM_PREFIX = "SelectiveCheckpointed"  # names the seam's generated subclasses (sac_compile.seam)
 
 
 def user_class_name(cls: object) -> str:
     """The user's class name: the seam's generated ``SelectiveCheckpointedBlock`` reads ``Block``
     (and ``fully_shard``'s ``FSDPSelectiveCheckpointedBlock`` reads ``FSDPBlock``)."""
-    return getattr(cls, "__name__", str(cls)).replace(_SEAM_PREFIX, "", 1)
+    return getattr(cls, "__name__", str(cls)).replace(SEAM_PREFIX, "", 1)
 
 
 def generic_path(path: str) -> str:

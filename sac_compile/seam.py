@@ -42,7 +42,7 @@ from . import diagnostics
 from .backend import make_sac_backend
 from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
-from .records import generic_path
+from .records import SEAM_PREFIX, generic_path
 
 __all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_wrapped"]
 
@@ -164,7 +164,7 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
         code = template.__code__.replace(co_name=f"_sac_call_impl_{cls.__name__}")
         call_impl = types.FunctionType(code, template.__globals__, code.co_name, template.__defaults__)
         _SUBCLASSES[key] = type(
-            f"SelectiveCheckpointed{cls.__name__}",
+            f"{SEAM_PREFIX}{cls.__name__}",
             (cls,),
             {"_call_impl": call_impl, "__module__": cls.__module__, "_sac_seam_class": True},
         )

@@ -107,24 +107,12 @@ def tag_regions(graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...]
         rec.forward_nodes = {n.name for n in forward}
         _tag_forward(nodes, forward, keep, initial_open, rec)
     else:
-        open_count: Counter[str] = Counter(initial_open)
-        local_enters: Counter[str] = Counter()
+        _scan_markers(markers, initial_open, rec)
         for n in markers:
-            kind = ops.marker_kind(n)
-            name = str(n.args[0])
-            if kind == "region_enter":
+            if ops.marker_kind(n) == "region_enter":
+                name = str(n.args[0])
                 rec.regions.setdefault(name, records.RegionStats(name)).entered += 1
                 _note_module(rec, n)
-                open_count[name] += 1
-                local_enters[name] += 1
-            elif kind == "region_exit":
-                if open_count[name] > 0:
-                    open_count[name] -= 1
-                    local_enters[name] = max(0, local_enters[name] - 1)
-                else:
-                    rec.unbalanced.append((name, "exit without enter"))
-        for name, count in local_enters.items():
-            rec.unbalanced.extend([(name, "enter without exit")] * count)
         if graph.owning_module is not None and rec.regions:
             # Inductor runs joint passes on HOP bodies (cond branches, ...) before
             # the graph holding them; leave a note for the outer graph's record.
@@ -168,22 +156,30 @@ def _forward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
     return forward
 
 
-def _prescan(fw_markers: list[fx.Node], initial_open: tuple[str, ...], rec: records.GraphRecord):
-    """Find regions and scopes that were open since the graph's start (exit without enter)."""
+def _scan_markers(markers: list[fx.Node], initial_open: tuple[str, ...], rec: records.GraphRecord):
+    """Balance the markers in program order: record the unbalanced ones in ``rec.unbalanced``
+    (each exit without an enter, in order, then each enter without an exit) and return the
+    regions and scopes that were open since the graph's start (their exit came unopened)."""
     open_count = Counter(initial_open)
+    local_enters: Counter[str] = Counter()  # enters in this graph not yet exited
     pre_regions: Counter[str] = Counter()
     open_scopes: set[int] = set()
     pre_scopes: list[tuple[int, str]] = []
-    for n in fw_markers:
+    for n in markers:
         kind = ops.marker_kind(n)
         if kind == "region_enter":
-            open_count[n.args[0]] += 1
+            name = str(n.args[0])
+            open_count[name] += 1
+            local_enters[name] += 1
         elif kind == "region_exit":
-            if open_count[n.args[0]] > 0:
-                open_count[n.args[0]] -= 1
+            name = str(n.args[0])
+            if open_count[name] > 0:
+                open_count[name] -= 1
+                if local_enters[name] > 0:
+                    local_enters[name] -= 1
             else:
-                pre_regions[n.args[0]] += 1
-                rec.unbalanced.append((str(n.args[0]), "exit without enter"))
+                pre_regions[name] += 1
+                rec.unbalanced.append((name, "exit without enter"))
         elif kind == "scope_enter":
             open_scopes.add(int(n.args[0]))
         elif kind == "scope_exit":
@@ -191,6 +187,8 @@ def _prescan(fw_markers: list[fx.Node], initial_open: tuple[str, ...], rec: reco
                 open_scopes.discard(int(n.args[0]))
             else:
                 pre_scopes.insert(0, (int(n.args[0]), str(n.args[1])))
+    for name, count in local_enters.items():
+        rec.unbalanced.extend([(name, "enter without exit")] * count)
     return pre_regions, pre_scopes
 
 
@@ -228,9 +226,8 @@ def _tag_forward(
             ckpt_scopes[ac_id] = _Scope(ac_id, keep, info)
         return ckpt_scopes[ac_id]
 
-    pre_regions, pre_scopes = _prescan(fw_markers, initial_open, rec)
+    pre_regions, pre_scopes = _scan_markers(fw_markers, initial_open, rec)
     open_count: Counter[str] = Counter(initial_open) + pre_regions
-    local_enters: Counter[str] = Counter()
     scope_stack = [new_scope("scope markers", parse_keep(k), sid) for sid, k in pre_scopes]
     whole = None
     if not has_scope_markers and not ckpt_ids:
@@ -247,15 +244,11 @@ def _tag_forward(
         if kind == "region_enter":
             name = str(n.args[0])
             open_count[name] += 1
-            local_enters[name] += 1
             rec.regions.setdefault(name, records.RegionStats(name)).entered += 1
             _note_module(rec, n)
             continue
         if kind == "region_exit":
-            name = str(n.args[0])
-            open_count[name] -= 1
-            if local_enters[name] > 0:
-                local_enters[name] -= 1
+            open_count[str(n.args[0])] -= 1
             continue
         if kind == "scope_enter":
             scope_stack.append(new_scope("scope markers", parse_keep(str(n.args[1])), int(n.args[0])))
@@ -315,8 +308,6 @@ def _tag_forward(
             else:
                 stats.recompute_nodes += 1
 
-    for name, count in local_enters.items():
-        rec.unbalanced.extend([(name, "enter without exit")] * count)
     rec.outside_scope = sorted(outside)
     rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(overrides.items())]
 
