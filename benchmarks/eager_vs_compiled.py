@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import random
-import statistics
-import time
 
 import torch
+from _timing import interleaved_medians
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import sac_compile as sc
@@ -95,16 +93,14 @@ def main(argv: list[str] | None = None) -> dict:
         for name, model in models.items():  # warm up (compiles), then measure memory
             model(x).sum().backward()
             rows[name] = {"retained": retained_bytes(model, x)}
-        times: dict[str, list[float]] = {n: [] for n in models}
-        order = list(models)
-        for _ in range(args.iters):
-            random.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                models[name](x).sum().backward()
-                times[name].append(time.perf_counter() - start)
+
+        def fwd_bwd(model):
+            model(x).sum().backward()
+
+        steps = {name: functools.partial(fwd_bwd, model) for name, model in models.items()}
+        medians = interleaved_medians(steps, args.iters)
     base_mem = rows["eager no checkpoint"]["retained"]
-    base_t = statistics.median(times["eager no checkpoint"])
+    base_t = medians["eager no checkpoint"]
     print(
         f"eager vs compiled SAC, {args.layers} layers, d={args.d_model}, seq={args.seq}, batch={args.batch}, "
         f"torch {torch.__version__}, median of {args.iters} interleaved steps"
@@ -113,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(header)
     print("-" * len(header))
     for name in models:
-        med = statistics.median(times[name])
+        med = medians[name]
         rows[name].update(
             step_ms=med * 1e3, mem_ratio=rows[name]["retained"] / base_mem, time_ratio=med / base_t
         )

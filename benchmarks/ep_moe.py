@@ -29,13 +29,13 @@ Per configuration, on rank 0 (the ranks are symmetric):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 import sys
-import time
 from collections import Counter
 
 import torch
+from _timing import interleaved_medians
 
 import sac_compile as sc
 from sac_compile.testing import run_ranks
@@ -74,11 +74,9 @@ def _wrap(model, mode: str, keep, inner: str):
     return model
 
 
-def _step(model, x) -> float:
-    t0 = time.perf_counter()
+def _step(model, x) -> None:
     model(x).pow(2).mean().backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
 
 
 def _eager_engine(model, x, keep) -> tuple[int, int, int]:
@@ -143,13 +141,10 @@ def _rank(rank: int, world_size: int, args) -> dict:
         for _ in range(2):
             _step(model, x)
         models[(mode, name)] = model
-    times: dict = {k: [] for k in models}
-    keys = list(models)
-    for i in range(args.iters):
-        for k in keys[i % len(keys) :] + keys[: i % len(keys)]:  # same rotation on every rank
-            times[k].append(_step(models[k], x))
-    for k, v in times.items():
-        figures[k]["step_s"] = statistics.median(v)
+    # (the seeded order is the same on both ranks, whose steps wait on each other)
+    medians = interleaved_medians({k: functools.partial(_step, m, x) for k, m in models.items()}, args.iters)
+    for k, median in medians.items():
+        figures[k]["step_s"] = median
     return {f"{m}|{n}": f for (m, n), f in figures.items()}
 
 

@@ -22,12 +22,11 @@ run (CPU times are noisy: read the ratios).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import random
-import statistics
-import time
 
 import torch
+from _timing import interleaved_medians
 
 import sac_compile as sc
 from sac_compile import hf
@@ -53,11 +52,9 @@ def build(args, seed: int = 0):
     return model.train()
 
 
-def step(model, ids) -> float:
-    t0 = time.perf_counter()
+def step(model, ids) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
     model.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
 
 
 def eager_bytes(model, ids, keep) -> int:
@@ -125,14 +122,7 @@ def main() -> None:
         for _ in range(2):
             step(model, ids)
         models[(mode, name)] = model
-    times: dict[tuple[str, str], list[float]] = {k: [] for k in models}
-    keys = list(models)
-    for _ in range(args.iters):
-        random.shuffle(keys)
-        for k in keys:
-            times[k].append(step(models[k], ids))
-
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = interleaved_medians({k: functools.partial(step, m, ids) for k, m in models.items()}, args.iters)
     print(
         f"Qwen3-MoE ({args.experts} experts): {args.layers} layers, hidden {args.hidden}, "
         f"{args.experts_n} experts top-2, seq {args.seq}, batch {args.batch}, CPU float32, "

@@ -20,13 +20,12 @@ noisy: read the ratios).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import random
-import statistics
-import time
 
 import torch
 import torch._functorch.config as functorch_config
+from _timing import interleaved_medians
 
 import sac_compile as sc
 from sac_compile.backend import baseline_backend
@@ -106,17 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         for fns in compiled.values():  # warm up (backward compiles lazily)
             step(fns)
-        times: dict[str, list[float]] = {name: [] for name in compiled}
-        order = list(compiled)
-        for _ in range(args.iters):
-            random.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                step(compiled[name])
-                times[name].append(time.perf_counter() - start)
+        steps = {name: functools.partial(step, fns) for name, fns in compiled.items()}
+        medians = interleaved_medians(steps, args.iters)
 
     base_bytes = rows["no checkpoint"]["report_bytes"]
-    base_time = statistics.median(times["no checkpoint"])
+    base_time = medians["no checkpoint"]
     print(
         f"saved activations per layer and step time, {args.layers} layers, d={args.d_model}, "
         f"seq={args.seq}, batch={args.batch}, inner={args.inner}, torch {torch.__version__}, "
@@ -127,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("-" * len(header))
     for name in compiled:
         row = rows[name]
-        median = statistics.median(times[name])
+        median = medians[name]
         row.update(
             step_ms=median * 1e3, time_ratio=median / base_time, bytes_ratio=row["report_bytes"] / base_bytes
         )
