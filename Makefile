@@ -36,6 +36,7 @@ demo: install
 	$(PY) examples/demo.py
 
 bench: install
+	$(PY) benchmarks/frontier.py
 	$(PY) benchmarks/saved_memory.py
 	$(PY) benchmarks/eager_vs_compiled.py
 	$(PY) benchmarks/hf_moe_keep_sets.py

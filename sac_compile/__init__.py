@@ -10,6 +10,7 @@ from .diagnostics import SacDiagnosticError, set_strict, strict
 from .inspection import PartitionReport, autograd_saved_bytes, capture_partition, collectives_run
 from .keep import ALL_REGIONS
 from .markers import region
+from .policy import SAVE_ALL, SAVE_COSTLY, is_costly
 from .records import collect_records, recent_records
 from .seam import LEGACY_ATTR, apply_selective_checkpointing
 
@@ -24,6 +25,10 @@ __all__ = [
     "ALL_REGIONS",  # keep every marked region
     "make_sac_backend",  # memoised backend for a keep set
     "sac_backend",  # Inductor backend keeping every marked region
+    # Region policies: (op, open regions, keep) -> CheckpointPolicy, the same in both modes
+    "SAVE_COSTLY",  # default: a kept region's costly values saved, its cheap ops recomputed
+    "SAVE_ALL",  # every op of a kept region saved
+    "is_costly",  # what SAVE_COSTLY calls costly
     # Wrapping layers (eager, per-layer compile, whole-model compile)
     "apply_selective_checkpointing",  # one call per wrap site; see its decision table
     "LEGACY_ATTR",  # module attribute opting into reentrant checkpointing

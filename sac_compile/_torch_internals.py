@@ -192,6 +192,25 @@ def inside_backend_call() -> bool:
 
 
 _OUTPUT_GRAPH = os.path.join("_dynamo", "output_graph.py")
+_AOT_RUNTIME = os.path.join("_functorch", "_aot_autograd") + os.sep
+
+
+def running_compiled_code(max_depth: int = 64) -> bool:
+    """Whether an AOTAutograd-compiled graph (aot_eager or Inductor) is running on this thread.
+
+    Relies on compiled graphs running under AOTAutograd's runtime wrappers
+    (``torch/_functorch/_aot_autograd/runtime_wrappers.py``: ``CompiledFunction.forward``
+    and friends) being on the Python stack below the ops they dispatch. Only called
+    for costly ops run with grad disabled inside a kept region, so the walk is rare.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if _AOT_RUNTIME in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def aot_cache_hits() -> int:

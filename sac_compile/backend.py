@@ -33,7 +33,8 @@ from . import _torch_internals as ti
 from . import diagnostics, ops, records
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from .markers import enclosing_decorated_regions, with_block_fallbacks
-from .passes.tag_regions import TagRegionsPass, tag_regions
+from .passes.tag_regions import TagRegionsPass
+from .policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_budget, validate_policy
 
 __all__ = ["SacBackend", "baseline_backend", "make_sac_backend", "sac_backend"]
 
@@ -136,12 +137,16 @@ class SacBackend:
         inner: str,
         inductor_config: tuple[tuple[str, Any], ...],
         *,
+        policy: RegionPolicy = SAVE_COSTLY,
+        budget: float | None = None,
         checkpoint: bool = True,
     ) -> None:
         # checkpoint=False: the same compile without the tagging pass (the
         # "compiled, no checkpoint" baseline of capture_partition and benchmarks).
         self.checkpoint = checkpoint
         self.keep = keep
+        self.policy = policy
+        self.budget = budget
         self.inner = inner
         self.inductor_config = inductor_config
         self._options_key = f"inner={inner}|inductor_config={inductor_config!r}"
@@ -151,13 +156,19 @@ class SacBackend:
         if not self.checkpoint:
             return f"<{self.inner} without checkpointing>"
         keep = "ALL_REGIONS" if self.keep is ALL_REGIONS else sorted(self.keep)
-        return f"make_sac_backend(keep={keep}, inner={self.inner!r})"
+        extra = "" if self.policy is SAVE_COSTLY else f", policy={policy_key(self.policy)}"
+        extra += "" if self.budget is None else f", budget={self.budget:g}"
+        return f"make_sac_backend(keep={keep}{extra}, inner={self.inner!r})"
 
     def tagging_pass(self, initial_open: tuple[str, ...] = ()) -> TagRegionsPass:
         """The (cached) pass for graphs starting inside ``initial_open`` regions."""
         if initial_open not in self._passes:
             self._passes[initial_open] = TagRegionsPass(
-                self.keep, options_key=self._options_key, initial_open=initial_open
+                self.keep,
+                policy=self.policy,
+                budget=self.budget,
+                options_key=self._options_key,
+                initial_open=initial_open,
             )
         return self._passes[initial_open]
 
@@ -199,7 +210,7 @@ class SacBackend:
             def compile_graph(g, _inputs):
                 if kind == "inference" and pass_ is not None:
                     # Inductor runs joint passes on inference graphs too; here we do it.
-                    tag_regions(g.graph, self.keep, initial_open=unit.decorated_context)
+                    pass_(g.graph)
                 unit.graphs[kind] = _snapshot(g)
                 if kind == "forward":
                     unit.saved_names = ti.forward_saved_outputs(g)
@@ -358,6 +369,8 @@ _BACKENDS_LOCK = threading.Lock()
 def make_sac_backend(
     keep: object = ALL_REGIONS,
     *,
+    policy: object = SAVE_COSTLY,
+    budget: float | None = None,
     inner: str = "inductor",
     inductor_config: Mapping[str, Any] | None = None,
 ) -> SacBackend:
@@ -366,6 +379,14 @@ def make_sac_backend(
     Args:
         keep: region names to save, or ``sac_compile.ALL_REGIONS``; ``()`` keeps
             nothing (full recompute inside every scope).
+        policy: the region policy, ``(op, regions, keep) -> CheckpointPolicy``
+            (:mod:`sac_compile.policy`); default :data:`SAVE_COSTLY` saves a kept
+            region's costly values and recomputes its cheap ops, :data:`SAVE_ALL`
+            saves every op of a kept region.
+        budget: a fraction in [0, 1] of a scope's activation bytes: the policy's
+            saved values first, then PyTorch's knapsack
+            (``activation_memory_budget``) chooses the rest of the scope. ``None``
+            (or 0): everything the policy does not save is recomputed.
         inner: ``"inductor"`` (default) or ``"aot_eager"`` (no codegen).
         inductor_config: extra ``torch._inductor.config`` entries, scoped to this
             backend's compiles (only with ``inner="inductor"``).
@@ -374,6 +395,8 @@ def make_sac_backend(
     shares Dynamo's cache entries instead of recompiling per backend object.
     """
     keep_set = normalize_keep(keep)
+    policy_fn = validate_policy(policy)
+    budget = validate_budget(budget)
     if inner not in _INNER:
         raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
     config_items: tuple[tuple[str, Any], ...] = ()
@@ -394,8 +417,8 @@ def make_sac_backend(
             if not hasattr(known, key):
                 raise ValueError(f"inductor_config key {key!r} is not a torch._inductor.config option")
         config_items = tuple(sorted((str(k), v) for k, v in inductor_config.items()))
-    key = (format_keep(keep_set), inner, repr(config_items))
-    return _memoised(key, lambda: SacBackend(keep_set, inner, config_items))
+    key = (format_keep(keep_set), policy_key(policy_fn), budget, inner, repr(config_items))
+    return _memoised(key, lambda: SacBackend(keep_set, inner, config_items, policy=policy_fn, budget=budget))
 
 
 def _memoised(key: tuple, make: Callable[[], SacBackend]) -> SacBackend:
@@ -415,7 +438,7 @@ def baseline_backend(inner: str = "inductor") -> SacBackend:
     if inner not in _INNER:
         raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
     return _memoised(
-        ("<baseline>", inner, "()"), lambda: SacBackend(frozenset(), inner, (), checkpoint=False)
+        ("<baseline>", "", None, inner, "()"), lambda: SacBackend(frozenset(), inner, (), checkpoint=False)
     )
 
 

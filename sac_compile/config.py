@@ -24,6 +24,7 @@ import torch.nn as nn
 from . import diagnostics
 from .declare import _check_pattern, _no_match_message, declare_regions, match_path
 from .keep import KeepSet, format_keep, normalize_keep, validate_region_name
+from .policy import SAVE_COSTLY, validate_budget, validate_policy
 from .seam import _compile_options, apply_selective_checkpointing
 
 __all__ = ["SacConfig"]
@@ -43,6 +44,9 @@ class SacConfig:
             the sac backend (see ``apply_selective_checkpointing``).
         preserve_rng_state: replay the RNG in eager recomputes.
         strict: raise every diagnosis for this model as an error.
+        policy: the region policy (:mod:`sac_compile.policy`); default ``SAVE_COSTLY``.
+        budget: activation-memory fraction for PyTorch's knapsack after the kept
+            values (compiled layers only; see ``apply_selective_checkpointing``).
     """
 
     layers: str
@@ -51,6 +55,8 @@ class SacConfig:
     compile: Any = False
     preserve_rng_state: bool = True
     strict: bool = False
+    policy: Any = SAVE_COSTLY
+    budget: float | None = None
     _compile_options: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +83,8 @@ class SacConfig:
         object.__setattr__(self, "_compile_options", _compile_options(self.compile))
         if isinstance(self.compile, Mapping):
             object.__setattr__(self, "compile", self._compile_options)
+        object.__setattr__(self, "policy", validate_policy(self.policy))
+        object.__setattr__(self, "budget", validate_budget(self.budget))
         for attr in ("preserve_rng_state", "strict"):
             if not isinstance(getattr(self, attr), bool):
                 raise TypeError(f"SacConfig.{attr} must be a bool, got {getattr(self, attr)!r}")
@@ -106,7 +114,12 @@ class SacConfig:
                 compile_arg["inductor_config"] = dict(compile_arg["inductor_config"])
         for _, layer in layers:
             apply_selective_checkpointing(
-                layer, keep=self.keep, preserve_rng_state=self.preserve_rng_state, compile=compile_arg
+                layer,
+                keep=self.keep,
+                preserve_rng_state=self.preserve_rng_state,
+                compile=compile_arg,
+                policy=self.policy,
+                budget=self.budget,
             )
         if self.strict:
             diagnostics.make_strict(root)

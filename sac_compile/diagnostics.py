@@ -324,8 +324,9 @@ def graph_diagnoses(
                     continue
                 if stats.saved_nodes == 0:
                     why = (
-                        "it is kept, but every op it ran is a view, a collective's wait or nothing at all, "
-                        "which are recomputed from their inputs"
+                        "it is kept, but the region policy saves none of the ops it ran: no costly op "
+                        "(matmul, convolution, attention, custom kernel, collective), only cheap ops, views "
+                        "or waits, which are recomputed from their inputs"
                     )
                 elif saved_names is not None and not any(
                     name in rec.node_regions.get(v, ()) for v in saved_names

@@ -8,8 +8,13 @@ the recompute rebuilds its own region state; the marker ops update it.
 
 Forward (caching mode), per op, in program order:
 
-* in a kept region: its output is cached (a detached alias);
-* otherwise it is recomputed in the backward;
+* the scope's region policy (:mod:`sac_compile.policy`, the same function the
+  compiled pass calls) decides: an op it saves has its output cached (a detached
+  alias); every other op is recomputed in the backward. By default that caches
+  a kept region's costly ops (matmuls, attention, custom ops) and recomputes
+  its cheap ones. Costly ops are cached even when they run with grad disabled:
+  a custom op's or ``autograd.Function``'s kernel runs below autograd, and
+  serving it from the cache is what makes it run once per step;
 * ``c10d`` / ``_c10d_functional`` ops are always recomputed: their destination
   buffer may have been allocated outside the region. Each collective (not its
   ``wait_tensor`` / wrapper companions) is counted, by region; one in a kept
@@ -18,8 +23,10 @@ Forward (caching mode), per op, in program order:
   would, and the process group would hold the unwaited work (and its buffer);
 * autocast's casts of parameters are not part of the op sequence (autocast's
   cast cache decides whether they are dispatched at all);
-* ``out=`` variants, and ops run with grad disabled (compiled code's forward),
-  are re-run rather than served: their buffers may be new in the recompute;
+* ``out=`` variants, and ops run with grad disabled inside compiled code (whose
+  generated kernels write into buffers this mode never sees) or that the policy
+  calls cheap, are re-run rather than served: their buffers may be new in the
+  recompute;
 * an in-place write (``alias_info.is_write`` on a non-``out`` argument) into a
   value produced in this scope marks every cached value on that storage for
   recompute, with the write: the recompute then rebuilds the buffer and writes
@@ -28,14 +35,18 @@ Forward (caching mode), per op, in program order:
 * a random op that is recomputed remembers the RNG state it ran with, so the
   recompute draws the same numbers even when earlier random ops are cached.
 
-Memory: when the forward ends, cached floating-point values that neither
-autograd saved for backward nor a recomputed op reads are dropped (the
-recompute gets an uninitialised stand-in of the same geometry, which nothing
-reads; integer results are kept, since Python may read them without an op).
-Dropping is per output (an unread output of a multi-output op goes, the read
-one stays). What remains is what the backward or the recompute reads. The
-exception to "never more than no checkpoint": a kept value read only by a
-recomputed op (which saves nothing of it) is held to feed the recompute.
+Memory: when the forward ends, a liveness walk (reverse program order) finds
+what the recompute must rebuild: a recomputed op is *live* when autograd saved
+one of its outputs or a live op reads one; otherwise it is *dead* and the
+recompute skips it, handing out uninitialised stand-ins of its outputs' geometry
+(only ops whose outputs are all floating-point tensors and that write nothing
+are ever skipped: Python may read integer results without an op). Cached
+floating-point values that neither autograd saved nor a live op reads are
+dropped (the recompute gets a stand-in, which nothing reads). Dropping is per
+output. What remains is what the backward or the live recompute reads; a kept
+value is held beyond what running without checkpointing holds only where a
+cheap op that autograd saves is recomputed from it (a cast of a kept matmul's
+output, say), the same trade the compiled partitioner makes.
 
 A kept in-place write into a tensor from outside the scope (a buffer, an
 input) happens once: the recompute hands back the written argument without
@@ -63,7 +74,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import _detach_helper, _VersionWrapper, checkpoint
 
 from . import ops
+from ._torch_internals import running_compiled_code
 from .keep import KeepSet
+from .policy import SAVE_COSTLY, RegionPolicy, checked_decision, is_costly, saves
 
 __all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions"]
 
@@ -79,8 +92,9 @@ _LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy
 class EagerSession:
     """Open regions while a checkpointed function runs (one per forward / recompute)."""
 
-    def __init__(self, keep: KeepSet) -> None:
+    def __init__(self, keep: KeepSet, policy: RegionPolicy = SAVE_COSTLY) -> None:
         self.keep = keep
+        self.policy = policy
         self.open: Counter[str] = Counter()
         self.entered: Counter[str] = Counter()
         self.unbalanced: list[tuple[str, str]] = []
@@ -107,6 +121,13 @@ class EagerSession:
     def kept(self) -> bool:
         return any(n in self.keep for n, c in self.open.items() if c > 0)
 
+    def saves(self, func: Any) -> bool:
+        """Whether the region policy saves ``func`` run now (outside every region: never)."""
+        regions = self.open_names()
+        if not regions:
+            return False
+        return saves(checked_decision(self.policy, func, regions, self.keep))
+
 
 _SESSION: contextvars.ContextVar[EagerSession | None] = contextvars.ContextVar(
     "sac_compile_eager_session", default=None
@@ -122,6 +143,10 @@ class _Entry:
     storages: tuple[int, ...] = ()
     inputs: tuple[int, ...] = ()
     dropped: bool = False  # every output dropped (the recompute gets stand-ins)
+    # a recomputed op whose outputs are all floating-point tensors and that writes nothing:
+    # the recompute may skip it when nothing live reads it (value then holds _Geometry leaves)
+    skippable: bool = False
+    dead: bool = False  # skipped in the recompute (see _State.finalize)
     rng_state: Any = None
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
 
@@ -133,6 +158,7 @@ class EngineStats:
     cached_ops: int = 0
     recomputed_ops: int = 0
     dropped_ops: int = 0
+    skipped_ops: int = 0  # recomputed ops nothing live reads: skipped in the recompute
     # (regions open, op name, forced: in a kept region, recomputed anyway) of every
     # collective this call ran, in order
     collectives: list[tuple[tuple[str, ...], str, bool]] = field(default_factory=list)
@@ -175,6 +201,10 @@ class _StorageSet:
     def __contains__(self, cdata: object) -> bool:
         ref = self._refs.get(cdata)  # type: ignore[arg-type]
         return ref is not None and not ref.expired()
+
+    def ever(self) -> tuple[int, ...]:
+        """Every storage ever added, freed or not."""
+        return tuple(self._refs)
 
     def live(self) -> tuple[int, ...]:
         return tuple(c for c, r in self._refs.items() if not r.expired())
@@ -316,6 +346,7 @@ class _State:
     def __init__(self, preserve_rng_state: bool) -> None:
         self.preserve_rng_state = preserve_rng_state
         self.entries: dict[Any, list[_Entry]] = defaultdict(list)
+        self.order: list[_Entry] = []  # every entry in program order (for liveness)
         self.by_storage: dict[int, list[_Entry]] = defaultdict(list)
         self.produced = _StorageSet()  # storages created by ops in this scope
         self.saved_storages = _StorageSet()  # what autograd saved for backward
@@ -355,12 +386,24 @@ class _State:
                 e.cached = False
                 e.value = None
                 self.stats.mutated_recomputes += 1
-                self.mark_needed(e.inputs)
 
     def finalize(self) -> None:
-        """End of the forward: drop cached values nothing will read."""
+        """End of the forward: find the live recomputed ops, drop cached values nothing will read."""
         self.forward_done = True
-        self.mark_needed(self.saved_storages.live())
+        # Every storage autograd saved, freed or not: the checkpoint's pack hook keeps no
+        # reference, so what only autograd saved is already freed here, and the recompute
+        # must rebuild it. (A reused address can only make more ops live.)
+        self.mark_needed(self.saved_storages.ever())
+        for e in reversed(self.order):
+            if e.cached or e.served_write is not None:
+                continue  # served in the recompute: it reads nothing
+            if e.skippable and not any(s in self.needed_storages for s in e.storages):
+                e.dead = True
+                e.rng_state = None  # never replayed
+                self.stats.skipped_ops += 1
+                continue
+            e.skippable, e.value = False, None
+            self.mark_needed(e.inputs)
         seen: set[int] = set()
         for entries in self.entries.values():
             for e in entries:
@@ -427,6 +470,7 @@ class _CachingMode(TorchDispatchMode):
         session = _SESSION.get()
         kept = session is not None and session.kept()
         regions = session.open_names() if session is not None else ()
+        save = session is not None and session.saves(func)
         inputs = _tensor_storages((args, kwargs))
         writes = _writes(func, args, kwargs)
         rng = None
@@ -434,10 +478,13 @@ class _CachingMode(TorchDispatchMode):
             rng = _rng_state((args, kwargs))
         out = func(*args, **kwargs)
 
-        # Ops run with grad disabled are re-run, not served: compiled code running
-        # here (its forward runs under no_grad) allocates, reuses and fills its own
-        # buffers with kernels this mode never sees.
-        cached = kept and torch.is_grad_enabled() and not writes.has_out
+        # With grad disabled only costly ops are served (a custom op's or an
+        # autograd.Function's kernel runs below autograd), and not inside compiled
+        # code, which allocates, reuses and fills its own buffers with kernels this
+        # mode never sees (an Inductor kernel may write into a fallback op's output).
+        cached = save and not writes.has_out
+        if cached and not torch.is_grad_enabled():
+            cached = is_costly(func) and not running_compiled_code()
         if _is_collective(func):
             if _communicates(func):
                 # (a functional collective's forward runs with grad disabled, under its
@@ -456,6 +503,10 @@ class _CachingMode(TorchDispatchMode):
             s = _storage(t)
             if s is not None and s in st.produced:
                 st.mark_mutated(s, func, regions, t)
+        if external_writes and kept and torch.is_grad_enabled() and not writes.has_out:
+            # Whatever the policy: a kept region's write into a tensor from outside
+            # the scope (a buffer, an input) happens once, in the forward.
+            cached = True
         entry = _Entry(func, regions, cached, inputs=inputs, rng_state=rng)
         if external_writes and cached:
             entry.served_write = _kept_external_write(st, func, regions, external_writes)
@@ -470,7 +521,10 @@ class _CachingMode(TorchDispatchMode):
                 st.by_storage[s].append(entry)
             st.stats.cached_ops += 1
         else:
-            st.mark_needed(inputs)
+            entry.storages = out_storages
+            if not (writes.in_place or writes.out or _is_collective(func)) and _all_float_tensors(out):
+                entry.skippable = True
+                entry.value = tree_map(lambda x: _Geometry(x) if isinstance(x, torch.Tensor) else x, out)
             for t in _tensors((args, kwargs)):
                 st.read_by_recomputed.add_tensor(t)
             st.stats.recomputed_ops += 1
@@ -482,7 +536,15 @@ class _CachingMode(TorchDispatchMode):
             for t in _tensors(out) + writes.in_place:
                 st.random_derived.add_tensor(t)
         st.entries[func].append(entry)
+        st.order.append(entry)
         return out
+
+
+def _all_float_tensors(out: Any) -> bool:
+    leaves = tree_leaves(out)
+    return bool(leaves) and all(
+        isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves
+    )
 
 
 class _CachedMode(TorchDispatchMode):
@@ -515,9 +577,10 @@ class _CachedMode(TorchDispatchMode):
             # a kept write into a tensor from outside the scope: it happened once, in
             # the forward; hand back the written argument without writing again
             return e.served_write(args, kwargs)
-        if e.cached:
+        if e.cached or e.dead:
             # a fresh alias per recompute (autograd attaches view metadata to what it
-            # gets); a dropped output gets a stand-in of its geometry, which nothing reads
+            # gets); a dropped output, or a dead op's, gets a stand-in of its geometry,
+            # which nothing reads
             out = tree_map(lambda leaf: _serve_leaf(leaf, st), e.value)
             return out
         if any(s in st.stand_ins for s in _tensor_storages((args, kwargs))):
@@ -574,18 +637,20 @@ def checkpoint_with_regions(
     fn,
     *args: Any,
     keep: KeepSet,
+    policy: RegionPolicy = SAVE_COSTLY,
     preserve_rng_state: bool = True,
     stats_out: list | None = None,
     **kwargs: Any,
 ):
-    """Run ``fn(*args, **kwargs)`` under the eager engine keeping the regions in ``keep``."""
+    """Run ``fn(*args, **kwargs)`` under the eager engine keeping the regions in ``keep``
+    as ``policy`` decides (see :mod:`sac_compile.policy`)."""
     state = _State(preserve_rng_state)
 
     def context_fn():
         return _CachingMode(state), _CachedMode(state)
 
     def run(*a: Any, **k: Any):
-        session = EagerSession(keep)
+        session = EagerSession(keep, policy)
         s_token = _SESSION.set(session)
         m_token = ops._MARKER_SINK.set(session.sink)
         try:

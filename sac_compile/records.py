@@ -40,6 +40,8 @@ class ScopeInfo:
     ac_graph_id: int
     source: str  # "scope markers" | "torch.utils.checkpoint" | "whole graph"
     keep: KeepSet
+    policy: str = "save_costly"  # sac_compile.policy.policy_key of the scope's region policy
+    budget: float | None = None
     nodes: int = 0
 
 
@@ -78,6 +80,10 @@ class GraphRecord:
     node_scope: dict[str, int] = field(default_factory=dict)
     # node name -> "MUST_SAVE" / "MUST_RECOMPUTE" / ... as tagged by the pass
     node_policy: dict[str, str] = field(default_factory=dict)
+    # the activation_memory_budget handed to the partitioner for this graph (scopes' budget=)
+    budget: float | None = None
+    # the distinct budgets of the graph's scopes when they disagree (the smallest is used)
+    budget_conflict: list[float] = field(default_factory=list)
     # names of the joint graph's forward nodes (tagged or not)
     forward_nodes: set[str] = field(default_factory=set)
 

@@ -42,6 +42,7 @@ from . import diagnostics
 from .backend import make_sac_backend
 from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+from .policy import SAVE_COSTLY, RegionPolicy, format_scope, policy_key, validate_budget, validate_policy
 from .records import SEAM_PREFIX, generic_path
 
 __all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_wrapped"]
@@ -60,6 +61,8 @@ class SeamConfig:
     keep: KeepSet
     preserve_rng_state: bool
     compile_options: tuple[tuple[str, Any], ...] | None  # None: not compiled by the seam
+    policy: RegionPolicy = SAVE_COSTLY
+    budget: float | None = None
 
 
 _SUBCLASSES: dict[tuple, type] = {}
@@ -81,6 +84,8 @@ def apply_selective_checkpointing(
     *,
     preserve_rng_state: bool = True,
     compile: bool | Mapping[str, Any] = False,
+    policy: object = SAVE_COSTLY,
+    budget: float | None = None,
 ) -> nn.Module:
     """Checkpoint ``module`` keeping the regions in ``keep``; returns ``module`` itself.
 
@@ -89,6 +94,12 @@ def apply_selective_checkpointing(
             this module's docstring).
         keep: region names to keep (save), ``sac_compile.ALL_REGIONS``, or ``()`` for
             full recompute.
+        policy: the region policy (:mod:`sac_compile.policy`), the same in every mode;
+            default :data:`~sac_compile.SAVE_COSTLY` (a kept region's costly values
+            saved, its cheap ops recomputed).
+        budget: fraction of the layer's activation bytes for PyTorch's knapsack to
+            fill after the kept values (compiled code only: with ``compile=True`` or
+            under an outer ``torch.compile``; the eager engine raises).
         preserve_rng_state: replay the RNG in the recompute (eager modes).
         compile: ``True`` or a dict with any of ``fullgraph``, ``dynamic`` (for
             ``torch.compile``) and ``inner``, ``inductor_config`` (for
@@ -103,15 +114,19 @@ def apply_selective_checkpointing(
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
     options = _compile_options(compile)
-    config = SeamConfig(keep_set, preserve_rng_state, options)
+    config = SeamConfig(
+        keep_set, preserve_rng_state, options, validate_policy(policy), validate_budget(budget)
+    )
     existing = getattr(module, "_sac_seam", None)
     if existing is not None:
         if existing == config:
             return module
         raise ValueError(
             f"{type(module).__name__} is already wrapped by apply_selective_checkpointing with "
-            f"keep={format_keep(existing.keep)!r}, compile={existing.compile_options}; wrapping it again "
-            f"with keep={format_keep(keep_set)!r}, compile={options} would nest two checkpoints. "
+            f"keep={format_keep(existing.keep)!r}, compile={existing.compile_options}, "
+            f"policy={policy_key(existing.policy)}, budget={existing.budget}; wrapping it again with "
+            f"keep={format_keep(keep_set)!r}, compile={options}, policy={policy_key(config.policy)}, "
+            f"budget={config.budget} would nest two checkpoints. "
             "Wrap each module once."
         )
     if getattr(module, "_compiled_call_impl", None) is not None:
@@ -125,6 +140,8 @@ def apply_selective_checkpointing(
         opts = dict(options)
         backend = make_sac_backend(
             keep_set,
+            policy=config.policy,
+            budget=config.budget,
             **{k: v for k, v in opts.items() if k in _BACKEND_KEYS},
         )
         module.compile(backend=backend, **{k: v for k, v in opts.items() if k in _COMPILE_KEYS})
@@ -154,7 +171,14 @@ def _compile_options(compile: object) -> tuple[tuple[str, Any], ...] | None:
 
 def _subclass_for(cls: type, config: SeamConfig) -> type:
     """The generated subclass of ``cls`` whose ``_call_impl`` applies the seam."""
-    key = (cls, format_keep(config.keep), config.preserve_rng_state, repr(config.compile_options))
+    key = (
+        cls,
+        format_keep(config.keep),
+        config.preserve_rng_state,
+        repr(config.compile_options),
+        policy_key(config.policy),
+        config.budget,
+    )
     if key not in _SUBCLASSES:
         # A fresh code object per class and configuration: Dynamo keys its cache
         # (and its recompile_limit of 8 entries) on code objects, and each backend
@@ -185,7 +209,7 @@ def _seam_call_impl(self, *args, **kwargs):
         # must not make Dynamo fall back for the whole frame. Scope id 1 says that
         # this layer asked for its own compile (an outer compile swallowing it is
         # reported when the marker is traced); the id is constant per wrap site.
-        keep_text = "" if legacy else format_keep(config.keep)
+        keep_text = "" if legacy else format_scope(format_keep(config.keep), config.policy, config.budget)
         scope_id = 0 if config.compile_options is None else 1
         torch.ops.sac_compile.scope_enter(scope_id, keep_text)
         out = call(*args, **kwargs)
@@ -210,18 +234,25 @@ def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: di
         )
     if not torch.is_grad_enabled():
         return call(*args, **kwargs)
+    if config.budget is not None:
+        raise ValueError(
+            f"{type(self).__name__} was wrapped with budget={config.budget:g}, but runs in the eager engine, "
+            "which has no partitioner to spend a budget: budget= applies to compiled code only. Pass "
+            "compile=True to apply_selective_checkpointing (or compile the model), or drop budget="
+        )
     if config.keep is not ALL_REGIONS and not config.keep:
         return checkpoint(
             call, *args, use_reentrant=False, preserve_rng_state=config.preserve_rng_state, **kwargs
         )
+    engine_kwargs = {
+        "keep": config.keep,
+        "policy": config.policy,
+        "preserve_rng_state": config.preserve_rng_state,
+    }
     if self in _eager_calls and _eager_calls[self] < 0:
-        return checkpoint_with_regions(
-            call, *args, keep=config.keep, preserve_rng_state=config.preserve_rng_state, **kwargs
-        )
+        return checkpoint_with_regions(call, *args, **engine_kwargs, **kwargs)
     stats: list = []
-    out = checkpoint_with_regions(
-        call, *args, keep=config.keep, preserve_rng_state=config.preserve_rng_state, stats_out=stats, **kwargs
-    )
+    out = checkpoint_with_regions(call, *args, **engine_kwargs, stats_out=stats, **kwargs)
     _check_eager(self, config, stats[0])
     return out
 
@@ -267,10 +298,11 @@ def _check_eager(module: nn.Module, config: SeamConfig, stats) -> None:
                         diagnostics.KEPT_NOTHING,
                         name,
                         where,
-                        "it is kept, but after the forward nothing computed in it is held (the backward "
-                        "reads none of its values, or they are views, collectives or in-place targets, "
-                        "which are recomputed), so keeping it saves nothing. Mark the op whose output the "
-                        "backward needs, or drop the name from keep.",
+                        "it is kept, but after the forward nothing computed in it is held: the region "
+                        "policy saved none of its ops (no costly op - matmul, convolution, attention, "
+                        "custom kernel - ran in it; cheap ops, views, collectives and in-place targets "
+                        "are recomputed), or the backward reads none of its values. Keeping it saves "
+                        "nothing: mark the op whose output the backward needs, or drop the name from keep.",
                     ),
                     owner,
                 )

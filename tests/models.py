@@ -8,7 +8,7 @@ import torch.nn as nn
 import sac_compile as sc
 from sac_compile.demo_models import Attention, Block, ScopedStack, Stack
 
-__all__ = ["MLP", "Attention", "Block", "ScopedStack", "Stack", "grads", "run_step"]
+__all__ = ["MLP", "Attention", "Block", "ScopedStack", "Stack", "grads", "net_forward_bytes", "run_step"]
 
 
 class MLP(nn.Module):
@@ -45,3 +45,13 @@ def run_step(fn, module: nn.Module, *inputs: torch.Tensor):
     out.sum().backward()
     g = [None if t is None else t.clone() for t in grads(module, *inputs)]
     return out.detach(), g
+
+
+def net_forward_bytes(fn) -> int:
+    """Net CPU bytes ``fn()`` allocates and still holds when it returns (profiler accounting):
+    what the forward leaves for the backward, the same measure for eager and compiled code."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        out = fn()
+    del out
+    return sum(e.self_cpu_memory_usage for e in prof.events())

@@ -116,7 +116,8 @@ class TestRecompileSafety:
         shapes_a = sorted(tuple(t.shape) for t in saved_a)
         shapes_b = sorted(tuple(t.shape) for t in saved_b)
         assert (2, 2, 4) in shapes_a and (2, 2, 4) not in shapes_b  # SDPA logsumexp kept only by a
-        assert (2, 4, 64) in shapes_b and (2, 4, 64) not in shapes_a  # MLP hidden kept only by b
+        # the MLP's up-projection output (the addmm, before its view) kept only by b
+        assert (8, 64) in shapes_b and (8, 64) not in shapes_a
 
 
 class TestDropout:
@@ -266,10 +267,8 @@ class TestGraphBreakInDecoratedRegion:
         assert len(training) == 4
         pieces = [g for g in training if g.record.decorated_context == ("r",)]
         assert len(pieces) == 2
-        assert [{v.op for v in g.saved if not v.is_input} for g in pieces] == [
-            {"aten.tanh"},
-            {"aten.sigmoid"},
-        ]
+        # each piece saves its matmul (the costly value); tanh / sigmoid are recomputed from it
+        assert [{v.op for v in g.saved if not v.is_input} for g in pieces] == [{"aten.mm"}, {"aten.mm"}]
         assert all(v.region == "r" for g in pieces for v in g.saved if not v.is_input)
         ref = torch.autograd.grad(model(x).sum(), [x, model.w])
         torch._dynamo.reset()

@@ -66,16 +66,17 @@ class ViewRegion(nn.Module):
 
 
 class UnreadRegion(nn.Module):
-    """A kept region whose value the backward never reads (add, then add)."""
+    """A kept region whose costly value the backward never reads (a linear, then a scale)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(16, 16)
+        self.lin2 = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x)
         with sc.region("unread"):
-            h = y + 1.0
+            h = self.lin2(y)
         return h * 2.0
 
 

@@ -10,6 +10,11 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 import sac_compile as sc
 from sac_compile.demo_models import Block, MoEBlock
 from sac_compile.eager import checkpoint_with_regions
+from sac_compile.policy import SAVE_ALL, SAVE_COSTLY
+
+# Mechanism tests (in-place writes, dropping, RNG) run under both built-in policies:
+# SAVE_ALL caches every op of a kept region, the harder case for in-place safety.
+POLICIES = pytest.mark.parametrize("policy", [SAVE_COSTLY, SAVE_ALL], ids=["save_costly", "save_all"])
 
 KEEPS = [frozenset(), frozenset({"attn"}), frozenset({"mlp"}), frozenset({"experts"}), sc.ALL_REGIONS]
 
@@ -127,14 +132,18 @@ class InPlace(nn.Module):
         return (out + buf[:, : x.shape[1]] + buf.sum()).sin()
 
 
-def test_in_place_writes_inside_a_kept_region_stay_bit_identical():
+@POLICIES
+def test_in_place_writes_inside_a_kept_region_stay_bit_identical(policy):
     torch.manual_seed(0)
     m = InPlace()
     x = torch.randn(4, 8, requires_grad=True)
     ref = step(m, x, "none")
-    got = step(m, x, "sac", frozenset({"r"}))
+    got = step(m, x, "sac", frozenset({"r"}), policy=policy)
     assert_bit_identical(got, ref)
-    assert got[2].mutated_recomputes >= 3  # zeros_like, the x @ w product, the buffer
+    if policy is SAVE_ALL:
+        assert got[2].mutated_recomputes >= 3  # zeros_like, the x @ w product, the buffer
+    else:
+        assert got[2].mutated_recomputes >= 1  # the x @ w product (zeros_like is cheap: recomputed)
 
 
 def test_out_variants_in_a_kept_region_are_rerun_into_their_buffer():
@@ -180,7 +189,8 @@ def test_random_producer_written_in_place_without_rng_preservation_is_a_forward_
     # red before the check existed: the forward passed and the gradients were silently wrong
     msg = r"aten\.mul_\.Tensor writes in place .*shape \(8,\).* made by aten\.mul\.Tensor in region\(s\) drop"
     with pytest.raises(RuntimeError, match=msg + r".*preserve_rng_state=True"):
-        checkpoint_with_regions(M(), x, keep=frozenset({"drop"}), preserve_rng_state=False)
+        # SAVE_ALL caches dropout's product (SAVE_COSTLY recomputes it, no write hazard)
+        checkpoint_with_regions(M(), x, keep=frozenset({"drop"}), preserve_rng_state=False, policy=SAVE_ALL)
 
 
 def test_dropout_in_kept_and_recomputed_regions_matches_no_checkpoint():
@@ -194,7 +204,8 @@ def test_dropout_in_kept_and_recomputed_regions_matches_no_checkpoint():
     assert not torch.equal(other[0], ref[0])  # the dropout is live
 
 
-def test_cached_values_nothing_reads_are_dropped():
+@POLICIES
+def test_cached_values_nothing_reads_are_dropped(policy):
     """mm -> add -> mul kept: autograd saves none of their outputs, only the last is read."""
 
     class M(nn.Module):
@@ -210,11 +221,14 @@ def test_cached_values_nothing_reads_are_dropped():
     torch.manual_seed(0)
     m = M()
     x = torch.randn(4, 8, requires_grad=True)
-    got = step(m, x, "sac", frozenset({"r"}))
+    got = step(m, x, "sac", frozenset({"r"}), policy=policy)
     assert_bit_identical(got, step(m, x, "none"))
     stats = got[2]
-    assert stats.cached_ops == 3 and stats.dropped_ops == 2
-    assert stats.held_bytes == 4 * 8 * 4  # only c, which sin's backward reads
+    if policy is SAVE_ALL:
+        assert stats.cached_ops == 3 and stats.dropped_ops == 2
+    else:  # the mm cached, add and mul recomputed from it (they rebuild c, which sin saved)
+        assert stats.cached_ops == 1 and stats.dropped_ops == 0
+    assert stats.held_bytes == 4 * 8 * 4  # c, or the mm output c is recomputed from
 
 
 def test_marker_outside_any_scope_is_a_no_op():
@@ -375,7 +389,7 @@ def test_backward_twice_with_retain_graph():
 
 
 def test_unread_outputs_of_a_multi_output_op_are_dropped():
-    """var_mean kept: only the mean is read later, so the variance is not held."""
+    """var_mean kept (SAVE_ALL): only the mean is read later, so the variance is not held."""
 
     def fn(x):
         with sc.region("r"):
@@ -387,9 +401,14 @@ def test_unread_outputs_of_a_multi_output_op_are_dropped():
     ref = fn(x)
     ref_grad = torch.autograd.grad(ref.sum(), x)[0]
     stats = []
-    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}), stats_out=stats)
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}), stats_out=stats, policy=SAVE_ALL)
     (grad,) = torch.autograd.grad(out.sum(), x)
     assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
     # held: x @ x.T (var_mean saves its input) and mean; red before per-output
     # dropping, when var (64 floats) was held too
     assert stats[0].held_by_region["r"] == (64 * 64 + 64) * 4
+    # the default policy holds x @ x.T only: var_mean (cheap) is recomputed from it
+    stats = []
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}), stats_out=stats)
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0], ref_grad)
+    assert stats[0].held_by_region["r"] == 64 * 64 * 4

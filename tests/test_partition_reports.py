@@ -45,14 +45,13 @@ class TestAotEager(TestCase):
             _report("mlp_kept", self.inner),
             """\
 graph 0: scopes [#1 whole graph] regions [mlp(kept)]
-saved  op          region  scope  shape    dtype    bytes
-relu   aten.relu   mlp     #1     [4, 32]  float32  512
-clone  aten.clone  mlp     #1     [4, 8]   float32  128
-inputs saved: 1 (128 B); parameters saved: 2 (2048 B)
+saved    op          region  scope  shape   dtype    bytes
+addmm_1  aten.addmm  mlp     #1     [4, 8]  float32  128
+inputs saved: 1 (128 B); parameters saved: 3 (2176 B)
 recomputed:
-  -: 1 ops: t
-  mlp: 1 ops: t
-total: 2 activations, 640 B; 2 ops recomputed""",
+  -: 2 ops: addmm, t
+  mlp: 3 ops: clone, relu, t
+total: 1 activations, 128 B; 5 ops recomputed""",
         )
         _check_grads("mlp_kept", self.inner)
 
@@ -78,12 +77,13 @@ total: 2 activations, 576 B; 28 ops recomputed""",
             _report("two_regions_one_kept", self.inner),
             """\
 graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
-saved  op         region  scope  shape   dtype    bytes
-tanh   aten.tanh  a       #1     [4, 8]  float32  128
+saved  op       region  scope  shape   dtype    bytes
+mm     aten.mm  a       #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 2 (512 B)
 recomputed:
+  a: 1 ops: tanh
   b: 2 ops: mm, sigmoid
-total: 1 activations, 128 B; 2 ops recomputed""",
+total: 1 activations, 128 B; 3 ops recomputed""",
         )
         _check_grads("two_regions_one_kept", self.inner)
 
@@ -92,15 +92,18 @@ total: 1 activations, 128 B; 2 ops recomputed""",
             _report("nested_overlap_keep_inner_x", self.inner),
             """\
 graph 0: scopes [#1 whole graph] regions [inner(kept), outer(recomputed), x(kept)]
-saved      op            region       scope  shape   dtype    bytes
-sigmoid    aten.sigmoid  inner+outer  #1     [4, 8]  float32  128
-tanh_1     aten.tanh     outer+x      #1     [4, 8]  float32  128
-sigmoid_1  aten.sigmoid  x            #1     [4, 8]  float32  128
+saved  op       region       scope  shape   dtype    bytes
+mm_1   aten.mm  inner+outer  #1     [4, 8]  float32  128
+mm_2   aten.mm  outer+x      #1     [4, 8]  float32  128
+mm_3   aten.mm  x            #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 1 ops: mm
+  inner+outer: 1 ops: sigmoid
   outer: 2 ops: mm, tanh
-total: 3 activations, 384 B; 3 ops recomputed""",
+  outer+x: 1 ops: tanh
+  x: 1 ops: sigmoid
+total: 3 activations, 384 B; 6 ops recomputed""",
         )
         _check_grads("nested_overlap_keep_inner_x", self.inner)
 
@@ -109,13 +112,15 @@ total: 3 activations, 384 B; 3 ops recomputed""",
             _report("unbalanced", self.inner),
             """\
 graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
-saved   op         region  scope  shape   dtype    bytes
-tanh    aten.tanh  early   #1     [4, 8]  float32  128
-tanh_1  aten.tanh  late    #1     [4, 8]  float32  128
+saved  op       region  scope  shape   dtype    bytes
+mm     aten.mm  early   #1     [4, 8]  float32  128
+mm_2   aten.mm  late    #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 2 ops: mm, sigmoid
-total: 2 activations, 256 B; 2 ops recomputed""",
+  early: 1 ops: tanh
+  late: 1 ops: tanh
+total: 2 activations, 256 B; 4 ops recomputed""",
         )
         _check_grads("unbalanced", self.inner)
 
@@ -124,14 +129,15 @@ total: 2 activations, 256 B; 2 ops recomputed""",
             _report("in_checkpoint", self.inner),
             """\
 graph 0: scopes [#1 torch.utils.checkpoint] regions [core(kept)]; overrides checkpoint policy: core in #1
-saved    op            region  scope  shape   dtype    bytes
-relu     aten.relu     -       -      [4, 8]  float32  128
-sigmoid  aten.sigmoid  core    #1     [4, 8]  float32  128
-mm_4     aten.mm       -       -      [4, 8]  float32  128
+saved  op         region  scope  shape   dtype    bytes
+relu   aten.relu  -       -      [4, 8]  float32  128
+mm_2   aten.mm    core    #1     [4, 8]  float32  128
+mm_4   aten.mm    -       -      [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 4 ops: mm x2, tanh x2
-total: 3 activations, 384 B; 4 ops recomputed""",
+  core: 1 ops: sigmoid
+total: 3 activations, 384 B; 5 ops recomputed""",
         )
         _check_grads("in_checkpoint", self.inner)
 
@@ -170,14 +176,13 @@ class TestInductor(TestCase):
             _report("mlp_kept", self.inner),
             """\
 graph 0: scopes [#1 whole graph] regions [mlp(kept)]
-saved    op          region  scope  shape    dtype    bytes
-relu     aten.relu   mlp     #1     [4, 32]  float32  512
-addmm_1  aten.addmm  mlp     #1     [4, 8]   float32  128
-inputs saved: 1 (128 B); parameters saved: 2 (2048 B)
+saved    op          region  scope  shape   dtype    bytes
+addmm_1  aten.addmm  mlp     #1     [4, 8]  float32  128
+inputs saved: 1 (128 B); parameters saved: 3 (2176 B)
 recomputed:
-  -: 1 ops: permute
-  mlp: 1 ops: permute
-total: 2 activations, 640 B; 2 ops recomputed""",
+  -: 2 ops: addmm, permute
+  mlp: 2 ops: permute, relu
+total: 1 activations, 128 B; 4 ops recomputed""",
         )
         _check_grads("mlp_kept", self.inner)
 
@@ -203,12 +208,13 @@ total: 2 activations, 576 B; 45 ops recomputed""",
             _report("two_regions_one_kept", self.inner),
             """\
 graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
-saved  op         region  scope  shape   dtype    bytes
-tanh   aten.tanh  a       #1     [4, 8]  float32  128
+saved  op       region  scope  shape   dtype    bytes
+mm     aten.mm  a       #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 2 (512 B)
 recomputed:
+  a: 1 ops: tanh
   b: 2 ops: mm, sigmoid
-total: 1 activations, 128 B; 2 ops recomputed""",
+total: 1 activations, 128 B; 3 ops recomputed""",
         )
         _check_grads("two_regions_one_kept", self.inner)
 
@@ -217,15 +223,18 @@ total: 1 activations, 128 B; 2 ops recomputed""",
             _report("nested_overlap_keep_inner_x", self.inner),
             """\
 graph 0: scopes [#1 whole graph] regions [inner(kept), outer(recomputed), x(kept)]
-saved      op            region       scope  shape   dtype    bytes
-sigmoid    aten.sigmoid  inner+outer  #1     [4, 8]  float32  128
-tanh_1     aten.tanh     outer+x      #1     [4, 8]  float32  128
-sigmoid_1  aten.sigmoid  x            #1     [4, 8]  float32  128
+saved  op       region       scope  shape   dtype    bytes
+mm_1   aten.mm  inner+outer  #1     [4, 8]  float32  128
+mm_2   aten.mm  outer+x      #1     [4, 8]  float32  128
+mm_3   aten.mm  x            #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 1 ops: mm
+  inner+outer: 1 ops: sigmoid
   outer: 2 ops: mm, tanh
-total: 3 activations, 384 B; 3 ops recomputed""",
+  outer+x: 1 ops: tanh
+  x: 1 ops: sigmoid
+total: 3 activations, 384 B; 6 ops recomputed""",
         )
         _check_grads("nested_overlap_keep_inner_x", self.inner)
 
@@ -234,13 +243,15 @@ total: 3 activations, 384 B; 3 ops recomputed""",
             _report("unbalanced", self.inner),
             """\
 graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
-saved   op         region  scope  shape   dtype    bytes
-tanh    aten.tanh  early   #1     [4, 8]  float32  128
-tanh_1  aten.tanh  late    #1     [4, 8]  float32  128
+saved  op       region  scope  shape   dtype    bytes
+mm     aten.mm  early   #1     [4, 8]  float32  128
+mm_2   aten.mm  late    #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 2 ops: mm, sigmoid
-total: 2 activations, 256 B; 2 ops recomputed""",
+  early: 1 ops: tanh
+  late: 1 ops: tanh
+total: 2 activations, 256 B; 4 ops recomputed""",
         )
         _check_grads("unbalanced", self.inner)
 
@@ -249,14 +260,15 @@ total: 2 activations, 256 B; 2 ops recomputed""",
             _report("in_checkpoint", self.inner),
             """\
 graph 0: scopes [#1 torch.utils.checkpoint] regions [core(kept)]; overrides checkpoint policy: core in #1
-saved    op            region  scope  shape   dtype    bytes
-relu     aten.relu     -       -      [4, 8]  float32  128
-sigmoid  aten.sigmoid  core    #1     [4, 8]  float32  128
-mm_4     aten.mm       -       -      [4, 8]  float32  128
+saved  op         region  scope  shape   dtype    bytes
+relu   aten.relu  -       -      [4, 8]  float32  128
+mm_2   aten.mm    core    #1     [4, 8]  float32  128
+mm_4   aten.mm    -       -      [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 1 (256 B)
 recomputed:
   -: 4 ops: mm x2, tanh x2
-total: 3 activations, 384 B; 4 ops recomputed""",
+  core: 1 ops: sigmoid
+total: 3 activations, 384 B; 5 ops recomputed""",
         )
         _check_grads("in_checkpoint", self.inner)
 

@@ -25,8 +25,10 @@ class G:
         self.tangent = self.graph.placeholder("tangents_1")
         self.last = self.x
 
-    def op(self, target=aten.sin.default, *args):
-        self.last = self.graph.call_function(target, args or (self.last,))
+    def op(self, target=aten.mm.default, *args):
+        # a costly op by default: what a kept region saves (cheap ops: tests/test_policy.py)
+        default = (self.last, self.last) if target is aten.mm.default else (self.last,)
+        self.last = self.graph.call_function(target, args or default)
         return self.last
 
     def enter(self, name):
@@ -111,12 +113,15 @@ def test_backward_nodes_are_not_tagged_even_with_a_region_open():
 def test_getitem_follows_its_producer_and_views_are_recomputed():
     g = G()
     g.enter("r")
-    pair = g.op(aten.var_mean.correction, g.x)
+    attn = g.op(aten._scaled_dot_product_flash_attention_for_cpu.default, g.x, g.x, g.x)
+    out = g.op(operator.getitem, attn, 0)
+    view = g.op(aten.view.default, out, [-1])
+    pair = g.op(aten.var_mean.correction, view)  # cheap multi-output op
     mean = g.op(operator.getitem, pair, 1)
-    view = g.op(aten.view.default, mean, [-1])
     g.exit("r")
     tag_regions(g.finish(), frozenset({"r"}))
-    assert policies(pair, mean, view) == [SAVE, SAVE, RECOMPUTE]
+    assert policies(attn, out, view) == [SAVE, SAVE, RECOMPUTE]
+    assert policies(pair, mean) == [CheckpointPolicy.PREFER_RECOMPUTE] * 2
 
 
 def test_seed_ops_are_never_forced_to_recompute():

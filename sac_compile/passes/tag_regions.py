@@ -18,10 +18,15 @@ Rules (the product spec's Semantics):
   those, the whole graph is one scope (recorded: right for a per-layer compile,
   wrong for a whole model). Each scope has its own ``ac_graph_id``, increasing
   in program order, so the partitioner saves the boundaries between scopes.
-* Inside a scope a forward node is ``MUST_SAVE`` when any open region is in the
-  scope's keep set (union; entries are counted, so a name opened twice stays open
-  until closed twice) and ``MUST_RECOMPUTE`` otherwise. In a checkpoint's own
-  scope the markers decide only inside marked regions (the override is recorded);
+* Inside a scope each forward node gets what the scope's region policy
+  (:mod:`sac_compile.policy`) decides from its op, the regions open when it ran
+  (entries are counted, so a name opened twice stays open until closed twice) and
+  the scope's keep set; by default a kept region's costly values are
+  ``MUST_SAVE``, its cheap ops ``PREFER_RECOMPUTE``, everything else
+  ``MUST_RECOMPUTE``. With a ``budget`` the ops outside kept regions are left
+  untagged, for PyTorch's knapsack (``activation_memory_budget``, set on the graph
+  through ``node.meta["memory_budget"]``) to choose among. In a checkpoint's own scope the
+  markers decide only inside marked regions (the override is recorded);
   elsewhere the checkpoint's policy stands.
 * ``getitem`` and ``wait_tensor`` follow their producer. Views are recomputed
   (their bases are what get saved). Seed ops are never forced to recompute.
@@ -41,13 +46,22 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .. import ops, records
+from .. import _torch_internals, keep, ops, policy, records
 from .._torch_internals import CheckpointPolicy, CustomGraphPass, get_hash_for_files, seed_ops
 from ..keep import KeepSet, format_keep, parse_keep
+from ..policy import RegionPolicy, checked_decision, parse_scope, policy_key, saves
 
 __all__ = ["TagRegionsPass", "tag_regions"]
 
-_SOURCE_FILES = (__file__, ops.__file__, records.__file__)
+# Every source file whose code decides a tag (the seed-op list lives in _torch_internals).
+_SOURCE_FILES = (
+    __file__,
+    ops.__file__,
+    records.__file__,
+    keep.__file__,
+    policy.__file__,
+    _torch_internals.__file__,
+)
 _TAGGED = "sac_tagged"  # node.meta key: this pass set the node's recompute tag
 _ERASED = "sac_erased_regions"  # GraphModule.meta key: regions whose markers were erased
 _INVOKE_SUBGRAPH = getattr(torch.ops.higher_order, "invoke_subgraph", None)
@@ -57,26 +71,43 @@ _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 class TagRegionsPass(CustomGraphPass):
     """Inductor ``joint_custom_pre_pass`` running :func:`tag_regions`.
 
-    ``uuid()`` covers the keep set, the backend options, the regions the graph
-    starts inside of and a hash of this package's pass sources, so neither the FX
-    graph cache nor the AOTAutograd cache can serve a partition made for another
-    configuration.
+    ``uuid()`` covers the keep set, the region policy (its key includes a hash of a
+    user policy's source), the budget, the backend options, the regions the graph
+    starts inside of and a hash of every source file the pass reads, so neither
+    the FX graph cache nor the AOTAutograd cache can serve a partition made for
+    another configuration.
     """
 
-    def __init__(self, keep: KeepSet, *, options_key: str = "", initial_open: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        keep: KeepSet,
+        *,
+        policy: RegionPolicy = policy.SAVE_COSTLY,
+        budget: float | None = None,
+        options_key: str = "",
+        initial_open: tuple[str, ...] = (),
+    ) -> None:
         self.keep = keep
+        self.policy = policy
+        self.budget = budget
         self.options_key = options_key
         self.initial_open = tuple(initial_open)
 
     def __call__(self, graph: fx.Graph) -> None:
-        tag_regions(graph, self.keep, initial_open=self.initial_open)
+        tag_regions(graph, self.keep, policy=self.policy, budget=self.budget, initial_open=self.initial_open)
 
     def uuid(self) -> bytes:
-        extra = f"keep={format_keep(self.keep)}|options={self.options_key}|open={self.initial_open}"
+        extra = (
+            f"keep={format_keep(self.keep)}|policy={policy_key(self.policy)}|budget={self.budget!r}"
+            f"|options={self.options_key}|open={self.initial_open}"
+        )
         return get_hash_for_files(_SOURCE_FILES, extra=extra)
 
     def __repr__(self) -> str:
-        return f"TagRegionsPass(keep={format_keep(self.keep)!r}, initial_open={self.initial_open})"
+        return (
+            f"TagRegionsPass(keep={format_keep(self.keep)!r}, policy={policy_key(self.policy)}, "
+            f"budget={self.budget}, initial_open={self.initial_open})"
+        )
 
 
 @dataclass
@@ -85,9 +116,18 @@ class _Scope:
     keep: KeepSet
     info: records.ScopeInfo
     marker_id: int | None = None  # the seam's scope id, for scope markers
+    policy: RegionPolicy = policy.SAVE_COSTLY
+    budget: float | None = None
 
 
-def tag_regions(graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...] = ()) -> records.GraphRecord:
+def tag_regions(
+    graph: fx.Graph,
+    keep: KeepSet,
+    *,
+    policy: RegionPolicy = policy.SAVE_COSTLY,
+    budget: float | None = None,
+    initial_open: tuple[str, ...] = (),
+) -> records.GraphRecord:
     """Tag ``graph`` in place (see the module docstring) and return what was seen."""
     nodes = list(graph.nodes)
     is_training = any(_is_tangent(n) for n in nodes)
@@ -105,7 +145,7 @@ def tag_regions(graph: fx.Graph, keep: KeepSet, *, initial_open: tuple[str, ...]
     if is_training:
         forward = _forward_nodes(nodes)
         rec.forward_nodes = {n.name for n in forward}
-        _tag_forward(nodes, forward, keep, initial_open, rec)
+        _tag_forward(nodes, forward, keep, policy, budget, initial_open, rec)
     else:
         _scan_markers(markers, initial_open, rec)
         for n in markers:
@@ -196,6 +236,8 @@ def _tag_forward(
     nodes: list[fx.Node],
     forward: set[fx.Node],
     keep: KeepSet,
+    graph_policy: RegionPolicy,
+    graph_budget: float | None,
     initial_open: tuple[str, ...],
     rec: records.GraphRecord,
 ) -> None:
@@ -210,32 +252,39 @@ def _tag_forward(
     )
     next_id = (max(ckpt_ids) + 1) if ckpt_ids else 1
 
-    def new_scope(source: str, scope_keep: KeepSet, marker_id: int | None = None) -> _Scope:
+    def new_scope(
+        source: str, scope_keep: KeepSet, marker_id: int | None, scope_policy: RegionPolicy, budget
+    ) -> _Scope:
         nonlocal next_id
-        info = records.ScopeInfo(next_id, source, scope_keep)
+        info = records.ScopeInfo(next_id, source, scope_keep, policy_key(scope_policy), budget)
         rec.scopes.append(info)
         next_id += 1
-        return _Scope(info.ac_graph_id, scope_keep, info, marker_id)
+        return _Scope(info.ac_graph_id, scope_keep, info, marker_id, scope_policy, budget)
+
+    def marker_scope(marker_id: int, text: str) -> _Scope:
+        keep_text, scope_policy, budget = parse_scope(text)
+        return new_scope("scope markers", parse_keep(keep_text), marker_id, scope_policy, budget)
 
     ckpt_scopes: dict[int, _Scope] = {}
 
     def checkpoint_scope(ac_id: int) -> _Scope:
         if ac_id not in ckpt_scopes:
-            info = records.ScopeInfo(ac_id, "torch.utils.checkpoint", keep)
+            info = records.ScopeInfo(ac_id, "torch.utils.checkpoint", keep, policy_key(graph_policy))
             rec.scopes.append(info)
-            ckpt_scopes[ac_id] = _Scope(ac_id, keep, info)
+            ckpt_scopes[ac_id] = _Scope(ac_id, keep, info, None, graph_policy)  # no budget inside
         return ckpt_scopes[ac_id]
 
     pre_regions, pre_scopes = _scan_markers(fw_markers, initial_open, rec)
     open_count: Counter[str] = Counter(initial_open) + pre_regions
-    scope_stack = [new_scope("scope markers", parse_keep(k), sid) for sid, k in pre_scopes]
+    scope_stack = [marker_scope(sid, k) for sid, k in pre_scopes]
     whole = None
     if not has_scope_markers and not ckpt_ids:
-        whole = new_scope("whole graph", keep)
+        whole = new_scope("whole graph", keep, None, graph_policy, graph_budget)
     for name in open_count:
         rec.regions.setdefault(name, records.RegionStats(name))
     outside: set[str] = set()
     overrides: Counter[tuple[str, int]] = Counter()
+    budgets: set[float] = set()
 
     for n in nodes:
         if n not in forward or n.op != "call_function":
@@ -251,7 +300,7 @@ def _tag_forward(
             open_count[str(n.args[0])] -= 1
             continue
         if kind == "scope_enter":
-            scope_stack.append(new_scope("scope markers", parse_keep(str(n.args[1])), int(n.args[0])))
+            scope_stack.append(marker_scope(int(n.args[0]), str(n.args[1])))
             continue
         if kind == "scope_exit":
             sid = int(n.args[0])
@@ -281,35 +330,44 @@ def _tag_forward(
             continue
         scope.info.nodes += 1
         rec.node_scope[n.name] = scope.ac_graph_id
-        kept = any(name in scope.keep for name in open_names)
+        if from_checkpoint and not open_names:
+            continue  # outside marked regions the checkpoint's own policy stands
+        decision = _decide(n, open_names, scope)
         if n.target is _INVOKE_SUBGRAPH and _body_keeps(n):
             # The body was partitioned (and tagged) on its own; recomputing the
             # call in the outer backward would recompute what it kept.
-            kept = True
+            decision = CheckpointPolicy.MUST_SAVE
             rec.hop_kept.append("invoke_subgraph")
-
-        policy = _policy_for(n, kept)
-        if from_checkpoint and not open_names:
-            continue  # outside marked regions the checkpoint's own policy stands
-        if policy is None:
+        if decision is None:
             continue
-        if from_checkpoint and n.meta.get("recompute") != policy:
+        if scope.budget is not None and not saves(decision) and not any(r in scope.keep for r in open_names):
+            # PyTorch's knapsack chooses among everything outside the kept regions (inside
+            # them the policy's decisions stand: a cheap kept op is still recomputed)
+            budgets.add(scope.budget)
+            rec.node_policy[n.name] = "BUDGET"
+            continue
+        if scope.budget is not None:
+            budgets.add(scope.budget)
+        if from_checkpoint and n.meta.get("recompute") != decision:
             for name in open_names:
                 overrides[(name, scope.ac_graph_id)] += 1
-        n.meta["recompute"] = policy
+        n.meta["recompute"] = decision
         n.meta["ac_graph_id"] = scope.ac_graph_id
         n.meta[_TAGGED] = True
-        rec.node_policy[n.name] = policy.name
+        rec.node_policy[n.name] = decision.name
         for name in open_names:
             stats = rec.regions[name]
             stats.kept = stats.kept or name in scope.keep
-            if policy == CheckpointPolicy.MUST_SAVE:
+            if saves(decision):
                 stats.saved_nodes += 1
             else:
                 stats.recompute_nodes += 1
 
+    _save_what_collectives_feed(nodes, forward, rec)
     rec.outside_scope = sorted(outside)
     rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(overrides.items())]
+    if budgets:
+        _set_graph_budget(nodes, forward, budgets, rec)
 
 
 def _note_module(rec: records.GraphRecord, marker: fx.Node) -> None:
@@ -324,7 +382,8 @@ def _note_module(rec: records.GraphRecord, marker: fx.Node) -> None:
     rec.region_modules.setdefault(str(marker.args[0]), set()).add(where)
 
 
-def _policy_for(n: fx.Node, kept: bool) -> CheckpointPolicy | None:
+def _decide(n: fx.Node, open_names: tuple[str, ...], scope: _Scope) -> CheckpointPolicy | None:
+    """The mechanism's rules first (they are about correctness), then the scope's policy."""
     target = n.target
     if target is operator.getitem or target is _WAIT_TENSOR:
         producer = n.args[0]
@@ -335,7 +394,62 @@ def _policy_for(n: fx.Node, kept: bool) -> CheckpointPolicy | None:
         return CheckpointPolicy.MUST_SAVE
     if isinstance(target, torch._ops.OpOverload) and target.is_view:
         return CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.MUST_RECOMPUTE
+    return checked_decision(scope.policy, target, open_names, scope.keep)
+
+
+def _is_collective(n: fx.Node) -> bool:
+    target = n.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+
+
+def _save_what_collectives_feed(nodes, forward, rec: records.GraphRecord) -> None:
+    """A kept cheap op reading a recomputed collective's result is saved instead.
+
+    Recomputing it would re-run the collective (communication) in the backward
+    just to rebuild a cheap value: the experts' input reshaped from a dispatch
+    all-to-all, with only the experts kept. Reads through views, ``getitem`` and
+    ``wait_tensor`` count.
+    """
+
+    def fed_by_recomputed_collective(n: fx.Node, depth: int = 0) -> bool:
+        for a in n.all_input_nodes:
+            if _is_collective(a) and a.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+                return True
+            passes_through = a.target is operator.getitem or (
+                isinstance(a.target, torch._ops.OpOverload) and a.target.is_view
+            )
+            if passes_through and depth < 8 and fed_by_recomputed_collective(a, depth + 1):
+                return True
+        return False
+
+    for n in nodes:
+        if (
+            n in forward
+            and n.meta.get(_TAGGED)
+            and n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE
+        ):
+            if fed_by_recomputed_collective(n):
+                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                rec.node_policy[n.name] = "MUST_SAVE"
+
+
+def _set_graph_budget(nodes, forward, budgets: set[float], rec: records.GraphRecord) -> None:
+    """Hand the scopes' budget to the partitioner's knapsack for this graph.
+
+    Relies on the min-cut partitioner reading ``node.meta["memory_budget"]`` (a
+    float, first node wins) over ``config.activation_memory_budget``
+    (``torch/_functorch/partitioners.py``); the budget is per joint graph, so
+    scopes with different budgets in one graph get the smallest (recorded).
+    """
+    budget = min(budgets)
+    rec.budget = budget
+    if len(budgets) > 1:
+        rec.budget_conflict = sorted(budgets)
+    first = next(
+        (n for n in nodes if n in forward and n.op == "call_function" and ops.marker_kind(n) is None), None
+    )
+    if first is not None:
+        first.meta["memory_budget"] = float(budget)
 
 
 def _body_keeps(call: fx.Node) -> bool:
