@@ -33,7 +33,7 @@ import math
 import sys
 
 import torch
-import torch._functorch.config as functorch_config
+from _baselines import BudgetBackend
 from _timing import interleaved_medians
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -187,18 +187,6 @@ def _op_list_policy(ctx, op, *args, **kwargs):
     # the matmul family, attention, and grouped matmuls (transformers' own op under compile too)
     saved = op in _OP_LIST or (op is not None and op == _hf_grouped_mm())
     return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class BudgetBackend:
-    """The plain compile (no sac pass) with ``activation_memory_budget`` set for its partition."""
-
-    def __init__(self, budget: float, inner: str) -> None:
-        self.budget = budget
-        self.inner = baseline_backend(inner)
-
-    def __call__(self, gm, example_inputs):
-        with functorch_config.patch(activation_memory_budget=self.budget):
-            return self.inner(gm, example_inputs)
 
 
 class OpListSAC(torch.nn.Module):

@@ -25,23 +25,12 @@ import json
 
 import torch
 import torch._functorch.config as functorch_config
+from _baselines import BudgetBackend
 from _timing import interleaved_medians
 
 import sac_compile as sc
 from sac_compile.backend import baseline_backend
 from sac_compile.demo_models import Stack
-
-
-class BudgetBackend:
-    """The baseline compile with ``activation_memory_budget`` set for its partition."""
-
-    def __init__(self, budget: float, inner: str) -> None:
-        self.budget = budget
-        self.inner = baseline_backend(inner)
-
-    def __call__(self, gm, example_inputs):
-        with functorch_config.patch(activation_memory_budget=self.budget):
-            return self.inner(gm, example_inputs)
 
 
 def configurations(inner: str, budgets: list[float]) -> list[tuple[str, object]]:

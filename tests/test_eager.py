@@ -50,13 +50,14 @@ def assert_bit_identical(a, b):
     "keep", KEEPS, ids=lambda k: "+".join(sorted(k)) if isinstance(k, frozenset) else "all"
 )
 @pytest.mark.parametrize("make", [lambda: Block(16, dropout=0.2), lambda: MoEBlock(16)], ids=["block", "moe"])
-def test_kept_equals_full_recompute_equals_no_checkpoint(make, keep):
+@POLICIES
+def test_kept_equals_full_recompute_equals_no_checkpoint(make, keep, policy):
     torch.manual_seed(0)
     module = make()
     x = torch.randn(2, 6, 16, requires_grad=True)
     ref = step(module, x, "none")
     assert_bit_identical(step(module, x, "full"), ref)
-    assert_bit_identical(step(module, x, "sac", keep), ref)
+    assert_bit_identical(step(module, x, "sac", keep, policy=policy), ref)
 
 
 def test_kept_regions_are_what_is_cached():

@@ -303,6 +303,21 @@ def test_budget_saves_the_kept_values_then_fills_up_to_the_budget():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("policy", [SAVE_COSTLY, SAVE_ALL], ids=["save_costly", "save_all"])
+@pytest.mark.parametrize("keep", [(), {"attn"}, {"mlp"}, sc.ALL_REGIONS], ids=["none", "attn", "mlp", "all"])
+def test_compiled_gradients_match_eager_for_every_policy(policy, keep):
+    from sac_compile.demo_models import Block
+
+    torch.manual_seed(0)
+    block = Block(16, heads=2).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64, requires_grad=True)
+    ref = torch.autograd.grad(block(x).sum(), [x, *block.parameters()])
+    compiled = torch.compile(block, backend=sc.make_sac_backend(keep, inner="aot_eager", policy=policy))
+    got = torch.autograd.grad(compiled(x).sum(), [x, *block.parameters()])
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
 def test_budget_in_the_eager_engine_is_a_clear_error():
     layer = sc.apply_selective_checkpointing(Swiglu(), {"mlp"}, budget=0.5)
     with pytest.raises(ValueError, match=r"budget=0.5.*eager engine.*compile=True"):
