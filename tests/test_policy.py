@@ -1,5 +1,6 @@
 """Region policies: what a kept region saves (its costly values), in both engines, plus budget=."""
 
+import copy
 import operator
 
 import pytest
@@ -316,6 +317,33 @@ def test_compiled_gradients_match_eager_for_every_policy(policy, keep):
     got = torch.autograd.grad(compiled(x).sum(), [x, *block.parameters()])
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def save_nothing_but_silu(op, regions, keep):
+    return SAVE if op is aten.silu.default and any(r in keep for r in regions) else RECOMPUTE
+
+
+def test_a_seam_policy_and_budget_travel_to_the_pass_under_an_outer_compile():
+    """The seam's scope markers carry its policy and budget into a whole-model compile."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Swiglu(), Swiglu())
+    plain = copy.deepcopy(model)
+    sc.apply_selective_checkpointing(model[0], {"mlp"}, policy=save_nothing_but_silu)
+    sc.apply_selective_checkpointing(model[1], {"mlp"}, budget=0.5)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    with sc.collect_records() as recs:
+        out = torch.compile(model, backend=sc.make_sac_backend((), inner="aot_eager"))(x)
+    training = [r for r in recs if r.is_training]  # (the two seam classes may split the graph)
+    scopes = [(s.policy, s.budget) for r in training for s in r.scopes]
+    assert scopes == [(policy_key(save_nothing_but_silu), None), ("save_costly", 0.5)]
+    assert [r.budget for r in training if r.budget is not None] == [0.5]
+    silus = [
+        n for r in training for n, p in r.node_policy.items() if n.startswith("silu") and p == "MUST_SAVE"
+    ]
+    assert len(silus) == 1  # the first layer's, by its own policy
+    ref = torch.autograd.grad(plain(x).sum(), [x, *plain.parameters()])
+    for a, b in zip(torch.autograd.grad(out.sum(), [x, *model.parameters()]), ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_budget_in_the_eager_engine_is_a_clear_error():
