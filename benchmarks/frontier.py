@@ -338,6 +338,18 @@ def report(name: str, result: dict) -> list[str]:
     return problems
 
 
+def _pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The lower-left staircase of (bytes, flops) points: what no other point dominates."""
+    front, best = [], math.inf
+    for b, f in sorted(points):
+        if f < best:
+            if front:
+                front.append((b, front[-1][1]))  # horizontal step to the next point
+            front.append((b, f))
+            best = f
+    return front
+
+
 def plot(results: dict, path: str) -> None:
     import matplotlib
 
@@ -347,8 +359,12 @@ def plot(results: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.5), squeeze=False)
     for ax, (name, result) in zip(axes[0], results.items()):
         rows = result["rows"]
-        sweep = sorted((r["bytes"] / 2**20, r["flops"] / 1e9) for r in rows.values() if r["kind"] == "budget")
-        ax.plot(*zip(*sweep), "-o", color="tab:gray", ms=3, label="activation_memory_budget sweep")
+        sweep = [(r["bytes"] / 2**20, r["flops"] / 1e9) for r in rows.values() if r["kind"] == "budget"]
+        ax.plot(*zip(*sweep), "o", color="tab:gray", ms=3, label="activation_memory_budget 0.0-1.0")
+        theirs = [
+            (r["bytes"] / 2**20, r["flops"] / 1e9) for r in rows.values() if r["kind"] in ("torch", "budget")
+        ]
+        ax.plot(*zip(*_pareto(theirs)), "-", color="tab:gray", lw=1, label="PyTorch's frontier")
         for cname, marker in (("no checkpoint", "s"), ("full recompute", "v"), ("op-list SAC", "D")):
             r = rows[cname]
             ax.plot(r["bytes"] / 2**20, r["flops"] / 1e9, marker, color="tab:gray", ms=7, label=cname)
@@ -376,7 +392,7 @@ def plot(results: dict, path: str) -> None:
                 color="tab:orange",
                 marker="^",
                 zorder=3,
-                label="keep all + budget",
+                label="one region kept + budget",
             )
         ax.set_title(name)
         ax.set_xlabel("saved activations per layer (MiB)")
