@@ -76,7 +76,7 @@ from torch.utils.checkpoint import _detach_helper, _VersionWrapper, checkpoint
 from . import ops
 from ._torch_internals import running_compiled_code
 from .keep import KeepSet
-from .policy import SAVE_COSTLY, RegionPolicy, checked_decision, is_costly, saves
+from .policy import MATMULS, SAVE_COSTLY, RegionPolicy, checked_decision, is_costly, saves
 
 __all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions"]
 
@@ -147,6 +147,7 @@ class _Entry:
     # the recompute may skip it when nothing live reads it (value then holds _Geometry leaves)
     skippable: bool = False
     dead: bool = False  # skipped in the recompute (see _State.finalize)
+    shrink_of: int | None = None  # cached as a small read of this cached matmul output
     rng_state: Any = None
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
 
@@ -346,6 +347,7 @@ class _State:
     def __init__(self, preserve_rng_state: bool) -> None:
         self.preserve_rng_state = preserve_rng_state
         self.entries: dict[Any, list[_Entry]] = defaultdict(list)
+        self.matmul_bytes: dict[int, int] = {}  # storage of a cached matmul output -> its bytes
         self.order: list[_Entry] = []  # every entry in program order (for liveness)
         self.by_storage: dict[int, list[_Entry]] = defaultdict(list)
         self.produced = _StorageSet()  # storages created by ops in this scope
@@ -387,6 +389,32 @@ class _State:
                 e.value = None
                 self.stats.mutated_recomputes += 1
 
+    def _settle_shrinking_reads(self) -> None:
+        """Keep a small read of a cached matmul output cached only if every read is one.
+
+        Then the recompute never reads the matmul output and it is dropped (unless autograd
+        saved it); otherwise the reads are recomputed from it as usual. The compiled pass
+        applies the same rule (``_save_shrinking_reads_of_kept_values``).
+        """
+        readers: dict[int, list[_Entry]] = defaultdict(list)
+        for e in self.order:
+            if getattr(e.func, "is_view", False):
+                continue  # a view shares the storage: its readers are read off the storage too
+            for s in set(e.inputs):
+                if s in self.matmul_bytes and s not in e.storages:
+                    readers[s].append(e)
+        saved = set(self.saved_storages.ever())
+        for s, found in readers.items():
+            # (if autograd saved the matmul output - var_mean's gradient reads its input - it
+            # is held anyway, and caching the small reads too would only add to it)
+            if s not in saved and all(e.shrink_of == s and e.cached for e in found):
+                continue
+            for e in found:
+                if e.shrink_of == s and e.cached:
+                    e.cached, e.value, e.shrink_of = False, None, None
+                    self.stats.cached_ops -= 1
+                    self.stats.recomputed_ops += 1
+
     def finalize(self) -> None:
         """End of the forward: find the live recomputed ops, drop cached values nothing will read."""
         self.forward_done = True
@@ -394,6 +422,7 @@ class _State:
         # reference, so what only autograd saved is already freed here, and the recompute
         # must rebuild it. (A reused address can only make more ops live.)
         self.mark_needed(self.saved_storages.ever())
+        self._settle_shrinking_reads()
         for e in reversed(self.order):
             if e.cached or e.served_write is not None:
                 continue  # served in the recompute: it reads nothing
@@ -485,6 +514,10 @@ class _CachingMode(TorchDispatchMode):
         cached = save and not writes.has_out
         if cached and not torch.is_grad_enabled():
             cached = is_costly(func) and not running_compiled_code()
+        shrink_of = None
+        if not cached and st.matmul_bytes and torch.is_grad_enabled():
+            shrink_of = _shrinking_read(st, func, inputs, out, writes)
+            cached = shrink_of is not None
         if _is_collective(func):
             if _communicates(func):
                 # (a functional collective's forward runs with grad disabled, under its
@@ -507,7 +540,7 @@ class _CachingMode(TorchDispatchMode):
             # Whatever the policy: a kept region's write into a tensor from outside
             # the scope (a buffer, an input) happens once, in the forward.
             cached = True
-        entry = _Entry(func, regions, cached, inputs=inputs, rng_state=rng)
+        entry = _Entry(func, regions, cached, inputs=inputs, rng_state=rng, shrink_of=shrink_of)
         if external_writes and cached:
             entry.served_write = _kept_external_write(st, func, regions, external_writes)
             cached = entry.cached = entry.served_write is None and cached
@@ -519,6 +552,9 @@ class _CachingMode(TorchDispatchMode):
             entry.storages = out_storages
             for s in out_storages:
                 st.by_storage[s].append(entry)
+            if getattr(func, "overloadpacket", None) in MATMULS and shrink_of is None:
+                for t in _tensors(out):
+                    st.matmul_bytes[_storage(t)] = t.untyped_storage().nbytes()
             st.stats.cached_ops += 1
         else:
             entry.storages = out_storages
@@ -538,6 +574,17 @@ class _CachingMode(TorchDispatchMode):
         st.entries[func].append(entry)
         st.order.append(entry)
         return out
+
+
+def _shrinking_read(st: _State, func: Any, inputs: tuple[int, ...], out: Any, writes: _Writes) -> int | None:
+    """The cached matmul output ``func`` reads and is at most half the size of, if it is a
+    cheap, deterministic, non-writing, non-view op with floating-point outputs."""
+    if getattr(func, "is_view", False) or is_costly(func) or _is_random(func) or _is_collective(func):
+        return None
+    if writes.in_place or writes.out or not _all_float_tensors(out):
+        return None
+    nbytes = sum(t.numel() * t.element_size() for t in _tensors(out))
+    return next((s for s in inputs if 2 * nbytes <= st.matmul_bytes.get(s, 0)), None)
 
 
 def _all_float_tensors(out: Any) -> bool:

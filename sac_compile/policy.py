@@ -93,6 +93,12 @@ _COSTLY_PACKETS = tuple(
     if hasattr(_aten, name)
 )
 _COSTLY = frozenset(_COSTLY_PACKETS)
+#: Matmul outputs: costly values whose own backward reads only their inputs (an attention
+#: kernel's output, by contrast, is read by its backward). A small read of one may be saved
+#: instead of it (the "shrinking read" rule of the pass and the eager engine).
+MATMULS = frozenset(
+    getattr(_aten, name) for name in ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm") if hasattr(_aten, name)
+)
 # Namespaces whose ops are PyTorch's own decomposed / primitive ops, not opaque kernels.
 _TRANSPARENT_NAMESPACES = frozenset({"aten", "prims", "prim", "quantized_decomposed", "sac_compile"})
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d", "c10d_functional"})

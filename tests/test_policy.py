@@ -437,3 +437,37 @@ def test_kept_region_of_cheap_ops_only_is_reported(caplog):
                 m(torch.randn(4, 8, requires_grad=True)).sum().backward()
         msgs = [r.getMessage() for r in caplog.records if "[kept-nothing] region 'act'" in r.getMessage()]
         assert len(msgs) == 1 and "costly" in msgs[0], (compile, [r.getMessage() for r in caplog.records])
+
+
+class PaddedExperts(nn.Module):
+    """A zero-padded expert buffer (4 slots per token) read back by a small gather."""
+
+    def __init__(self, d=16, slots=4):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, d, d) / d**0.5)
+        self.slots = slots
+
+    def forward(self, x, idx):
+        buf = x.new_zeros(2, x.shape[0] * self.slots, x.shape[1])
+        buf = buf.index_copy(1, idx, x.expand(2, -1, -1))
+        with sc.region("experts"):
+            y = torch.bmm(buf, self.w)  # [2, 4 * tokens, d], mostly padding
+        return (y.reshape(-1, x.shape[1])[idx] * 2.0).tanh()  # the tokens' rows: 1/8 of y
+
+
+def test_a_small_read_of_a_kept_matmul_is_saved_instead_of_the_matmul():
+    """Red without the shrinking-read rule: the padded bmm output (8x the gather) is saved."""
+    torch.manual_seed(0)
+    m = PaddedExperts()
+    x = torch.randn(8, 16, requires_grad=True)
+    idx = torch.arange(8) * 4
+    report = sc.capture_partition(m, x, idx, backend=sc.make_sac_backend({"experts"}, inner="aot_eager"))
+    (graph,) = [g for g in report.graphs if g.backward_compiled]
+    saved = sorted((v.op, tuple(v.shape)) for v in graph.saved if not v.is_input)
+    assert saved == [("aten.index", (8, 16))], saved
+    stats = []
+    out = checkpoint_with_regions(m, x, idx, keep=frozenset({"experts"}), stats_out=stats)
+    got = torch.autograd.grad(out.sum(), [x, m.w])
+    ref = torch.autograd.grad(m(x, idx).sum(), [x, m.w])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert stats[0].held_bytes == 8 * 16 * 4  # the gather, as compiled

@@ -49,7 +49,7 @@ import torch.fx as fx
 from .. import _torch_internals, keep, ops, policy, records
 from .._torch_internals import CheckpointPolicy, CustomGraphPass, get_hash_for_files, seed_ops
 from ..keep import KeepSet, format_keep, parse_keep
-from ..policy import RegionPolicy, checked_decision, parse_scope, policy_key, saves
+from ..policy import MATMULS, RegionPolicy, checked_decision, parse_scope, policy_key, saves
 
 __all__ = ["TagRegionsPass", "tag_regions"]
 
@@ -364,6 +364,7 @@ def _tag_forward(
                 stats.recompute_nodes += 1
 
     _save_what_collectives_feed(nodes, forward, rec)
+    _save_shrinking_reads_of_kept_values(nodes, forward, rec)
     rec.outside_scope = sorted(outside)
     rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(overrides.items())]
     if budgets:
@@ -431,6 +432,70 @@ def _save_what_collectives_feed(nodes, forward, rec: records.GraphRecord) -> Non
             if fed_by_recomputed_collective(n):
                 n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 rec.node_policy[n.name] = "MUST_SAVE"
+
+
+def _nbytes(n: fx.Node) -> int | None:
+    """Bytes of a node's tensor value (None if not a tensor or its size is symbolic)."""
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return int(val.numel()) * val.element_size()
+    except (TypeError, RuntimeError):  # symbolic sizes: unknown
+        return None
+
+
+def _is_view_like(n: fx.Node) -> bool:
+    return n.target is operator.getitem or (isinstance(n.target, torch._ops.OpOverload) and n.target.is_view)
+
+
+def _shrinks(n: fx.Node, size: int) -> bool:
+    """A recomputed cheap op of at most half ``size`` bytes (not random: those replay their RNG)."""
+    if n.op != "call_function" or not n.meta.get(_TAGGED) or _is_view_like(n):
+        return False
+    if n.meta.get("recompute") not in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+        return False
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    out = _nbytes(n)
+    return out is not None and 2 * out <= size
+
+
+def _save_shrinking_reads_of_kept_values(nodes, forward, rec: records.GraphRecord) -> None:
+    """Save the small reads of a kept matmul output instead of the output itself.
+
+    When every op reading a saved matmul output (through views) is a recomputed cheap
+    op at most half its size — the combine's gather out of a zero-padded expert
+    buffer, a downcast, a reduction — those reads are tagged ``MUST_SAVE``: the
+    backward then never needs the matmul output (a matmul's backward reads its
+    inputs, not its output), so the partitioner drops it and stores the smaller
+    values. ``MUST_SAVE`` only bans recomputing a read: it is stored only if the
+    backward needs it. The eager engine applies the same rule (``eager.py``).
+    """
+    for src in nodes:
+        if (
+            src not in forward
+            or not src.meta.get(_TAGGED)
+            or src.meta.get("recompute") != CheckpointPolicy.MUST_SAVE
+        ):
+            continue
+        packet = getattr(src.target, "overloadpacket", None)
+        size = _nbytes(src)
+        if packet not in MATMULS or size is None:
+            continue
+        readers, frontier = [], list(src.users)
+        while frontier:
+            u = frontier.pop()
+            if _is_view_like(u):
+                frontier.extend(u.users)
+            else:
+                readers.append(u)
+        # (a reader in the backward - var_mean's gradient reads its input - needs the value anyway)
+        if readers and all(u in forward and _shrinks(u, size) for u in readers):
+            for u in readers:
+                u.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                rec.node_policy[u.name] = "MUST_SAVE"
 
 
 def _set_graph_budget(nodes, forward, budgets: set[float], rec: records.GraphRecord) -> None:
