@@ -230,7 +230,7 @@ def test_backends_and_cache_keys_differ_per_policy_and_budget():
     assert sc.make_sac_backend({"a"}, budget=0) is backends[0]  # budget 0 = no budget
     # every source file the decision depends on enters the key
     names = {f.rsplit("/", 1)[-1] for f in _SOURCE_FILES}
-    assert {"keep.py", "policy.py", "_torch_internals.py", "tag_regions.py"} <= names
+    assert {"keep.py", "policy.py", "_torch_internals.py", "tag_regions.py", "saving_rules.py"} <= names
 
 
 # --- compiled: what is saved ------------------------------------------------------------------

@@ -1,0 +1,145 @@
+"""Saving rules the tagging pass applies after the region policy (the mechanism, not a trade-off).
+
+Reads and writes ``node.meta["recompute"]`` on forward nodes of a joint graph that
+:mod:`sac_compile.passes.tag_regions` has tagged (``node.meta[TAGGED]``):
+
+* :func:`save_what_collectives_feed`: a kept cheap op reading a recomputed collective's
+  result is saved, so the backward does not communicate again to rebuild it;
+* :func:`save_small_reads_of_kept_matmuls`: a saved matmul output whose every read is a
+  recomputed cheap op at most half its size is replaced by those reads;
+* :func:`set_graph_budget`: hands the scopes' ``budget=`` to the partitioner's knapsack.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import ops, records
+from .._torch_internals import CheckpointPolicy
+from ..policy import MATMULS
+
+__all__ = ["TAGGED", "save_small_reads_of_kept_matmuls", "save_what_collectives_feed", "set_graph_budget"]
+
+TAGGED = "sac_tagged"  # node.meta key: the tagging pass set the node's recompute tag
+
+
+def _is_collective(n: fx.Node) -> bool:
+    target = n.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+
+
+def save_what_collectives_feed(nodes, forward, rec: records.GraphRecord) -> None:
+    """A kept cheap op reading a recomputed collective's result is saved instead.
+
+    Recomputing it would re-run the collective (communication) in the backward
+    just to rebuild a cheap value: the experts' input reshaped from a dispatch
+    all-to-all, with only the experts kept. Reads through views, ``getitem`` and
+    ``wait_tensor`` count.
+    """
+
+    def fed_by_recomputed_collective(n: fx.Node, depth: int = 0) -> bool:
+        for a in n.all_input_nodes:
+            if _is_collective(a) and a.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
+                return True
+            passes_through = a.target is operator.getitem or (
+                isinstance(a.target, torch._ops.OpOverload) and a.target.is_view
+            )
+            if passes_through and depth < 8 and fed_by_recomputed_collective(a, depth + 1):
+                return True
+        return False
+
+    for n in nodes:
+        if (
+            n in forward
+            and n.meta.get(TAGGED)
+            and n.meta.get("recompute") == CheckpointPolicy.PREFER_RECOMPUTE
+        ):
+            if fed_by_recomputed_collective(n):
+                n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                rec.node_policy[n.name] = "MUST_SAVE"
+
+
+def _nbytes(n: fx.Node) -> int | None:
+    """Bytes of a node's tensor value (None if not a tensor or its size is symbolic)."""
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return int(val.numel()) * val.element_size()
+    except (TypeError, RuntimeError):  # symbolic sizes: unknown
+        return None
+
+
+def _is_view_like(n: fx.Node) -> bool:
+    return n.target is operator.getitem or (isinstance(n.target, torch._ops.OpOverload) and n.target.is_view)
+
+
+def _shrinks(n: fx.Node, size: int) -> bool:
+    """A recomputed cheap op of at most half ``size`` bytes (not random: those replay their RNG)."""
+    if n.op != "call_function" or not n.meta.get(TAGGED) or _is_view_like(n):
+        return False
+    if n.meta.get("recompute") not in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+        return False
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    out = _nbytes(n)
+    return out is not None and 2 * out <= size
+
+
+def save_small_reads_of_kept_matmuls(nodes, forward, rec: records.GraphRecord) -> None:
+    """Save the small reads of a kept matmul output instead of the output itself.
+
+    When every op reading a saved matmul output (through views) is a recomputed cheap
+    op at most half its size — the combine's gather out of a zero-padded expert
+    buffer, a downcast, a reduction — those reads are tagged ``MUST_SAVE``: the
+    backward then never needs the matmul output (a matmul's backward reads its
+    inputs, not its output), so the partitioner drops it and stores the smaller
+    values. ``MUST_SAVE`` only bans recomputing a read: it is stored only if the
+    backward needs it. The eager engine applies the same rule (``eager.py``).
+    """
+    for src in nodes:
+        if (
+            src not in forward
+            or not src.meta.get(TAGGED)
+            or src.meta.get("recompute") != CheckpointPolicy.MUST_SAVE
+        ):
+            continue
+        packet = getattr(src.target, "overloadpacket", None)
+        size = _nbytes(src)
+        if packet not in MATMULS or size is None:
+            continue
+        readers, frontier = [], list(src.users)
+        while frontier:
+            u = frontier.pop()
+            if _is_view_like(u):
+                frontier.extend(u.users)
+            else:
+                readers.append(u)
+        # (a reader in the backward - var_mean's gradient reads its input - needs the value anyway)
+        if readers and all(u in forward and _shrinks(u, size) for u in readers):
+            for u in readers:
+                u.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+                rec.node_policy[u.name] = "MUST_SAVE"
+
+
+def set_graph_budget(nodes, forward, budgets: set[float], rec: records.GraphRecord) -> None:
+    """Hand the scopes' budget to the partitioner's knapsack for this graph.
+
+    Relies on the min-cut partitioner reading ``node.meta["memory_budget"]`` (a
+    float, first node wins) over ``config.activation_memory_budget``
+    (``torch/_functorch/partitioners.py``); the budget is per joint graph, so
+    scopes with different budgets in one graph get the smallest (recorded).
+    """
+    budget = min(budgets)
+    rec.budget = budget
+    if len(budgets) > 1:
+        rec.budget_conflict = sorted(budgets)
+    first = next(
+        (n for n in nodes if n in forward and n.op == "call_function" and ops.marker_kind(n) is None), None
+    )
+    if first is not None:
+        first.meta["memory_budget"] = float(budget)
