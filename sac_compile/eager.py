@@ -390,7 +390,8 @@ class _State:
                 self.stats.mutated_recomputes += 1
 
     def _settle_shrinking_reads(self) -> None:
-        """Keep a small read of a cached matmul output cached only if every read is one.
+        """Keep the small reads of a cached matmul output cached only if every read is one
+        and together they are at most half its size.
 
         Then the recompute never reads the matmul output and it is dropped (unless autograd
         saved it); otherwise the reads are recomputed from it as usual. The compiled pass
@@ -407,7 +408,8 @@ class _State:
         for s, found in readers.items():
             # (if autograd saved the matmul output - var_mean's gradient reads its input - it
             # is held anyway, and caching the small reads too would only add to it)
-            if s not in saved and all(e.shrink_of == s and e.cached for e in found):
+            small = 2 * sum(_cached_bytes(e) for e in found) <= self.matmul_bytes[s]
+            if s not in saved and small and all(e.shrink_of == s and e.cached for e in found):
                 continue
             for e in found:
                 if e.shrink_of == s and e.cached:
@@ -461,6 +463,10 @@ class _State:
                         self.stats.held_bytes += nbytes
                         key = "+".join(e.regions) or "-"
                         self.stats.held_by_region[key] += nbytes
+
+
+def _cached_bytes(e: _Entry) -> int:
+    return sum(t.numel() * t.element_size() for t in _cached_tensors(e.value)) if e.cached else 0
 
 
 def _cached_tensors(value: Any) -> list[torch.Tensor]:

@@ -5,8 +5,8 @@ Reads and writes ``node.meta["recompute"]`` on forward nodes of a joint graph th
 
 * :func:`save_what_collectives_feed`: a kept cheap op reading a recomputed collective's
   result is saved, so the backward does not communicate again to rebuild it;
-* :func:`save_small_reads_of_kept_matmuls`: a saved matmul output whose every read is a
-  recomputed cheap op at most half its size is replaced by those reads;
+* :func:`save_small_reads_of_kept_matmuls`: a saved matmul output whose reads are all
+  recomputed cheap ops, together at most half its size, is replaced by those reads;
 * :func:`set_graph_budget`: hands the scopes' ``budget=`` to the partitioner's knapsack.
 """
 
@@ -63,14 +63,15 @@ def save_what_collectives_feed(nodes, forward, rec: records.GraphRecord) -> None
 
 
 def _nbytes(n: fx.Node) -> int | None:
-    """Bytes of a node's tensor value (None if not a tensor or its size is symbolic)."""
+    """Bytes of a node's tensor value; None if not a tensor or its size is symbolic (reading
+    a symbolic size as an int would specialise it: a dynamic dimension would turn static)."""
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return None
-    try:
-        return int(val.numel()) * val.element_size()
-    except (TypeError, RuntimeError):  # symbolic sizes: unknown
+    numel = val.numel()
+    if not isinstance(numel, int):
         return None
+    return numel * val.element_size()
 
 
 def _is_view_like(n: fx.Node) -> bool:
@@ -94,7 +95,7 @@ def save_small_reads_of_kept_matmuls(nodes, forward, rec: records.GraphRecord) -
     """Save the small reads of a kept matmul output instead of the output itself.
 
     When every op reading a saved matmul output (through views) is a recomputed cheap
-    op at most half its size — the combine's gather out of a zero-padded expert
+    op, and together they are at most half its size — the combine's gather out of a zero-padded expert
     buffer, a downcast, a reduction — those reads are tagged ``MUST_SAVE``: the
     backward then never needs the matmul output (a matmul's backward reads its
     inputs, not its output), so the partitioner drops it and stores the smaller
@@ -120,7 +121,11 @@ def save_small_reads_of_kept_matmuls(nodes, forward, rec: records.GraphRecord) -
             else:
                 readers.append(u)
         # (a reader in the backward - var_mean's gradient reads its input - needs the value anyway)
-        if readers and all(u in forward and _shrinks(u, size) for u in readers):
+        if (
+            readers
+            and all(u in forward and _shrinks(u, size) for u in readers)
+            and 2 * sum(_nbytes(u) for u in readers) <= size  # all of them together: at most half
+        ):
             for u in readers:
                 u.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 rec.node_policy[u.name] = "MUST_SAVE"
