@@ -121,12 +121,10 @@ class EagerSession:
     def kept(self) -> bool:
         return any(n in self.keep for n, c in self.open.items() if c > 0)
 
-    def saves(self, func: Any) -> bool:
-        """Whether the region policy saves ``func`` run now (outside every region: never)."""
-        regions = self.open_names()
-        if not regions:
-            return False
-        return saves(checked_decision(self.policy, func, regions, self.keep))
+    def saves(self, func: Any, regions: tuple[str, ...]) -> bool:
+        """Whether the region policy saves ``func`` run with ``regions`` (this session's
+        :meth:`open_names`) open; outside every region, never."""
+        return bool(regions) and saves(checked_decision(self.policy, func, regions, self.keep))
 
 
 _SESSION: contextvars.ContextVar[EagerSession | None] = contextvars.ContextVar(
@@ -395,7 +393,7 @@ class _State:
 
         Then the recompute never reads the matmul output and it is dropped (unless autograd
         saved it); otherwise the reads are recomputed from it as usual. The compiled pass
-        applies the same rule (``_save_shrinking_reads_of_kept_values``).
+        applies the same rule (``passes.saving_rules.save_small_reads_of_kept_matmuls``).
         """
         readers: dict[int, list[_Entry]] = defaultdict(list)
         for e in self.order:
@@ -505,7 +503,7 @@ class _CachingMode(TorchDispatchMode):
         session = _SESSION.get()
         kept = session is not None and session.kept()
         regions = session.open_names() if session is not None else ()
-        save = session is not None and session.saves(func)
+        save = session is not None and session.saves(func, regions)
         inputs = _tensor_storages((args, kwargs))
         writes = _writes(func, args, kwargs)
         rng = None

@@ -344,14 +344,13 @@ def _tag_forward(
             rec.hop_kept.append("invoke_subgraph")
         if decision is None:
             continue
-        if scope.budget is not None and not saves(decision) and not any(r in scope.keep for r in open_names):
-            # PyTorch's knapsack chooses among everything outside the kept regions (inside
-            # them the policy's decisions stand: a cheap kept op is still recomputed)
-            budgets.add(scope.budget)
-            rec.node_policy[n.name] = "BUDGET"
-            continue
         if scope.budget is not None:
             budgets.add(scope.budget)
+            if not saves(decision) and not any(r in scope.keep for r in open_names):
+                # PyTorch's knapsack chooses among everything outside the kept regions (inside
+                # them the policy's decisions stand: a cheap kept op is still recomputed)
+                rec.node_policy[n.name] = "BUDGET"
+                continue
         if from_checkpoint and n.meta.get("recompute") != decision:
             for name in open_names:
                 overrides[(name, scope.ac_graph_id)] += 1
