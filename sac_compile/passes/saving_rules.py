@@ -21,9 +21,17 @@ from .. import ops, records
 from .._torch_internals import CheckpointPolicy
 from ..policy import MATMULS
 
-__all__ = ["TAGGED", "save_small_reads_of_kept_matmuls", "save_what_collectives_feed", "set_graph_budget"]
+__all__ = [
+    "LEFT_TO_BUDGET",
+    "TAGGED",
+    "save_small_reads_of_kept_matmuls",
+    "save_what_collectives_feed",
+    "set_graph_budget",
+]
 
 TAGGED = "sac_tagged"  # node.meta key: the tagging pass set the node's recompute tag
+#: node.meta key: the tagging pass left the node untagged for the scope's ``budget=`` knapsack
+LEFT_TO_BUDGET = "sac_left_to_budget"
 
 
 def _is_collective(n: fx.Node) -> bool:
@@ -79,10 +87,17 @@ def _is_view_like(n: fx.Node) -> bool:
 
 
 def _shrinks(n: fx.Node, size: int) -> bool:
-    """A recomputed cheap op of at most half ``size`` bytes (not random: those replay their RNG)."""
-    if n.op != "call_function" or not n.meta.get(TAGGED) or _is_view_like(n):
+    """A recomputed cheap op of at most half ``size`` bytes (not random: those replay their RNG).
+
+    An op left to a scope's budget counts as recomputed: the knapsack may choose either way.
+    """
+    if n.op != "call_function" or _is_view_like(n):
         return False
-    if n.meta.get("recompute") not in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE):
+    recomputed = n.meta.get(TAGGED) and n.meta.get("recompute") in (
+        CheckpointPolicy.MUST_RECOMPUTE,
+        CheckpointPolicy.PREFER_RECOMPUTE,
+    )
+    if not recomputed and not n.meta.get(LEFT_TO_BUDGET):
         return False
     target = n.target
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:

@@ -350,6 +350,7 @@ def _tag_forward(
                 # PyTorch's knapsack chooses among everything outside the kept regions (inside
                 # them the policy's decisions stand: a cheap kept op is still recomputed)
                 rec.node_policy[n.name] = "BUDGET"
+                n.meta[saving_rules.LEFT_TO_BUDGET] = True
                 continue
         if from_checkpoint and n.meta.get("recompute") != decision:
             for name in open_names:
