@@ -191,6 +191,76 @@ def inside_backend_call() -> bool:
     return False
 
 
+# --- The Python stack while Dynamo compiles a frame ----------------------------------------
+
+_MODULE_FILE = os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))
+_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
+
+
+def module_call_self(frame) -> torch.nn.Module | None:
+    """The module whose call ``frame`` runs, if it is ``nn.Module._call_impl`` or the
+    ``inner`` function it defines for hooks (``torch/nn/modules/module.py``); else None.
+
+    Relies on those two function names and their ``self`` local. While Dynamo compiles a
+    nested frame (a graph break split the module call), these frames are on the stack:
+    the module's forward hooks ran around the frame being compiled.
+    """
+    code = frame.f_code
+    if code.co_name not in ("_call_impl", "inner"):
+        return None
+    if os.path.normcase(os.path.abspath(code.co_filename)) != _MODULE_FILE:
+        return None
+    obj = frame.f_locals.get("self")
+    return obj if isinstance(obj, torch.nn.Module) else None
+
+
+def is_compile_entry(frame) -> bool:
+    """Whether ``frame`` is the wrapper ``torch.compile`` put around the compiled callable
+    (``compile_wrapper`` in ``torch/_dynamo/eval_frame.py``, locals ``fn`` and ``args``)."""
+    code = frame.f_code
+    return code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME)
+
+
+def compiled_modules(entry_frame) -> list[torch.nn.Module]:
+    """The modules a ``compile_wrapper`` frame compiles: its ``fn`` (a module, or a bound
+    method of one, as ``OptimizedModule`` and ``Module.compile`` pass it) and the modules
+    among its ``args`` (a compiled function called with the model), the first one last."""
+    found = []
+    for obj in frame_args(entry_frame):
+        if isinstance(obj, torch.nn.Module):
+            found.append(obj)
+    fn = entry_frame.f_locals.get("fn")
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        found.append(owner)
+    return found
+
+
+def frame_args(frame) -> tuple:
+    args = frame.f_locals.get("args")
+    return tuple(args) if isinstance(args, tuple) else ()
+
+
+def compiling_resume_of(function_prefix: str) -> bool:
+    """Whether Dynamo is compiling a resume function (the code after a graph break) of a
+    function whose name starts with ``function_prefix``. Relies on Dynamo naming them
+    ``torch_dynamo_resume_in_<function>_at_<line>`` (``torch/_dynamo/resume_execution.py``)."""
+    code = getattr(current_dynamo_tx(), "f_code", None)
+    return code is not None and code.co_name.startswith(f"torch_dynamo_resume_in_{function_prefix}")
+
+
+def skip_frame(fn) -> None:
+    """Never compile ``fn``'s code as a frame of its own; traced inline it is still traced.
+
+    Relies on ``torch._dynamo.eval_frame.skip_code``, which sets the code's frame
+    execution strategy only (``torch._dynamo.skip`` also marks the function disabled,
+    which makes inlining it a graph break).
+    """
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
+
+
 _OUTPUT_GRAPH = os.path.join("_dynamo", "output_graph.py")
 _AOT_RUNTIME = os.path.join("_functorch", "_aot_autograd") + os.sep
 

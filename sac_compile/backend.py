@@ -32,7 +32,7 @@ import torch
 from . import _torch_internals as ti
 from . import diagnostics, ops, records
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
-from .markers import enclosing_decorated_regions, with_block_fallbacks
+from .markers import NO_CONTEXT, Enclosing, enclosing_context, with_block_fallbacks
 from .passes.tag_regions import TagRegionsPass
 from .policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_budget, validate_policy
 
@@ -47,7 +47,7 @@ class CompileUnit:
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
         self.records: list = []
         self.with_fallbacks = with_block_fallbacks(gm)
-        self.decorated_context = enclosing_decorated_regions()
+        self.context = enclosing_context(_compiled_self())
         self.graphs: dict[str, Any] = {}  # "forward" / "backward" / "inference" -> snapshot
         self.saved_names: list[str] | None = None  # what the partitioned forward saves
         self.module = _compiled_module_name()
@@ -77,6 +77,15 @@ def _current_unit() -> CompileUnit | None:
 def compiling_unit() -> CompileUnit | None:
     """The graph a sac backend is compiling on this thread right now, if any."""
     return _current_unit()
+
+
+def _compiled_self() -> object:
+    """The ``self`` of the frame Dynamo is compiling (a method's first argument), if any."""
+    tx = ti.current_dynamo_tx()
+    code = getattr(tx, "f_code", None)
+    if code is not None and code.co_argcount > 0:
+        return getattr(tx, "f_locals", {}).get(code.co_varnames[0])
+    return None
 
 
 def _compiled_module_name() -> str:
@@ -150,7 +159,7 @@ class SacBackend:
         self.inner = inner
         self.inductor_config = inductor_config
         self._options_key = f"inner={inner}|inductor_config={inductor_config!r}"
-        self._passes: dict[tuple[str, ...], TagRegionsPass] = {}
+        self._passes: dict[Enclosing, TagRegionsPass] = {}
 
     def __repr__(self) -> str:
         if not self.checkpoint:
@@ -160,17 +169,18 @@ class SacBackend:
         extra += "" if self.budget is None else f", budget={self.budget:g}"
         return f"make_sac_backend(keep={keep}{extra}, inner={self.inner!r})"
 
-    def tagging_pass(self, initial_open: tuple[str, ...] = ()) -> TagRegionsPass:
-        """The (cached) pass for graphs starting inside ``initial_open`` regions."""
-        if initial_open not in self._passes:
-            self._passes[initial_open] = TagRegionsPass(
+    def tagging_pass(self, context: Enclosing = NO_CONTEXT) -> TagRegionsPass:
+        """The (cached) pass for graphs compiled in ``context`` (the scopes and regions they
+        start inside of, from the Python stack)."""
+        if context not in self._passes:
+            self._passes[context] = TagRegionsPass(
                 self.keep,
                 policy=self.policy,
                 budget=self.budget,
                 options_key=self._options_key,
-                initial_open=initial_open,
+                context=context,
             )
-        return self._passes[initial_open]
+        return self._passes[context]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         unit = CompileUnit(gm, example_inputs)
@@ -178,7 +188,7 @@ class SacBackend:
             capturing = bool(_capture_sinks)
             for sink in _capture_sinks:
                 sink.append(unit)
-        pass_ = self.tagging_pass(unit.decorated_context) if self.checkpoint else None
+        pass_ = self.tagging_pass(unit.context) if self.checkpoint else None
         diagnostics.note_sac_backend()  # this compile is ours: no "no-pass" at its end
         prev = _current_unit()
         _state.unit = unit

@@ -25,7 +25,7 @@ from . import diagnostics
 from .declare import _check_pattern, _no_match_message, declare_regions, match_path
 from .keep import KeepSet, format_keep, normalize_keep, validate_region_name
 from .policy import SAVE_COSTLY, validate_budget, validate_policy
-from .seam import _compile_options, apply_selective_checkpointing
+from .seam import _compile_options, apply_selective_checkpointing, is_container
 
 __all__ = ["SacConfig"]
 
@@ -105,6 +105,13 @@ class SacConfig:
                     "declare_regions", "SacConfig.layers"
                 )
             )
+        containers = [p for p, m in layers if is_container(m)]
+        if containers:
+            raise ValueError(
+                f"SacConfig.layers={self.layers!r} matches {type(dict(layers)[containers[0]]).__name__} "
+                f"{containers[0]!r}, a container without a forward: its call never runs, so wrapping it "
+                f"would checkpoint nothing. Match the layers inside it: layers={_inside(self.layers)!r}"
+            )
         if self.regions:
             declare_regions(root, dict(self.regions))
         compile_arg: Any = False
@@ -130,3 +137,7 @@ class SacConfig:
             f"SacConfig(layers={self.layers!r}, keep={format_keep(self.keep)!r}, "
             f"regions={dict(self.regions)}, compile={self.compile!r}, strict={self.strict})"
         )
+
+
+def _inside(pattern: str) -> str:
+    return f"{pattern}.*" if pattern else "*"

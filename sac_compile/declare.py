@@ -18,6 +18,7 @@ The root module itself is the empty path ``""``. A model wrapped by
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -25,11 +26,11 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from . import ops  # noqa: F401  (registers the marker ops)
+from . import _torch_internals, ops  # noqa: F401  (ops registers the marker ops)
 from .keep import validate_region_name
 from .records import generic_path
 
-__all__ = ["RegionDeclarations", "declare_regions", "undeclare_regions"]
+__all__ = ["RegionDeclarations", "declare_regions", "declared_names", "undeclare_regions"]
 
 _ATTR = "_sac_declared"  # module attribute: {region name: (pre handle, post handle)}
 
@@ -134,16 +135,32 @@ def declared_regions(model: nn.Module) -> dict[str, tuple[str, ...]]:
     }
 
 
+def declared_names(module: nn.Module) -> tuple[str, ...]:
+    """The region names declared on ``module`` itself (not its children)."""
+    return tuple(module.__dict__.get(_ATTR, ()))
+
+
+def _enter_hook(name: str, _module, _args) -> None:
+    torch.ops.sac_compile.region_enter(name)
+
+
+def _exit_hook(name: str, _module, _args, _output) -> None:
+    torch.ops.sac_compile.region_exit(name)
+
+
+# Traced inline with the module call, the hooks put their markers in its graph. Run as
+# frames of their own (a graph break split the module call, so Dynamo runs _call_impl
+# eagerly), they are not compiled: the markers run eagerly (a no-op outside the eager
+# engine) and the graphs compiled for the forward find the region on the stack
+# (markers.enclosing_context) instead of in a marker-only graph of their own.
+_torch_internals.skip_frame(_enter_hook)
+_torch_internals.skip_frame(_exit_hook)
+
+
 def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHandle]:
-    def enter(_module, _args):
-        torch.ops.sac_compile.region_enter(name)
-
-    def exit_(_module, _args, _output):
-        torch.ops.sac_compile.region_exit(name)
-
     # prepend: the region encloses hooks registered earlier (e.g. by fully_shard)
-    pre = module.register_forward_pre_hook(enter, prepend=True)
-    post = module.register_forward_hook(exit_, always_call=True)
+    pre = module.register_forward_pre_hook(functools.partial(_enter_hook, name), prepend=True)
+    post = module.register_forward_hook(functools.partial(_exit_hook, name), always_call=True)
     return pre, post
 
 

@@ -317,7 +317,7 @@ def graph_diagnoses(
                     )
                 )
         # a region split across graphs is judged by its graph-break/unbalanced report instead
-        split = set(rec.decorated_context) | {name for name, _ in rec.unbalanced}
+        split = set(rec.starts_inside) | {name for name, _ in rec.unbalanced}
         if rec.is_training:
             for name, stats in sorted(rec.regions.items()):
                 if not stats.kept or name in split or any(name == n for _, n in rec.hop_markers):
@@ -348,10 +348,10 @@ def graph_diagnoses(
         # under no_grad / inference mode markers mean nothing and are not reported.
         unbalanced = rec.unbalanced if (rec.is_training or grad_enabled) else []
         split_decorated = sorted(
-            set(rec.decorated_context)
+            set(rec.starts_inside)
             | {n for n, how in unbalanced if how == "enter without exit" and n in rec.decorated_enters}
         )
-        # a decorated region split by a graph break: one graph-break report, not unbalanced
+        # a decorated or declared region split by a graph break: one graph-break report, not unbalanced
         unbalanced = [(n, how) for n, how in unbalanced if n not in split_decorated]
         for name, how in sorted(set(unbalanced)):
             add(
@@ -375,7 +375,8 @@ def graph_diagnoses(
                     GRAPH_BREAK,
                     name,
                     where(name),
-                    "a graph break inside the decorated region split it across graphs; each part is still "
+                    "a graph break inside the region (a decorated function or a declared module) split it "
+                    "across graphs; each part is still "
                     "kept in its own graph, but the boundaries between graphs are saved and the graphs "
                     "are partitioned separately. Remove the graph break (TORCH_LOGS=graph_breaks) to get one graph.",
                 )

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import backend as _backend
+from .keep import ALL_REGIONS
 from .records import GraphRecord
 
 __all__ = [
@@ -191,7 +192,9 @@ def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
         return head + ": no tagging pass"
     if not rec.is_training:
         return head + ": inference (markers stripped)"
-    scopes = ", ".join(f"#{ordinal[s.ac_graph_id]} {s.source}" for s in rec.scopes)
+    scopes = ", ".join(f"#{ordinal[s.ac_graph_id]} {s.source} keep={_keep_text(s.keep)}" for s in rec.scopes)
+    if rec.outside_every_scope:
+        scopes = "none: outside every wrapped layer, not checkpointed"
     regions = ", ".join(
         f"{r.name}({'kept' if r.kept else 'recomputed'})"
         for r in sorted(rec.regions.values(), key=lambda r: r.name)
@@ -199,8 +202,8 @@ def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
     extra = ""
     if rec.unbalanced:
         extra += "; unbalanced: " + ", ".join(f"{n} {why}" for n, why in rec.unbalanced)
-    if rec.decorated_context:
-        extra += "; starts inside: " + ", ".join(rec.decorated_context)
+    if rec.starts_inside:
+        extra += "; starts inside: " + ", ".join(rec.starts_inside)
     if rec.policy_overrides:
         extra += "; overrides checkpoint policy: " + ", ".join(
             f"{n} in #{ordinal.get(ac, ac)}" for n, ac, _ in rec.policy_overrides
@@ -212,6 +215,10 @@ def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
             f"{n} in {h}" for h, n in rec.hop_markers
         )
     return f"{head}: scopes [{scopes or 'none'}] regions [{regions or 'none'}]{extra}"
+
+
+def _keep_text(keep) -> str:
+    return "*" if keep is ALL_REGIONS else ("+".join(sorted(keep)) or "()")
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:

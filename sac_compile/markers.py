@@ -11,10 +11,12 @@ decorator therefore does not use a ``with`` block: under compile its wrapper is
 straight-line code (enter; call; exit), so a graph break inside the decorated
 function bubbles up to the wrapper's call site and the caller keeps compiling.
 The wrapper frame then runs on its own, and the decorated function's graphs are
-compiled while ``_region_wrapper`` frames are on the Python stack:
-:func:`enclosing_decorated_regions` reads them, so those graphs start inside the
-region. (Dynamo does not guard on this context: a decorated function whose body
-is compiled as separate frames keeps the region context of its first compile.)
+compiled while ``_region_wrapper`` frames are on the Python stack. The seam's call
+(a wrapped layer's scope) and a declared module's call (its hooks' regions) work the
+same way: :func:`enclosing_context` reads those frames, so the graphs compiled below
+them start inside their scopes and regions. (Dynamo does not guard on this context:
+a function whose body is compiled as separate frames keeps the context of its first
+compile.)
 """
 
 from __future__ import annotations
@@ -24,14 +26,25 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from . import _torch_internals as ti
 from . import ops  # noqa: F401  (registers the marker ops)
+from .declare import declared_names
 from .keep import format_keep, normalize_keep, validate_region_name
 
-__all__ = ["checkpoint_scope", "enclosing_decorated_regions", "region"]
+__all__ = [
+    "NO_CONTEXT",
+    "Enclosing",
+    "LEGACY_ATTR",
+    "checkpoint_scope",
+    "enclosing_context",
+    "region",
+    "seam_scope_args",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _WRAPPER_NAME = "_region_wrapper"
@@ -102,7 +115,7 @@ class checkpoint_scope:
 
 
 def _make_wrapper(name: str, fn: _F) -> _F:
-    # Keep the name `_region_wrapper`: enclosing_decorated_regions() finds these
+    # Keep the name `_region_wrapper`: enclosing_context() finds these
     # frames on the stack by it.
     @functools.wraps(fn)
     def _region_wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -123,23 +136,106 @@ def _make_wrapper(name: str, fn: _F) -> _F:
     return _region_wrapper  # type: ignore[return-value]
 
 
-def enclosing_decorated_regions() -> tuple[str, ...]:
-    """Names of the decorated regions whose wrapper frames are on the stack, outermost first.
+#: Set this attribute to True on a module whose forward relies on grad-mode tricks
+#: (state that must see the original forward run exactly once, reentrantly).
+LEGACY_ATTR = "sac_legacy_checkpoint"
 
-    Called by the backend while Dynamo compiles a frame: the frame being compiled
-    is not on the stack yet, so this lists exactly the decorated regions that the
-    compiled graph starts inside of (because a graph break split them).
+# The seam's generated call functions are named _sac_call_impl_<Class> (sac_compile/seam.py).
+SEAM_CALL_PREFIX = "_sac_call_impl_"
+_SEAM_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seam.py")
+
+
+def seam_scope_args(module: torch.nn.Module) -> tuple[int, str]:
+    """The ``(scope_id, scope text)`` a wrapped module's scope markers carry.
+
+    Scope id 1 says that the layer asked for its own compile (``compile=True``; an
+    outer compile swallowing it is reported), 0 otherwise; constant per wrap site,
+    so Dynamo does not specialise on a counter. A legacy (reentrant) layer keeps nothing.
     """
-    names: list[str] = []
+    config = module._sac_seam
+    legacy = getattr(module, LEGACY_ATTR, False) is True
+    return (0 if config.compile_options is None else 1), ("" if legacy else config.scope_text)
+
+
+@dataclass(frozen=True)
+class Enclosing:
+    """What a graph Dynamo compiles right now starts inside of, read from the Python stack.
+
+    When a graph break splits a module call, Dynamo compiles the frames below it one by
+    one while the callers' frames wait on the stack: the wrapped layer's seam call
+    (its checkpoint scope), a declared module's call (its forward hooks opened its regions)
+    and a decorated function's wrapper (its region). The frame being compiled is not on the
+    stack yet, so these are exactly the scopes and regions open at the graph's start.
+    """
+
+    #: regions open at the start, outermost first (decorated and declared)
+    regions: tuple[str, ...] = ()
+    #: the decorated ones among them (for the graph-break report)
+    decorated: tuple[str, ...] = ()
+    #: checkpoint scopes of wrapped layers, outermost first: (scope id, scope text)
+    scopes: tuple[tuple[int, str], ...] = ()
+    #: the compiled callable contains wrapped layers: code outside every scope is not
+    #: the user's checkpoint unit and stays untagged
+    wrapped_inside: bool = False
+
+
+#: A graph compiled on its own (no enclosing scope, region or wrapped layers).
+NO_CONTEXT = Enclosing()
+
+
+def enclosing_context(compiled_self: object = None) -> Enclosing:
+    """The :class:`Enclosing` context of the frame Dynamo is compiling (called by the backend).
+
+    ``compiled_self``: the ``self`` of the frame being compiled, if any (it is not on the
+    stack). The compiled callable is read from ``torch.compile``'s entry frame: a module,
+    a module's method, or a function whose arguments include modules; failing those, the
+    outermost module called between that entry and the compiled frame.
+    """
+    regions: list[str] = []
+    decorated: list[str] = []
+    scopes: list[tuple[int, str]] = []
+    roots: list[torch.nn.Module] = []
+    if isinstance(compiled_self, torch.nn.Module):
+        roots.append(compiled_self)
+    # A resume function of the seam's call is called by that (transformed) seam frame: it
+    # holds the scope_enter or the scope_exit itself, so the markers say whether it is inside.
+    own_seam_frame = ti.compiling_resume_of(SEAM_CALL_PREFIX)
+    last_module = None
+    in_compile = True  # frames above torch.compile's entry belong to this compile
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == _WRAPPER_NAME and code.co_filename == __file__:
             name = frame.f_locals.get("name")
             if isinstance(name, str):
-                names.append(name)
+                regions.append(name)
+                decorated.append(name)
+        elif code.co_name.startswith(SEAM_CALL_PREFIX) and code.co_filename == _SEAM_FILE:
+            module = frame.f_locals.get("self")
+            if own_seam_frame:
+                own_seam_frame = False
+            elif getattr(module, "_sac_seam", None) is not None:
+                scopes.append(seam_scope_args(module))
+        elif ti.is_compile_entry(frame) and in_compile:
+            in_compile = False
+            roots.extend(ti.compiled_modules(frame))
+        else:
+            module = ti.module_call_self(frame)
+            if module is not None and module is not last_module:  # _call_impl and its inner
+                last_module = module
+                regions.extend(declared_names(module))
+                if in_compile:
+                    roots.append(module)
         frame = frame.f_back
-    return tuple(reversed(names))
+    # the compiled callable (a module, a module's method, or a function taking modules),
+    # else the outermost module called inside the compile
+    wrapped_inside = bool(roots) and any(
+        getattr(m, "_sac_seam", None) is not None
+        for m in getattr(roots[-1], "_orig_mod", roots[-1]).modules()
+    )
+    return Enclosing(
+        tuple(reversed(regions)), tuple(reversed(decorated)), tuple(reversed(scopes)), wrapped_inside
+    )
 
 
 def with_block_fallbacks(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]:

@@ -38,7 +38,8 @@ class ScopeInfo:
     """One checkpoint scope: its ``ac_graph_id``, where it came from and its keep set."""
 
     ac_graph_id: int
-    source: str  # "scope markers" | "torch.utils.checkpoint" | "whole graph"
+    # "scope markers" | "layer split by a graph break" | "torch.utils.checkpoint" | "whole graph"
+    source: str
     keep: KeepSet
     policy: str = "save_costly"  # sac_compile.policy.policy_key of the scope's region policy
     budget: float | None = None
@@ -56,8 +57,11 @@ class GraphRecord:
     regions: dict[str, RegionStats] = field(default_factory=dict)
     # (name, "enter without exit" | "exit without enter") in program order
     unbalanced: list[tuple[str, str]] = field(default_factory=list)
-    # decorated regions the graph started inside of (a graph break split them)
-    decorated_context: tuple[str, ...] = ()
+    # regions the graph started inside of (decorated or declared; a graph break split them)
+    starts_inside: tuple[str, ...] = ()
+    # the graph holds no scope and the compiled callable contains wrapped layers: nothing
+    # in it is checkpointed (code the user did not wrap, e.g. the loss after a graph break)
+    outside_every_scope: bool = False
     # (region name, ac_graph_id, nodes) where markers overrode a checkpoint's policy
     policy_overrides: list[tuple[str, int, int]] = field(default_factory=list)
     # (higher-order op, region name) for markers found in a HOP body and erased there

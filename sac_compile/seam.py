@@ -42,15 +42,12 @@ from . import diagnostics
 from .backend import make_sac_backend
 from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, seam_scope_args
 from .policy import SAVE_COSTLY, RegionPolicy, format_scope, policy_key, validate_budget, validate_policy
 from .records import SEAM_PREFIX, generic_path
 
 __all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_wrapped"]
 
-
-#: Set this attribute to True on a module whose forward relies on grad-mode tricks
-#: (state that must see the original forward run exactly once, reentrantly).
-LEGACY_ATTR = "sac_legacy_checkpoint"
 
 _COMPILE_KEYS = {"fullgraph", "dynamic"}
 _BACKEND_KEYS = {"inner", "inductor_config"}
@@ -63,6 +60,9 @@ class SeamConfig:
     compile_options: tuple[tuple[str, Any], ...] | None  # None: not compiled by the seam
     policy: RegionPolicy = SAVE_COSTLY
     budget: float | None = None
+    # the scope markers' text (keep set, policy key, budget), computed once here: a user
+    # policy's key hashes its source, which Dynamo cannot trace (a graph break in the seam)
+    scope_text: str = ""
 
 
 _SUBCLASSES: dict[tuple, type] = {}
@@ -76,6 +76,12 @@ _eager_calls: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDiction
 
 def is_wrapped(module: nn.Module) -> bool:
     return isinstance(getattr(module, "_sac_seam", None), SeamConfig)
+
+
+def is_container(module: nn.Module) -> bool:
+    """A module without a forward of its own (``ModuleList``, ``ModuleDict``, ``ParameterList``...):
+    its children are called by its parent, never through it."""
+    return getattr(type(module).forward, "__code__", None) is nn.Module.forward.__code__
 
 
 def apply_selective_checkpointing(
@@ -110,13 +116,20 @@ def apply_selective_checkpointing(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"apply_selective_checkpointing wraps an nn.Module, got {type(module).__name__}")
+    if is_container(module):
+        raise TypeError(
+            f"apply_selective_checkpointing cannot wrap a {type(module).__name__}: it has no forward, so its "
+            "call never runs and wrapping it would checkpoint nothing. Wrap each layer in it: "
+            "`for layer in model.layers: apply_selective_checkpointing(layer, keep=...)`, or "
+            "SacConfig(layers='layers.*', ...)"
+        )
     keep_set = normalize_keep(keep)
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
     options = _compile_options(compile)
-    config = SeamConfig(
-        keep_set, preserve_rng_state, options, validate_policy(policy), validate_budget(budget)
-    )
+    policy, budget = validate_policy(policy), validate_budget(budget)
+    scope_text = format_scope(format_keep(keep_set), policy, budget)
+    config = SeamConfig(keep_set, preserve_rng_state, options, policy, budget, scope_text)
     existing = getattr(module, "_sac_seam", None)
     if existing is not None:
         if existing == config:
@@ -185,7 +198,7 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
         # needs its own entries, so distinct layer classes or keep sets do not share
         # (and exhaust) one budget and silently run eagerly.
         template = _seam_call_impl
-        code = template.__code__.replace(co_name=f"_sac_call_impl_{cls.__name__}")
+        code = template.__code__.replace(co_name=f"{SEAM_CALL_PREFIX}{cls.__name__}")
         call_impl = types.FunctionType(code, template.__globals__, code.co_name, template.__defaults__)
         _SUBCLASSES[key] = type(
             f"{SEAM_PREFIX}{cls.__name__}",
@@ -206,11 +219,9 @@ def _seam_call_impl(self, *args, **kwargs):
     legacy = getattr(self, LEGACY_ATTR, False) is True
     if torch.compiler.is_compiling():
         # Straight-line on purpose (no with-block): a graph break inside the layer
-        # must not make Dynamo fall back for the whole frame. Scope id 1 says that
-        # this layer asked for its own compile (an outer compile swallowing it is
-        # reported when the marker is traced); the id is constant per wrap site.
-        keep_text = "" if legacy else format_scope(format_keep(config.keep), config.policy, config.budget)
-        scope_id = 0 if config.compile_options is None else 1
+        # must not make Dynamo fall back for the whole frame; the graphs compiled below
+        # this frame then find the scope on the stack (markers.enclosing_context).
+        scope_id, keep_text = seam_scope_args(self)
         torch.ops.sac_compile.scope_enter(scope_id, keep_text)
         out = call(*args, **kwargs)
         torch.ops.sac_compile.scope_exit(scope_id, keep_text)

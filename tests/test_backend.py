@@ -6,6 +6,7 @@ from torch._inductor.utils import run_and_get_code
 
 import sac_compile as sc
 from sac_compile.backend import baseline_backend
+from sac_compile.markers import Enclosing
 
 from .models import MLP, Block, run_step
 from .scenarios import with_block_graph_break
@@ -47,9 +48,11 @@ class TestMemoisation:
             sc.make_sac_backend({"b"}).tagging_pass().uuid(),
             sc.make_sac_backend(sc.ALL_REGIONS).tagging_pass().uuid(),
             sc.make_sac_backend({"a"}, inductor_config={"max_autotune": False}).tagging_pass().uuid(),
-            sc.make_sac_backend({"a"}).tagging_pass(("outer",)).uuid(),
+            sc.make_sac_backend({"a"}).tagging_pass(Enclosing(regions=("outer",))).uuid(),
+            sc.make_sac_backend({"a"}).tagging_pass(Enclosing(scopes=((0, "b"),))).uuid(),
+            sc.make_sac_backend({"a"}).tagging_pass(Enclosing(wrapped_inside=True)).uuid(),
         }
-        assert len(uuids) == 5
+        assert len(uuids) == 7
         assert (
             sc.make_sac_backend({"a"}).tagging_pass().uuid()
             == sc.make_sac_backend({"a"}).tagging_pass().uuid()
@@ -265,7 +268,7 @@ class TestGraphBreakInDecoratedRegion:
         training = [g for g in report.graphs if g.record is not None and g.record.is_training]
         # the caller before the call, the two pieces of `inner`, the caller after it
         assert len(training) == 4
-        pieces = [g for g in training if g.record.decorated_context == ("r",)]
+        pieces = [g for g in training if g.record.starts_inside == ("r",)]
         assert len(pieces) == 2
         # each piece saves its matmul (the costly value); tanh / sigmoid are recomputed from it
         assert [{v.op for v in g.saved if not v.is_input} for g in pieces] == [{"aten.mm"}, {"aten.mm"}]

@@ -10,7 +10,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import sac_compile as sc
 from sac_compile import ops
-from sac_compile.markers import checkpoint_scope, enclosing_decorated_regions
+from sac_compile.markers import checkpoint_scope, enclosing_context
 
 from .scenarios import with_block_graph_break
 
@@ -181,7 +181,7 @@ class TestGraphBreaks:
         graphs = []
 
         def backend(gm, example_inputs):
-            graphs.append((_targets(gm.graph), enclosing_decorated_regions()))
+            graphs.append((_targets(gm.graph), enclosing_context().regions))
             return gm
 
         @sc.region("r")

@@ -44,7 +44,7 @@ class TestAotEager(TestCase):
         self.assertExpectedInline(
             _report("mlp_kept", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [mlp(kept)]
+graph 0: scopes [#1 whole graph keep=mlp] regions [mlp(kept)]
 saved    op          region  scope  shape   dtype    bytes
 addmm_1  aten.addmm  mlp     #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 3 (2176 B)
@@ -59,7 +59,7 @@ total: 1 activations, 128 B; 5 ops recomputed""",
         self.assertExpectedInline(
             _report("attn_kept_mlp_recomputed", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [attn(kept), mlp(recomputed)]
+graph 0: scopes [#1 whole graph keep=attn] regions [attn(kept), mlp(recomputed)]
 saved      op       region  scope  shape         dtype    bytes
 getitem_3  getitem  attn    #1     [2, 2, 4, 8]  float32  512
 getitem_4  getitem  attn    #1     [2, 2, 4]     float32  64
@@ -76,7 +76,7 @@ total: 2 activations, 576 B; 28 ops recomputed""",
         self.assertExpectedInline(
             _report("two_regions_one_kept", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
+graph 0: scopes [#1 whole graph keep=a] regions [a(kept), b(recomputed)]
 saved  op       region  scope  shape   dtype    bytes
 mm     aten.mm  a       #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 2 (512 B)
@@ -91,7 +91,7 @@ total: 1 activations, 128 B; 3 ops recomputed""",
         self.assertExpectedInline(
             _report("nested_overlap_keep_inner_x", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [inner(kept), outer(recomputed), x(kept)]
+graph 0: scopes [#1 whole graph keep=inner+x] regions [inner(kept), outer(recomputed), x(kept)]
 saved  op       region       scope  shape   dtype    bytes
 mm_1   aten.mm  inner+outer  #1     [4, 8]  float32  128
 mm_2   aten.mm  outer+x      #1     [4, 8]  float32  128
@@ -111,7 +111,7 @@ total: 3 activations, 384 B; 6 ops recomputed""",
         self.assertExpectedInline(
             _report("unbalanced", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
+graph 0: scopes [#1 whole graph keep=early+late] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
 saved  op       region  scope  shape   dtype    bytes
 mm     aten.mm  early   #1     [4, 8]  float32  128
 mm_2   aten.mm  late    #1     [4, 8]  float32  128
@@ -128,7 +128,7 @@ total: 2 activations, 256 B; 4 ops recomputed""",
         self.assertExpectedInline(
             _report("in_checkpoint", self.inner),
             """\
-graph 0: scopes [#1 torch.utils.checkpoint] regions [core(kept)]; overrides checkpoint policy: core in #1
+graph 0: scopes [#1 torch.utils.checkpoint keep=core] regions [core(kept)]; overrides checkpoint policy: core in #1
 saved  op         region  scope  shape   dtype    bytes
 relu   aten.relu  -       -      [4, 8]  float32  128
 mm_2   aten.mm    core    #1     [4, 8]  float32  128
@@ -145,7 +145,7 @@ total: 3 activations, 384 B; 5 ops recomputed""",
         self.assertExpectedInline(
             _report("scoped_stack", self.inner),
             """\
-graph 0: scopes [#1 scope markers, #2 scope markers, #3 scope markers, #4 scope markers] regions [attn(kept), mlp(recomputed)]
+graph 0: scopes [#1 scope markers keep=attn, #2 scope markers keep=attn, #3 scope markers keep=attn, #4 scope markers keep=attn] regions [attn(kept), mlp(recomputed)]
 saved       op        region  scope  shape         dtype    bytes
 getitem_3   getitem   attn    #1     [2, 2, 4, 8]  float32  512
 getitem_4   getitem   attn    #1     [2, 2, 4]     float32  64
@@ -175,7 +175,7 @@ class TestInductor(TestCase):
         self.assertExpectedInline(
             _report("mlp_kept", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [mlp(kept)]
+graph 0: scopes [#1 whole graph keep=mlp] regions [mlp(kept)]
 saved    op          region  scope  shape   dtype    bytes
 addmm_1  aten.addmm  mlp     #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 3 (2176 B)
@@ -190,7 +190,7 @@ total: 1 activations, 128 B; 4 ops recomputed""",
         self.assertExpectedInline(
             _report("attn_kept_mlp_recomputed", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [attn(kept), mlp(recomputed)]
+graph 0: scopes [#1 whole graph keep=attn] regions [attn(kept), mlp(recomputed)]
 saved      op       region  scope  shape         dtype    bytes
 getitem_2  getitem  attn    #1     [2, 2, 4, 8]  float32  512
 getitem_3  getitem  attn    #1     [2, 2, 4]     float32  64
@@ -207,7 +207,7 @@ total: 2 activations, 576 B; 45 ops recomputed""",
         self.assertExpectedInline(
             _report("two_regions_one_kept", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [a(kept), b(recomputed)]
+graph 0: scopes [#1 whole graph keep=a] regions [a(kept), b(recomputed)]
 saved  op       region  scope  shape   dtype    bytes
 mm     aten.mm  a       #1     [4, 8]  float32  128
 inputs saved: 1 (128 B); parameters saved: 2 (512 B)
@@ -222,7 +222,7 @@ total: 1 activations, 128 B; 3 ops recomputed""",
         self.assertExpectedInline(
             _report("nested_overlap_keep_inner_x", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [inner(kept), outer(recomputed), x(kept)]
+graph 0: scopes [#1 whole graph keep=inner+x] regions [inner(kept), outer(recomputed), x(kept)]
 saved  op       region       scope  shape   dtype    bytes
 mm_1   aten.mm  inner+outer  #1     [4, 8]  float32  128
 mm_2   aten.mm  outer+x      #1     [4, 8]  float32  128
@@ -242,7 +242,7 @@ total: 3 activations, 384 B; 6 ops recomputed""",
         self.assertExpectedInline(
             _report("unbalanced", self.inner),
             """\
-graph 0: scopes [#1 whole graph] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
+graph 0: scopes [#1 whole graph keep=early+late] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
 saved  op       region  scope  shape   dtype    bytes
 mm     aten.mm  early   #1     [4, 8]  float32  128
 mm_2   aten.mm  late    #1     [4, 8]  float32  128
@@ -259,7 +259,7 @@ total: 2 activations, 256 B; 4 ops recomputed""",
         self.assertExpectedInline(
             _report("in_checkpoint", self.inner),
             """\
-graph 0: scopes [#1 torch.utils.checkpoint] regions [core(kept)]; overrides checkpoint policy: core in #1
+graph 0: scopes [#1 torch.utils.checkpoint keep=core] regions [core(kept)]; overrides checkpoint policy: core in #1
 saved  op         region  scope  shape   dtype    bytes
 relu   aten.relu  -       -      [4, 8]  float32  128
 mm_2   aten.mm    core    #1     [4, 8]  float32  128
@@ -276,7 +276,7 @@ total: 3 activations, 384 B; 5 ops recomputed""",
         self.assertExpectedInline(
             _report("scoped_stack", self.inner),
             """\
-graph 0: scopes [#1 scope markers, #2 scope markers, #3 scope markers, #4 scope markers] regions [attn(kept), mlp(recomputed)]
+graph 0: scopes [#1 scope markers keep=attn, #2 scope markers keep=attn, #3 scope markers keep=attn, #4 scope markers keep=attn] regions [attn(kept), mlp(recomputed)]
 saved       op        region  scope  shape         dtype    bytes
 getitem_2   getitem   attn    #1     [2, 2, 4, 8]  float32  512
 getitem_3   getitem   attn    #1     [2, 2, 4]     float32  64

@@ -215,3 +215,33 @@ class TestCompiled:
         assert {v.region for v in graph.saved if not v.is_input} == {"attn", "-"}
         # the whole forward is not recomputed at once: each layer's attention is kept
         assert sum(1 for v in graph.saved if v.region == "attn") == 8
+
+
+class TestContainers:
+    """A ModuleList / ModuleDict has no forward: wrapping it checkpointed nothing, silently
+    (saved bytes = no checkpoint, nothing reported even under strict)."""
+
+    @pytest.mark.parametrize(
+        "container",
+        [torch.nn.ModuleList([torch.nn.Linear(4, 4)]), torch.nn.ModuleDict({"a": torch.nn.Linear(4, 4)})],
+        ids=["ModuleList", "ModuleDict"],
+    )
+    def test_wrapping_a_container_is_an_error_naming_the_fix(self, container):
+        with pytest.raises(
+            TypeError, match=r"cannot wrap a Module(List|Dict): it has no forward.*Wrap each layer"
+        ):
+            sc.apply_selective_checkpointing(container, {"attn"})
+        assert not seam.is_wrapped(container)
+
+    def test_a_layers_pattern_matching_a_container_is_an_error_naming_the_pattern(self, stack):
+        with pytest.raises(
+            ValueError, match=r"layers='layers' matches ModuleList 'layers'.*layers='layers\.\*'"
+        ):
+            sc.SacConfig(layers="layers", keep={"attn"}, regions={"layers.*.attn": "attn"}).apply(stack)
+        assert not any(seam.is_wrapped(m) for m in stack.modules())
+        assert not sc.declare.declared_regions(stack)  # nothing half-applied
+
+    def test_sequential_has_a_forward_and_is_wrapped(self):
+        seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        sc.apply_selective_checkpointing(seq, {"attn"})
+        assert seam.is_wrapped(seq)

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 import sac_compile as sc
 from sac_compile import ops
 from sac_compile._torch_internals import seed_ops
+from sac_compile.markers import Enclosing
 from sac_compile.passes import tag_regions
 
 aten = torch.ops.aten
@@ -173,7 +174,7 @@ def test_initial_open_regions_from_a_decorated_caller():
     a = g.op()
     g.exit("r")  # the decorated wrapper's exit came into this graph too
     b = g.op()
-    rec = tag_regions(g.finish(), frozenset({"r"}), initial_open=("r",))
+    rec = tag_regions(g.finish(), frozenset({"r"}), context=Enclosing(regions=("r",)))
     assert policies(a, b) == [SAVE, RECOMPUTE]
     assert rec.unbalanced == []  # the exit matched the inherited region
 

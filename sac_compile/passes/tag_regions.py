@@ -15,8 +15,12 @@ Rules (the product spec's Semantics):
 
 * Scopes come from the seam's scope markers; failing those, from the
   ``torch.utils.checkpoint`` regions already tagged in the graph; failing
-  those, the whole graph is one scope (recorded: right for a per-layer compile,
-  wrong for a whole model). Each scope has its own ``ac_graph_id``, increasing
+  those, the scopes of wrapped layers the graph starts inside of (a graph break
+  split the layer: ``context.scopes``, read from the Python stack by
+  :func:`sac_compile.markers.enclosing_context`); failing those, the whole graph is
+  one scope - unless the compiled callable contains wrapped layers
+  (``context.wrapped_inside``): then code outside every scope is not the user's
+  checkpoint unit and stays untagged (saved as without checkpointing). Each scope has its own ``ac_graph_id``, increasing
   in program order, so the partitioner saves the boundaries between scopes.
 * Inside a scope each forward node gets what the scope's region policy
   (:mod:`sac_compile.policy`) decides from its op, the regions open when it ran
@@ -34,8 +38,8 @@ Rules (the product spec's Semantics):
   collectives feed and the small reads of kept matmul outputs, and sets the budget.
 * An enter without an exit keeps the region open to the graph's end; an exit
   without an enter means the region was open since the graph's start. Both are
-  recorded. Regions around a decorated function split by a graph break arrive
-  as ``initial_open`` (see :func:`sac_compile.markers.enclosing_decorated_regions`).
+  recorded. Regions around a decorated function or a declared module call split by a
+  graph break arrive as ``context.regions`` (open from the graph's start).
 * Graphs without a backward (inference) only lose their markers.
 """
 
@@ -51,6 +55,7 @@ import torch.fx as fx
 from .. import _torch_internals, keep, ops, policy, records
 from .._torch_internals import CheckpointPolicy, CustomGraphPass, get_hash_for_files, seed_ops
 from ..keep import KeepSet, format_keep, parse_keep
+from ..markers import NO_CONTEXT, Enclosing
 from ..policy import RegionPolicy, checked_decision, parse_scope, policy_key, saves
 from . import saving_rules
 from .saving_rules import TAGGED as _TAGGED
@@ -89,28 +94,28 @@ class TagRegionsPass(CustomGraphPass):
         policy: RegionPolicy = policy.SAVE_COSTLY,
         budget: float | None = None,
         options_key: str = "",
-        initial_open: tuple[str, ...] = (),
+        context: Enclosing = NO_CONTEXT,
     ) -> None:
         self.keep = keep
         self.policy = policy
         self.budget = budget
         self.options_key = options_key
-        self.initial_open = tuple(initial_open)
+        self.context = context
 
     def __call__(self, graph: fx.Graph) -> None:
-        tag_regions(graph, self.keep, policy=self.policy, budget=self.budget, initial_open=self.initial_open)
+        tag_regions(graph, self.keep, policy=self.policy, budget=self.budget, context=self.context)
 
     def uuid(self) -> bytes:
         extra = (
             f"keep={format_keep(self.keep)}|policy={policy_key(self.policy)}|budget={self.budget!r}"
-            f"|options={self.options_key}|open={self.initial_open}"
+            f"|options={self.options_key}|context={self.context!r}"
         )
         return get_hash_for_files(_SOURCE_FILES, extra=extra)
 
     def __repr__(self) -> str:
         return (
             f"TagRegionsPass(keep={format_keep(self.keep)!r}, policy={policy_key(self.policy)}, "
-            f"budget={self.budget}, initial_open={self.initial_open})"
+            f"budget={self.budget}, context={self.context})"
         )
 
 
@@ -130,7 +135,7 @@ def tag_regions(
     *,
     policy: RegionPolicy = policy.SAVE_COSTLY,
     budget: float | None = None,
-    initial_open: tuple[str, ...] = (),
+    context: Enclosing = NO_CONTEXT,
 ) -> records.GraphRecord:
     """Tag ``graph`` in place (see the module docstring) and return what was seen."""
     nodes = list(graph.nodes)
@@ -139,7 +144,7 @@ def tag_regions(
         graph_index=records.next_graph_index(),
         is_training=is_training,
         keep=keep,
-        decorated_context=tuple(initial_open),
+        starts_inside=context.regions,
     )
     markers = [n for n in nodes if ops.marker_kind(n) is not None]
     if not markers and any(n.meta.get(_TAGGED) for n in nodes):
@@ -149,9 +154,9 @@ def tag_regions(
     if is_training:
         forward = _forward_nodes(nodes)
         rec.forward_nodes = {n.name for n in forward}
-        _tag_forward(nodes, forward, keep, policy, budget, initial_open, rec)
+        _tag_forward(nodes, forward, keep, policy, budget, context, rec)
     else:
-        _scan_markers(markers, initial_open, rec)
+        _scan_markers(markers, context, rec)
         for n in markers:
             if ops.marker_kind(n) == "region_enter":
                 name = str(n.args[0])
@@ -200,14 +205,15 @@ def _forward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
     return forward
 
 
-def _scan_markers(markers: list[fx.Node], initial_open: tuple[str, ...], rec: records.GraphRecord):
+def _scan_markers(markers: list[fx.Node], context: Enclosing, rec: records.GraphRecord):
     """Balance the markers in program order: record the unbalanced ones in ``rec.unbalanced``
     (each exit without an enter, in order, then each enter without an exit) and return the
-    regions and scopes that were open since the graph's start (their exit came unopened)."""
-    open_count = Counter(initial_open)
+    regions and scopes that were open since the graph's start although the context does
+    not say so (their exit came unopened)."""
+    open_count = Counter(context.regions)
     local_enters: Counter[str] = Counter()  # enters in this graph not yet exited
     pre_regions: Counter[str] = Counter()
-    open_scopes: set[int] = set()
+    open_scopes: list[int] = [sid for sid, _ in context.scopes]
     pre_scopes: list[tuple[int, str]] = []
     for n in markers:
         kind = ops.marker_kind(n)
@@ -225,10 +231,10 @@ def _scan_markers(markers: list[fx.Node], initial_open: tuple[str, ...], rec: re
                 pre_regions[name] += 1
                 rec.unbalanced.append((name, "exit without enter"))
         elif kind == "scope_enter":
-            open_scopes.add(int(n.args[0]))
+            open_scopes.append(int(n.args[0]))
         elif kind == "scope_exit":
             if int(n.args[0]) in open_scopes:
-                open_scopes.discard(int(n.args[0]))
+                del open_scopes[len(open_scopes) - 1 - open_scopes[::-1].index(int(n.args[0]))]
             else:
                 pre_scopes.insert(0, (int(n.args[0]), str(n.args[1])))
     for name, count in local_enters.items():
@@ -242,7 +248,7 @@ def _tag_forward(
     keep: KeepSet,
     graph_policy: RegionPolicy,
     graph_budget: float | None,
-    initial_open: tuple[str, ...],
+    context: Enclosing,
     rec: records.GraphRecord,
 ) -> None:
     fw_markers = [n for n in nodes if n in forward and ops.marker_kind(n) is not None]
@@ -265,9 +271,9 @@ def _tag_forward(
         next_id += 1
         return _Scope(info.ac_graph_id, scope_keep, info, marker_id, scope_policy, budget)
 
-    def marker_scope(marker_id: int, text: str) -> _Scope:
+    def marker_scope(marker_id: int, text: str, source: str = "scope markers") -> _Scope:
         keep_text, scope_policy, budget = parse_scope(text)
-        return new_scope("scope markers", parse_keep(keep_text), marker_id, scope_policy, budget)
+        return new_scope(source, parse_keep(keep_text), marker_id, scope_policy, budget)
 
     ckpt_scopes: dict[int, _Scope] = {}
 
@@ -278,12 +284,16 @@ def _tag_forward(
             ckpt_scopes[ac_id] = _Scope(ac_id, keep, info, None, graph_policy)  # no budget inside
         return ckpt_scopes[ac_id]
 
-    pre_regions, pre_scopes = _scan_markers(fw_markers, initial_open, rec)
-    open_count: Counter[str] = Counter(initial_open) + pre_regions
-    scope_stack = [marker_scope(sid, k) for sid, k in pre_scopes]
+    pre_regions, pre_scopes = _scan_markers(fw_markers, context, rec)
+    open_count: Counter[str] = Counter(context.regions) + pre_regions
+    scope_stack = [marker_scope(sid, k, "layer split by a graph break") for sid, k in context.scopes]
+    scope_stack += [marker_scope(sid, k) for sid, k in pre_scopes]
     whole = None
-    if not has_scope_markers and not ckpt_ids:
-        whole = new_scope("whole graph", keep, None, graph_policy, graph_budget)
+    if not has_scope_markers and not ckpt_ids and not scope_stack:
+        if context.wrapped_inside:
+            rec.outside_every_scope = True  # not the user's checkpoint unit: left untagged
+        else:
+            whole = new_scope("whole graph", keep, None, graph_policy, graph_budget)
     for name in open_count:
         rec.regions.setdefault(name, records.RegionStats(name))
     outside: set[str] = set()
