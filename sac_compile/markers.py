@@ -35,6 +35,7 @@ from . import _torch_internals as ti
 from . import ops  # noqa: F401  (registers the marker ops)
 from .declare import declared_names
 from .keep import format_keep, normalize_keep, validate_region_name
+from .records import SEAM_PREFIX
 
 __all__ = [
     "NO_CONTEXT",
@@ -142,6 +143,7 @@ LEGACY_ATTR = "sac_legacy_checkpoint"
 
 # The seam's generated call functions are named _sac_call_impl_<Class> (sac_compile/seam.py).
 SEAM_CALL_PREFIX = "_sac_call_impl_"
+SEAM_CLASS_PREFIX = SEAM_PREFIX  # ... and its generated classes SelectiveCheckpointed<Class>
 _SEAM_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "seam.py")
 
 
@@ -177,6 +179,9 @@ class Enclosing:
     #: the compiled callable contains wrapped layers: code outside every scope is not
     #: the user's checkpoint unit and stays untagged
     wrapped_inside: bool = False
+    #: (region, module path, class name) of each declared region among ``regions``, for
+    #: diagnostics (the path is relative to the compiled callable)
+    region_owners: tuple[tuple[str, str, str], ...] = ()
 
 
 #: A graph compiled on its own (no enclosing scope, region or wrapped layers).
@@ -192,6 +197,7 @@ def enclosing_context(compiled_self: object = None) -> Enclosing:
     outermost module called between that entry and the compiled frame.
     """
     regions: list[str] = []
+    owners: list[tuple[str, torch.nn.Module]] = []
     decorated: list[str] = []
     scopes: list[tuple[int, str]] = []
     roots: list[torch.nn.Module] = []
@@ -224,17 +230,31 @@ def enclosing_context(compiled_self: object = None) -> Enclosing:
             if module is not None and module is not last_module:  # _call_impl and its inner
                 last_module = module
                 regions.extend(declared_names(module))
+                owners.extend((name, module) for name in declared_names(module))
                 if in_compile:
                     roots.append(module)
         frame = frame.f_back
     # the compiled callable (a module, a module's method, or a function taking modules),
     # else the outermost module called inside the compile
-    wrapped_inside = bool(roots) and any(
-        getattr(m, "_sac_seam", None) is not None
-        for m in getattr(roots[-1], "_orig_mod", roots[-1]).modules()
+    root = getattr(roots[-1], "_orig_mod", roots[-1]) if roots else None
+    wrapped_inside = root is not None and any(
+        getattr(m, "_sac_seam", None) is not None for m in root.modules()
+    )
+    paths = {id(m): p for p, m in root.named_modules()} if root is not None and owners else {}
+    region_owners = tuple(
+        sorted(
+            {
+                (name, paths.get(id(m), ""), type(m).__name__.removeprefix(SEAM_CLASS_PREFIX))
+                for name, m in owners
+            }
+        )
     )
     return Enclosing(
-        tuple(reversed(regions)), tuple(reversed(decorated)), tuple(reversed(scopes)), wrapped_inside
+        tuple(reversed(regions)),
+        tuple(reversed(decorated)),
+        tuple(reversed(scopes)),
+        wrapped_inside,
+        region_owners,
     )
 
 

@@ -292,3 +292,19 @@ def test_gpt2_whole_model_compile_leaves_the_loss_untagged(monkeypatch):
     loss_graphs = [" ".join(ops.values()) for rec, _, ops in joints if not rec.scopes]
     assert any("_log_softmax" in ops for ops in loss_graphs), loss_graphs
     assert "not checkpointed" in str(report), report
+
+
+def test_a_declared_region_split_by_a_break_is_reported_once_at_its_module(caplog):
+    """One ``graph-break`` report naming the declared module and its path (red before: one per
+    piece, each naming whatever module that piece's frame belonged to, without a path)."""
+    import logging
+
+    net = _net()
+    sc.apply_selective_checkpointing(net.layer, {"attn"})
+    compiled = torch.compile(net, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER))
+    with caplog.at_level(logging.WARNING, logger="sac_compile"):
+        for _ in range(2):
+            compiled(torch.randn(4, 8, 16, requires_grad=True)).sum().backward()
+    msgs = [r.getMessage() for r in caplog.records if "[graph-break] region 'mlp'" in r.getMessage()]
+    assert len(msgs) == 1 and "in MLP (layer.mlp)" in msgs[0], msgs
+    assert not [r.getMessage() for r in caplog.records if "[unbalanced]" in r.getMessage()]

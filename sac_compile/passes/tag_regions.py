@@ -146,6 +146,8 @@ def tag_regions(
         keep=keep,
         starts_inside=context.regions,
     )
+    for name, path, cls in context.region_owners:  # declared regions entered in a caller's frame
+        rec.region_modules.setdefault(name, set()).add((path, cls))
     markers = [n for n in nodes if ops.marker_kind(n) is not None]
     if not markers and any(n.meta.get(_TAGGED) for n in nodes):
         # Inductor may run the joint passes on a graph twice (HOP partitioning);
