@@ -245,8 +245,10 @@ def compiling_resume_of(function_prefix: str) -> bool:
     """Whether Dynamo is compiling a resume function (the code after a graph break) of a
     function whose name starts with ``function_prefix``. Relies on Dynamo naming them
     ``torch_dynamo_resume_in_<function>_at_<line>`` (``torch/_dynamo/resume_execution.py``)."""
+    from torch._dynamo.resume_execution import TORCH_DYNAMO_RESUME_IN_PREFIX
+
     code = getattr(current_dynamo_tx(), "f_code", None)
-    return code is not None and code.co_name.startswith(f"torch_dynamo_resume_in_{function_prefix}")
+    return code is not None and code.co_name.startswith(f"{TORCH_DYNAMO_RESUME_IN_PREFIX}_{function_prefix}")
 
 
 def skip_frame(fn) -> None:

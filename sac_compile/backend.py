@@ -90,17 +90,15 @@ def _compiled_self() -> object:
 
 def _compiled_module_name() -> str:
     """The module whose frame Dynamo is compiling (for diagnostics)."""
-    tx = ti.current_dynamo_tx()
-    code = getattr(tx, "f_code", None)
-    if code is not None and code.co_argcount > 0:
-        obj = getattr(tx, "f_locals", {}).get(code.co_varnames[0])
-        if isinstance(obj, torch.nn.Module):
-            return diagnostics.describe_module(getattr(obj, "_orig_mod", obj))
+    obj = _compiled_self()
+    if isinstance(obj, torch.nn.Module):
+        return diagnostics.describe_module(getattr(obj, "_orig_mod", obj))
     # a resume function, a region's __enter__ run on its own, a plain function:
     # the module whose method is running below it
     module = diagnostics.innermost_module_on_stack(2)
     if module is not None:
         return diagnostics.describe_module(module)
+    code = getattr(ti.current_dynamo_tx(), "f_code", None)
     return f"{code.co_name}()" if code is not None else "<unknown>"
 
 

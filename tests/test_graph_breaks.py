@@ -147,29 +147,13 @@ def test_saved_bytes_match_the_per_layer_compile(keep):
     torch._dynamo.reset()
     net = _net()
     sc.apply_selective_checkpointing(net.layer, keep)
-    got = _saved_bytes(torch.compile(net, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER)), net, x)
+    compiled = torch.compile(net, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER))
+    got = sc.autograd_saved_bytes(compiled, x, exclude=list(net.parameters()))
     torch._dynamo.reset()
     ref = _net()
     ref.layer = torch.compile(ref.layer, backend=sc.make_sac_backend(keep, inner=INNER))
-    want = _saved_bytes(ref, ref, x)
+    want = sc.autograd_saved_bytes(ref, x, exclude=list(ref.parameters()))
     assert got == want, (sorted(keep), got, want)
-
-
-def _saved_bytes(fn, model, x) -> int:
-    """Distinct storages autograd saves in one forward (parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    out.sum().backward()
-    return sum(storages.values())
 
 
 def _record_joint_tags(monkeypatch) -> list:
