@@ -288,8 +288,7 @@ def _graph_reporter(self_backend, unit: CompileUnit, gm, example_inputs, pass_) 
                 )
             return diagnostics.GraphReporter([], set(), unit.module)
         found, regions, keep_names = side
-    diagnostics.note_regions(regions)
-    return diagnostics.GraphReporter(found, set(keep_names), unit.module)
+    return diagnostics.GraphReporter(found, set(keep_names), unit.module, set(regions))
 
 
 def _is_marker(node: torch.fx.Node) -> bool:

@@ -61,7 +61,7 @@ class Block(nn.Module):
     def __init__(self, d: int = 16, heads: int = 2, dropout: float = 0.0, marked: bool = True) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads, dropout)
+        self.attn = Attention(d, heads, dropout, marked=marked)
         self.ln2 = nn.LayerNorm(d)
         self.up = nn.Linear(d, 4 * d)
         self.down = nn.Linear(4 * d, d)

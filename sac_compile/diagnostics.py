@@ -7,7 +7,7 @@ product spec's numbering):
 ==========================  ==================================================================
 kind                        situation
 ==========================  ==================================================================
-1 ``keep-unused``           a name in a keep set that no marker ever recorded (judged when the
+1 ``keep-unused``           a name in a keep set that no marker recorded in this root model (judged when the
                             layer or graph that carries the keep set runs a second time, so
                             that every graph of a step has had its chance to record it)
 2 ``kept-nothing``          a kept region that was entered but saved nothing (only views or
@@ -241,20 +241,26 @@ def reported(owner: object) -> set[Diagnosis]:
         return set(_reported.get(owner, ()))
 
 
-# --- Region names seen anywhere (for keep-unused) ---------------------------------
+# --- Region names recorded per root model (for keep-unused) --------------------------
 
-_recorded_regions: set[str] = set()
+_recorded: weakref.WeakKeyDictionary[object, set[str]] = weakref.WeakKeyDictionary()
 
 
-def note_regions(names) -> None:
-    """Region names that a marker recorded (a tagged graph, an eager scope)."""
+def note_regions(names, owner: object) -> None:
+    """Region names that a marker recorded under ``owner`` (a tagged graph that ran, an eager scope)."""
+    if isinstance(owner, nn.Module):
+        owner = _unwrap(owner)
     with _lock:
-        _recorded_regions.update(names)
+        _recorded.setdefault(owner, set()).update(names)
 
 
-def unrecorded(names) -> list[str]:
+def unrecorded(names, owner: object) -> list[str]:
+    """The names in ``names`` that no marker recorded under ``owner``."""
+    if isinstance(owner, nn.Module):
+        owner = _unwrap(owner)
     with _lock:
-        return sorted(n for n in names if n not in _recorded_regions)
+        seen = _recorded.get(owner, set())
+        return sorted(n for n in names if n not in seen)
 
 
 def keep_unused(names: list[str], module: str) -> Diagnosis:
@@ -420,21 +426,26 @@ class GraphReporter:
     report; after a module has been checked it costs one WeakSet lookup.
     """
 
-    def __init__(self, diagnoses: list[Diagnosis], keep_names: set[str], where: str) -> None:
+    def __init__(
+        self, diagnoses: list[Diagnosis], keep_names: set[str], where: str, regions: set[str] = frozenset()
+    ) -> None:
         self.diagnoses = tuple(diagnoses)
         self.keep_names = tuple(sorted(keep_names))
+        self.regions = tuple(sorted(regions))  # what the graph records when it runs
         self.where = where
         self._calls: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
         self._done: weakref.WeakSet[object] = weakref.WeakSet()
 
     def needed(self) -> bool:
-        return bool(self.diagnoses) or bool(unrecorded(self.keep_names))
+        return bool(self.diagnoses or self.keep_names or self.regions)
 
     def on_call(self) -> None:
         inner = innermost_module_on_stack(2) or _PROCESS
         if inner in self._done:
             return
         owner = owner_on_stack(2)
+        # regions are recorded per root model: a graph records them for each model it runs in
+        note_regions(self.regions, owner)
         calls = self._calls.get(owner, 0) + 1
         if calls == 1:
             for d in self.diagnoses:
@@ -443,7 +454,7 @@ class GraphReporter:
         if self.keep_names:
             if calls < 2:
                 return  # judged on a repeat, once every graph of a step has run
-            names = unrecorded(self.keep_names)
+            names = unrecorded(self.keep_names, owner)
             if names:
                 report(keep_unused(names, self.where), owner)
         self._done.add(inner)

@@ -298,7 +298,7 @@ def _check_eager(module: nn.Module, config: SeamConfig, stats) -> None:
     """Diagnoses of one eager engine call (until the module has been checked twice)."""
     owner = diagnostics.owner_on_stack(2)
     where = _where(module, owner)
-    diagnostics.note_regions(stats.regions_entered)
+    diagnostics.note_regions(stats.regions_entered, owner)
     calls = _eager_calls.get(module, 0) + 1
     if calls == 1:
         held = {name for key in stats.held_by_region for name in key.split("+")}
@@ -338,7 +338,7 @@ def _check_eager(module: nn.Module, config: SeamConfig, stats) -> None:
     explicit = () if config.keep is ALL_REGIONS else tuple(config.keep)
     if explicit and calls < 2:
         return  # judged on a repeat, once the rest of the model has run
-    names = diagnostics.unrecorded(explicit)
+    names = diagnostics.unrecorded(explicit, owner)
     if names:
         diagnostics.report(diagnostics.keep_unused(names, where), owner)
     _eager_calls[module] = -1  # checked

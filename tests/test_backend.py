@@ -162,13 +162,16 @@ class TestNoRuntimeTrace:
             backend_mod._capture_sinks.append(units)
             try:
                 torch._dynamo.reset()
-                torch.compile(module, backend=backend)(x).sum().backward()
+                with sc.collect_records() as recs:
+                    torch.compile(module, backend=backend)(x).sum().backward()
             finally:
                 backend_mod._capture_sinks.remove(units)
             (unit,) = units
-            return {k: sorted(op for _, op, _ in g["calls"]) for k, g in unit.graphs.items()}
+            regions = {name for rec in recs for name in rec.regions}
+            return regions, {k: sorted(op for _, op, _ in g["calls"]) for k, g in unit.graphs.items()}
 
-        g_marked, g_unmarked = graphs_of(marked), graphs_of(unmarked)
+        (r_marked, g_marked), (r_unmarked, g_unmarked) = graphs_of(marked), graphs_of(unmarked)
+        assert r_marked == {"attn", "mlp"} and r_unmarked == set()  # the two really differ in markers
         assert set(g_marked) == {"forward", "backward"}
         assert g_marked == g_unmarked
         assert not any("sac_compile" in op for ops in g_marked.values() for op in ops)

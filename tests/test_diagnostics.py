@@ -134,6 +134,31 @@ def test_keep_name_never_recorded_is_reported_once_per_model(reports, compile):
     assert len(reports("keep-unused")) == 2
 
 
+class Unmarked(nn.Module):
+    """A layer with no region markers at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+@pytest.mark.parametrize("compile", [False, AOT], ids=["eager", "compiled"])
+def test_a_region_recorded_by_one_model_does_not_hide_keep_unused_for_another(reports, compile):
+    # Red before the fix: regions were recorded process-wide, so model A running "attn"
+    # made model B's keep={"attn"} (no such marker in B) look used.
+    _steps(_stack(keep={"attn"}, compile=compile), 2)
+    assert reports("keep-unused") == []
+    other = nn.Sequential(Unmarked(), Unmarked())
+    for layer in other:
+        sc.apply_selective_checkpointing(layer, keep={"attn"}, compile=compile)
+    _steps(other, 2)
+    got = reports("keep-unused")
+    assert len(got) == 1 and "region 'attn'" in got[0] and "Unmarked" in got[0], got
+
+
 # --- 2. kept region that kept nothing -------------------------------------------------
 
 
