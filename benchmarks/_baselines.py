@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch._functorch.config as functorch_config
 
-from sac_compile.backend import baseline_backend
+from sac_compile.compiler.backend import baseline_backend
 
 
 class BudgetBackend:

@@ -22,7 +22,7 @@ from _timing import interleaved_medians
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import sac_compile as sc
-from sac_compile.demo_models import Stack
+from sac_compile.testing.models import Stack
 
 SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 

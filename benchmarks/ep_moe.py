@@ -2,7 +2,7 @@
 
 One run, eager and compiled side by side. The model is ``EPStack`` (attention +
 ``ExpertParallelMoE`` per layer, experts split over the 2 ranks, dispatch and
-combine all-to-alls) from ``sac_compile.demo_models``; every layer is wrapped by
+combine all-to-alls) from ``sac_compile.testing.models``; every layer is wrapped by
 ``apply_selective_checkpointing`` (compiled: ``compile=True``, Inductor unless
 ``--inner aot_eager``). Keep sets: none (no checkpoint), () (full recompute),
 moe.experts ("expert GEMMs only"), moe.dispatch, and
@@ -38,7 +38,7 @@ import torch
 from _timing import interleaved_medians
 
 import sac_compile as sc
-from sac_compile.testing import run_ranks
+from sac_compile.testing.ranks import run_ranks
 
 A2A = "_c10d_functional.all_to_all_single"
 KEEP_SETS: list[tuple[str, tuple[str, ...] | None]] = [
@@ -51,7 +51,7 @@ KEEP_SETS: list[tuple[str, tuple[str, ...] | None]] = [
 
 
 def _build(args, group):
-    from sac_compile.demo_models import EPStack
+    from sac_compile.testing.models import EPStack
 
     torch.manual_seed(0)
     full = EPStack(n=args.layers, d=args.d, heads=args.heads, n_experts=args.experts, micro_batches=args.mb)
@@ -61,7 +61,7 @@ def _build(args, group):
 
 
 def _wrap(model, mode: str, keep, inner: str):
-    from sac_compile.backend import baseline_backend
+    from sac_compile.compiler.backend import baseline_backend
 
     for layer in model.layers:
         if keep is None:

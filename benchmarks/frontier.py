@@ -40,7 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 import sac_compile as sc
-from sac_compile.backend import baseline_backend
+from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
 
 aten = torch.ops.aten
@@ -134,7 +134,7 @@ def measure_eager(unit, x: torch.Tensor, keep) -> tuple[int, int]:
 
 
 def demo_unit(args):
-    from sac_compile.demo_models import MoETransformer
+    from sac_compile.testing.models import MoETransformer
 
     torch.manual_seed(0)
     model = MoETransformer(vocab=256, d=args.hidden, n_layers=1, heads=4, n_experts=8, top_k=2)

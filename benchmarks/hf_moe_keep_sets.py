@@ -30,7 +30,7 @@ from _timing import interleaved_medians
 
 import sac_compile as sc
 from sac_compile import hf
-from sac_compile.backend import baseline_backend
+from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
 
 KEEP_SETS: list[tuple[str, tuple[str, ...]]] = [

@@ -29,8 +29,8 @@ from _baselines import BudgetBackend
 from _timing import interleaved_medians
 
 import sac_compile as sc
-from sac_compile.backend import baseline_backend
-from sac_compile.demo_models import Stack
+from sac_compile.compiler.backend import baseline_backend
+from sac_compile.testing.models import Stack
 
 
 def configurations(inner: str, budgets: list[float]) -> list[tuple[str, object]]:

@@ -1,7 +1,7 @@
 """sac-compile demo: keep exactly the activations you ask for, inside torch.compile.
 
 Trains a small built-in mixture-of-experts transformer
-(``sac_compile.demo_models.MoETransformer``: attention, a router and
+(``sac_compile.testing.models.MoETransformer``: attention, a router and
 static-capacity experts per layer; no markers in its code) on CPU. Regions are
 *declared* by module path -- ``layers.*.attn`` -> "attn", ``layers.*.moe.router``
 -> "router", ``layers.*.moe.experts`` -> "experts" -- and every layer is wrapped
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 
 import sac_compile as sc
-from sac_compile.backend import baseline_backend
-from sac_compile.demo_models import MoETransformer
+from sac_compile.compiler.backend import baseline_backend
+from sac_compile.testing.models import MoETransformer
 
 
 def parse_args(argv=None) -> argparse.Namespace:

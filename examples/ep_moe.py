@@ -1,6 +1,6 @@
 """Expert-parallel MoE on 2 CPU ranks (gloo): which all-to-alls the backward runs again.
 
-Each layer of ``sac_compile.demo_models.EPStack`` routes its tokens to experts
+Each layer of ``sac_compile.testing.models.EPStack`` routes its tokens to experts
 split over the two ranks: router -> dispatch all-to-all -> expert GEMMs ->
 combine all-to-all, in regions ``moe.router`` / ``moe.dispatch`` /
 ``moe.experts`` / ``moe.combine`` (with ``--micro-batches 2`` the two halves of
@@ -26,7 +26,7 @@ import logging
 import torch
 
 import sac_compile as sc
-from sac_compile.testing import run_ranks
+from sac_compile.testing.ranks import run_ranks
 
 A2A = "_c10d_functional.all_to_all_single"
 
@@ -34,7 +34,7 @@ A2A = "_c10d_functional.all_to_all_single"
 def train(rank: int, world_size: int, args, mode: str) -> dict:
     import torch.distributed as dist
 
-    from sac_compile.demo_models import EPBlock, EPStack
+    from sac_compile.testing.models import EPBlock, EPStack
 
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(name)s: %(message)s")
     group = dist.group.WORLD

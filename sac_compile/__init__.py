@@ -1,9 +1,26 @@
 """sac-compile: region-level selective activation checkpointing that works under torch.compile.
 
-Importing the package registers the ``sac_compile::*`` marker ops and nothing heavier.
+Importing the package registers the ``sac_compile::*`` marker ops and nothing heavier:
+Dynamo, AOTAutograd and Inductor load on the first compile (``tests/test_architecture.py``
+checks it). Layout (imports point down this list; ``tests/test_architecture.py`` checks
+that too):
+
+* ``_compat`` - every private PyTorch API, one module per subsystem;
+* ``keep``, ``records``, ``policy`` - keep sets, the tagging pass's records, region policies
+  and op classification (shared by both engines);
+* ``diagnostics`` - reporting; everything below reports into it;
+* ``markers`` - the marker ops, ``region``, the stack context of a compile;
+* ``declare`` - regions declared by module path;
+* ``passes``, ``compiler`` - the tagging pass; the backends and their compile session;
+* ``eager`` - the eager engine;
+* ``seam``, ``config``, ``hf`` - wrapping layers, whole-model configs, transformers;
+* ``inspection`` - partition reports, ``capture_partition``, measurements.
+
+``sac_compile.testing`` (demo and test models, the rank runner, parity reports) is not
+imported by ``import sac_compile``.
 """
 
-from .backend import make_sac_backend, sac_backend
+from .compiler import make_sac_backend, sac_backend
 from .config import SacConfig
 from .declare import RegionDeclarations, declare_regions, declared_regions, undeclare_regions
 from .diagnostics import SacDiagnosticError, set_strict, strict

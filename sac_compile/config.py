@@ -22,8 +22,9 @@ from typing import Any
 import torch.nn as nn
 
 from . import diagnostics
+from ._compat.dynamo import unwrap_compiled
 from .declare import _check_pattern, _no_match_message, declare_regions, match_path
-from .keep import KeepSet, format_keep, normalize_keep, validate_region_name
+from .keep import KeepSet, normalize_keep, validate_region_name
 from .policy import SAVE_COSTLY, validate_budget, validate_policy
 from .seam import _compile_options, apply_selective_checkpointing, is_container
 
@@ -97,7 +98,7 @@ class SacConfig:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"SacConfig.apply takes an nn.Module, got {type(model).__name__}")
-        root = getattr(model, "_orig_mod", model)
+        root = unwrap_compiled(model)
         layers = [(p, m) for p, m in root.named_modules() if match_path(self.layers, p)]
         if not layers:
             raise ValueError(
@@ -131,12 +132,6 @@ class SacConfig:
         if self.strict:
             diagnostics.make_strict(root)
         return model
-
-    def describe(self) -> str:
-        return (
-            f"SacConfig(layers={self.layers!r}, keep={format_keep(self.keep)!r}, "
-            f"regions={dict(self.regions)}, compile={self.compile!r}, strict={self.strict})"
-        )
 
 
 def _inside(pattern: str) -> str:

@@ -26,13 +26,13 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from . import _torch_internals, ops  # noqa: F401  (ops registers the marker ops)
+from ._compat.dynamo import skip_frame, unwrap_compiled
 from .keep import validate_region_name
+from .markers import DECLARED_ATTR as _ATTR
+from .markers import declared_names
 from .records import generic_path
 
 __all__ = ["RegionDeclarations", "declare_regions", "declared_names", "undeclare_regions"]
-
-_ATTR = "_sac_declared"  # module attribute: {region name: (pre handle, post handle)}
 
 
 @dataclass
@@ -90,7 +90,7 @@ def declare_regions(model: nn.Module, declarations: Mapping[str, str]) -> Region
             "declare_regions takes a mapping {module path pattern: region name}, "
             f"got {type(declarations).__name__} {declarations!r}"
         )
-    root = getattr(model, "_orig_mod", model)  # torch.compile(model)
+    root = unwrap_compiled(model)  # torch.compile(model)
     paths = {path: module for path, module in root.named_modules()}
     plan: list[tuple[str, str, nn.Module]] = []
     for pattern, name in declarations.items():
@@ -113,7 +113,7 @@ def declare_regions(model: nn.Module, declarations: Mapping[str, str]) -> Region
 
 def undeclare_regions(model: nn.Module) -> int:
     """Remove every declared region under ``model``; returns how many were removed."""
-    root = getattr(model, "_orig_mod", model)
+    root = unwrap_compiled(model)
     removed = 0
     for module in root.modules():
         declared = module.__dict__.get(_ATTR)
@@ -127,17 +127,12 @@ def undeclare_regions(model: nn.Module) -> int:
 
 def declared_regions(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """``{module path: region names}`` currently declared under ``model``."""
-    root = getattr(model, "_orig_mod", model)
+    root = unwrap_compiled(model)
     return {
         path: tuple(module.__dict__[_ATTR])
         for path, module in root.named_modules()
         if module.__dict__.get(_ATTR)
     }
-
-
-def declared_names(module: nn.Module) -> tuple[str, ...]:
-    """The region names declared on ``module`` itself (not its children)."""
-    return tuple(module.__dict__.get(_ATTR, ()))
 
 
 def _enter_hook(name: str, _module, _args) -> None:
@@ -153,11 +148,17 @@ def _exit_hook(name: str, _module, _args, _output) -> None:
 # eagerly), they are not compiled: the markers run eagerly (a no-op outside the eager
 # engine) and the graphs compiled for the forward find the region on the stack
 # (markers.enclosing_context) instead of in a marker-only graph of their own.
-_torch_internals.skip_frame(_enter_hook)
-_torch_internals.skip_frame(_exit_hook)
+
+
+@functools.cache
+def _skip_hook_frames() -> None:
+    # on the first declaration, not at import: marking code skipped imports Dynamo
+    skip_frame(_enter_hook)
+    skip_frame(_exit_hook)
 
 
 def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHandle]:
+    _skip_hook_frames()
     # prepend: the region encloses hooks registered earlier (e.g. by fully_shard)
     pre = module.register_forward_pre_hook(functools.partial(_enter_hook, name), prepend=True)
     post = module.register_forward_hook(functools.partial(_exit_hook, name), always_call=True)

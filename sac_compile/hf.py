@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ._compat.dynamo import unwrap_compiled
 from .config import SacConfig
 
 __all__ = [
@@ -59,7 +60,7 @@ _MOE = {
 
 def regions_for(model: nn.Module) -> dict[str, str]:
     """The region declarations for a supported decoder model (see the module docstring)."""
-    root = getattr(model, "_orig_mod", model)
+    root = unwrap_compiled(model)
     paths = {p for p, _ in root.named_modules()}
     if "model.layers.0.mlp.experts" in paths:
         return dict(_MOE)
@@ -142,7 +143,7 @@ def layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dic
     """``(hidden_states, kwargs)`` to call one decoder layer as the model does (no padding)."""
     from transformers.masking_utils import create_causal_mask
 
-    inner = getattr(model, "_orig_mod", model).model
+    inner = unwrap_compiled(model).model
     h = inner.embed_tokens(ids).detach().requires_grad_(True)
     pos = torch.arange(ids.shape[1]).unsqueeze(0)
     cos_sin = inner.rotary_emb(h, position_ids=pos)
@@ -168,4 +169,4 @@ class LayerCall(nn.Module):
 def layer_call(model: nn.Module, ids: torch.Tensor, index: int = 0) -> tuple[LayerCall, torch.Tensor]:
     """``(LayerCall for decoder layer `index`, its input hidden states)``."""
     h, kwargs = layer_inputs(model, ids)
-    return LayerCall(getattr(model, "_orig_mod", model).model.layers[index], kwargs), h
+    return LayerCall(unwrap_compiled(model).model.layers[index], kwargs), h

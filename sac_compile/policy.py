@@ -44,10 +44,20 @@ from typing import Any
 
 import torch
 
-from ._torch_internals import CheckpointPolicy
+from ._compat import ops as op_types
+from ._compat.checkpoint import CheckpointPolicy
 from .keep import KeepSet
 
-__all__ = ["SAVE_ALL", "SAVE_COSTLY", "RegionPolicy", "is_costly", "policy_key", "resolve_policy"]
+__all__ = [
+    "SAVE_ALL",
+    "SAVE_COSTLY",
+    "RegionPolicy",
+    "communicates",
+    "is_collective",
+    "is_costly",
+    "policy_key",
+    "resolve_policy",
+]
 
 RegionPolicy = Callable[[Any, tuple[str, ...], KeepSet], CheckpointPolicy]
 
@@ -134,18 +144,34 @@ def is_costly(op: Any) -> bool:
     """
     if op is operator.getitem:
         return False
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, op_types.OpOverload):
         if op.overloadpacket in _COSTLY:
             return True
         ns = op.namespace
         if ns in _COLLECTIVE_NAMESPACES:
             return op._schema.name != "_c10d_functional::wait_tensor"  # waits follow their producer
         return ns not in _TRANSPARENT_NAMESPACES
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, op_types.OpOverloadPacket):
         return op in _COSTLY or op._qualified_op_name.split("::")[0] not in _TRANSPARENT_NAMESPACES
-    if isinstance(op, torch._ops.HigherOrderOperator):
+    if isinstance(op, op_types.HigherOrderOperator):
         return op.name() not in _STRUCTURAL_HOPS
     return False
+
+
+# recomputed with their collective, but not communication themselves
+_COLLECTIVE_COMPANIONS = frozenset(
+    {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd"}
+)
+
+
+def is_collective(op: Any) -> bool:
+    """A ``c10d`` / ``_c10d_functional`` op, communication or companion (wait, wrapper)."""
+    return getattr(op, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
+def communicates(op: Any) -> bool:
+    """A collective proper (counted), as opposed to its wait / wrapper companions."""
+    return is_collective(op) and op._schema.name not in _COLLECTIVE_COMPANIONS
 
 
 def _is_kept(regions: tuple[str, ...], keep: KeepSet) -> bool:

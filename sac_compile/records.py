@@ -90,13 +90,13 @@ class GraphRecord:
     budget_conflict: list[float] = field(default_factory=list)
     # names of the joint graph's forward nodes (tagged or not)
     forward_nodes: set[str] = field(default_factory=set)
+    # the pass had tagged this graph already (Inductor re-runs joint passes on HOP bodies):
+    # nothing was done, and the record is not published
+    repeat: bool = False
 
     @property
     def whole_graph_scope(self) -> bool:
         return any(s.source == "whole graph" for s in self.scopes)
-
-    def region_names(self) -> list[str]:
-        return sorted(self.regions)
 
 
 def clean_module_path(path: str) -> str:
@@ -157,12 +157,6 @@ _counter = itertools.count()
 _lock = threading.Lock()
 _history: deque[GraphRecord] = deque(maxlen=256)
 _collectors: list[list[GraphRecord]] = []
-_hooks: list = []
-
-
-def on_publish(hook) -> None:
-    """Call ``hook(record)`` for every record published from now on (used by the backend)."""
-    _hooks.append(hook)
 
 
 def next_graph_index() -> int:
@@ -174,8 +168,6 @@ def publish(record: GraphRecord) -> None:
         _history.append(record)
         for sink in _collectors:
             sink.append(record)
-    for hook in _hooks:
-        hook(record)
 
 
 def recent_records() -> list[GraphRecord]:

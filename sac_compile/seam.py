@@ -27,9 +27,7 @@ eager, non-empty ``keep``                              the eager engine (:mod:`s
 
 from __future__ import annotations
 
-import types
-import weakref
-from collections import Counter
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,15 +36,17 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from . import diagnostics
-from .backend import make_sac_backend
+from ._compat import frames
+from ._compat.dynamo import has_compiled_call
+from .compiler.backend import make_sac_backend
+from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, seam_scope_args
 from .policy import SAVE_COSTLY, RegionPolicy, format_scope, policy_key, validate_budget, validate_policy
-from .records import SEAM_PREFIX, generic_path
+from .records import SEAM_PREFIX
 
-__all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_wrapped"]
+__all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_container"]
 
 
 _COMPILE_KEYS = {"fullgraph", "dynamic"}
@@ -66,16 +66,6 @@ class SeamConfig:
 
 
 _SUBCLASSES: dict[tuple, type] = {}
-# Modules already checked for diagnoses (weakly held: ids are reused once a module dies);
-# the diagnoses themselves are deduplicated per root module by sac_compile.diagnostics.
-_legacy_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_compiled_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_fallback_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-_eager_calls: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
-
-
-def is_wrapped(module: nn.Module) -> bool:
-    return isinstance(getattr(module, "_sac_seam", None), SeamConfig)
 
 
 def is_container(module: nn.Module) -> bool:
@@ -142,7 +132,7 @@ def apply_selective_checkpointing(
             f"budget={config.budget} would nest two checkpoints. "
             "Wrap each module once."
         )
-    if getattr(module, "_compiled_call_impl", None) is not None:
+    if has_compiled_call(module):
         raise ValueError(
             f"{type(module).__name__} was already compiled with module.compile(); apply "
             "apply_selective_checkpointing first (or pass compile=True to it)"
@@ -197,9 +187,7 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
         # (and its recompile_limit of 8 entries) on code objects, and each backend
         # needs its own entries, so distinct layer classes or keep sets do not share
         # (and exhaust) one budget and silently run eagerly.
-        template = _seam_call_impl
-        code = template.__code__.replace(co_name=f"{SEAM_CALL_PREFIX}{cls.__name__}")
-        call_impl = types.FunctionType(code, template.__globals__, code.co_name, template.__defaults__)
+        call_impl = frames.fresh_function(_seam_call_impl, f"{SEAM_CALL_PREFIX}{cls.__name__}")
         _SUBCLASSES[key] = type(
             f"{SEAM_PREFIX}{cls.__name__}",
             (cls,),
@@ -227,19 +215,19 @@ def _seam_call_impl(self, *args, **kwargs):
         torch.ops.sac_compile.scope_exit(scope_id, keep_text)
         return out
     if config.compile_options is not None:
-        _report_compile_fallback(self)
+        diagnosed.report_compile_fallback(self)
         # Reached when Dynamo did not compile this call (a graph break it could not
         # resume, the recompile limit): we may still be inside torch.compile's dynamic
         # extent, where Dynamo would try to trace the eager engine's checkpoint (and
         # fail on its context_fn instead of running the layer). Run it eagerly.
-        return _eager_uncompiled(self, config, call, legacy, args, kwargs)
+        return _eager_uncompiled()(self, config, call, legacy, args, kwargs)
     return _eager(self, config, call, legacy, args, kwargs)
 
 
 def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: dict):
-    _report_compiled_inside(self)
+    diagnosed.report_compiled_inside(self)
     if legacy:
-        _report_legacy(self, config)
+        diagnosed.report_legacy(self, config.keep, LEGACY_ATTR)
         return checkpoint(
             call, *args, use_reentrant=True, preserve_rng_state=config.preserve_rng_state, **kwargs
         )
@@ -260,157 +248,16 @@ def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: di
         "policy": config.policy,
         "preserve_rng_state": config.preserve_rng_state,
     }
-    if self in _eager_calls and _eager_calls[self] < 0:
+    if diagnosed.engine_done(self, config.keep):
         return checkpoint_with_regions(call, *args, **engine_kwargs, **kwargs)
     stats: list = []
     out = checkpoint_with_regions(call, *args, **engine_kwargs, stats_out=stats, **kwargs)
-    _check_eager(self, config, stats[0])
+    diagnosed.check_engine_call(self, config.keep, stats[0])
     return out
 
 
-_eager_uncompiled = torch.compiler.disable(_eager, recursive=True)
-
-
-def _report_forced_collectives(stats, config: SeamConfig, where: str, owner: object) -> None:
-    """Collectives the eager engine re-ran in the backward although their region is kept."""
-    forced: dict[str, Counter] = {}
-    for regions, op, was_forced in stats.collectives:
-        for name in regions:
-            if was_forced and (config.keep is ALL_REGIONS or name in config.keep):
-                forced.setdefault(name, Counter())[op] += 1
-    for name, ops_run in sorted(forced.items()):
-        listed = ", ".join(f"{n} x {op}" for op, n in sorted(ops_run.items()))
-        diagnostics.report(
-            diagnostics.Diagnosis(
-                diagnostics.COLLECTIVE_RECOMPUTED,
-                name,
-                where,
-                f"it is kept, but the eager engine recomputes the collectives in it ({listed} per call), "
-                "so the backward communicates again: their output buffers may be written outside the "
-                "region, so eager mode never serves them from a cache. A compiled layer "
-                "(compile=True, or a sac backend) saves kept functional collectives instead.",
-            ),
-            owner,
-        )
-
-
-def _check_eager(module: nn.Module, config: SeamConfig, stats) -> None:
-    """Diagnoses of one eager engine call (until the module has been checked twice)."""
-    owner = diagnostics.owner_on_stack(2)
-    where = _where(module, owner)
-    diagnostics.note_regions(stats.regions_entered, owner)
-    calls = _eager_calls.get(module, 0) + 1
-    if calls == 1:
-        held = {name for key in stats.held_by_region for name in key.split("+")}
-        for name in sorted(stats.regions_entered):
-            if (config.keep is ALL_REGIONS or name in config.keep) and name not in held:
-                diagnostics.report(
-                    diagnostics.Diagnosis(
-                        diagnostics.KEPT_NOTHING,
-                        name,
-                        where,
-                        "it is kept, but after the forward nothing computed in it is held: the region "
-                        "policy saved none of its ops (no costly op - matmul, convolution, attention, "
-                        "custom kernel - ran in it; cheap ops, views, collectives and in-place targets "
-                        "are recomputed), or the backward reads none of its values. Keeping it saves "
-                        "nothing: mark the op whose output the backward needs, or drop the name from keep.",
-                    ),
-                    owner,
-                )
-        _report_forced_collectives(stats, config, where, owner)
-        for name, how in sorted(set(stats.unbalanced)):
-            diagnostics.report(
-                diagnostics.Diagnosis(
-                    diagnostics.UNBALANCED,
-                    name,
-                    where,
-                    f"{how} inside the checkpointed call: "
-                    + (
-                        "the region stayed open to the end of the layer"
-                        if how == "enter without exit"
-                        else "the exit was ignored"
-                    )
-                    + ". Use region(...) as a with-block or decorator so that enter and exit pair up.",
-                ),
-                owner,
-            )
-    _eager_calls[module] = calls  # after reporting: a strict error does not count the call
-    explicit = () if config.keep is ALL_REGIONS else tuple(config.keep)
-    if explicit and calls < 2:
-        return  # judged on a repeat, once the rest of the model has run
-    names = diagnostics.unrecorded(explicit, owner)
-    if names:
-        diagnostics.report(diagnostics.keep_unused(names, where), owner)
-    _eager_calls[module] = -1  # checked
-
-
-def _where(module: nn.Module, owner: object) -> str:
-    """``Block (layers.*)``: the module's class and its path in the root, indices generalised."""
-    path = None
-    if isinstance(owner, nn.Module):
-        path = next((name for name, sub in owner.named_modules() if sub is module), None)
-    if path is not None:
-        path = generic_path(path) or "<root>"
-    return diagnostics.describe_module(module, path)
-
-
-def _report_compiled_inside(module: nn.Module) -> None:
-    """A compiled submodule inside this eager checkpoint: its saved tensors are discarded."""
-    if module in _compiled_checked:
-        return
-    _compiled_checked.add(module)
-    compiled = [
-        name
-        for name, sub in module.named_modules()
-        if name and getattr(sub, "_compiled_call_impl", None) is not None
-    ]
-    if compiled:
-        owner = diagnostics.owner_on_stack(3)
-        diagnostics.report(
-            diagnostics.Diagnosis(
-                diagnostics.COMPILED_IN_EAGER,
-                "-",
-                _where(module, owner),
-                f"it is checkpointed eagerly but contains compiled code ({', '.join(compiled)}): the "
-                "compiled graph's saved tensors are discarded and it is recomputed whole in the backward. "
-                "Pass compile=True to apply_selective_checkpointing instead, or compile the whole model.",
-            ),
-            owner,
-        )
-
-
-def _report_compile_fallback(module: nn.Module) -> None:
-    """A layer wrapped with compile=True is running eagerly: Dynamo did not compile it."""
-    if module in _fallback_checked:
-        return
-    _fallback_checked.add(module)
-    owner = diagnostics.owner_on_stack(3)
-    diagnostics.report(
-        diagnostics.Diagnosis(
-            diagnostics.COMPILE_FALLBACK,
-            "-",
-            _where(module, owner),
-            "it was wrapped with compile=True but runs eagerly: Dynamo did not compile its call (recompile "
-            "limit reached, the frame was skipped, or compiling is disabled), so the eager engine checkpoints "
-            "it instead (correct, slower). See TORCH_LOGS=recompiles,graph_breaks.",
-        ),
-        owner,
-    )
-
-
-def _report_legacy(module: nn.Module, config: SeamConfig) -> None:
-    if module in _legacy_checked:
-        return
-    _legacy_checked.add(module)
-    if config.keep is ALL_REGIONS or config.keep:
-        owner = diagnostics.owner_on_stack(3)
-        diagnostics.report(
-            diagnostics.Diagnosis(
-                diagnostics.LEGACY_KEEP_IGNORED,
-                format_keep(config.keep),
-                _where(module, owner),
-                f"it sets {LEGACY_ATTR}=True, so it is checkpointed reentrantly and keep="
-                f"{format_keep(config.keep)!r} is ignored (every op in it is recomputed)",
-            ),
-            owner,
-        )
+@functools.cache
+def _eager_uncompiled():
+    """:func:`_eager` that Dynamo never traces (made on first use: torch.compiler.disable
+    imports Dynamo, which `import sac_compile` must not)."""
+    return torch.compiler.disable(_eager, recursive=True)

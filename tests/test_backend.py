@@ -5,7 +5,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import sac_compile as sc
-from sac_compile.backend import baseline_backend
+from sac_compile.compiler.backend import baseline_backend
 from sac_compile.markers import Enclosing
 
 from .models import MLP, Block, run_step
@@ -148,7 +148,7 @@ class TestNoRuntimeTrace:
     @pytest.mark.parametrize("inner", INNERS)
     def test_marked_model_with_nothing_kept_equals_unmarked(self, inner):
         """Same partitioned graphs (op for op) with and without markers, nothing kept."""
-        from sac_compile import backend as backend_mod
+        from sac_compile.compiler import session
 
         torch.manual_seed(0)
         marked = Block(16, marked=True)
@@ -158,14 +158,9 @@ class TestNoRuntimeTrace:
         backend = sc.make_sac_backend((), inner=inner)
 
         def graphs_of(module):
-            units = []
-            backend_mod._capture_sinks.append(units)
-            try:
-                torch._dynamo.reset()
-                with sc.collect_records() as recs:
-                    torch.compile(module, backend=backend)(x).sum().backward()
-            finally:
-                backend_mod._capture_sinks.remove(units)
+            torch._dynamo.reset()
+            with session.capture_units() as units, sc.collect_records() as recs:
+                torch.compile(module, backend=backend)(x).sum().backward()
             (unit,) = units
             regions = {name for rec in recs for name in rec.regions}
             return regions, {k: sorted(op for _, op, _ in g["calls"]) for k, g in unit.graphs.items()}

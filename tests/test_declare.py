@@ -175,7 +175,7 @@ def test_declared_exit_runs_when_the_forward_raises():
             raise RuntimeError("boom")
 
     seen = []
-    from sac_compile import ops
+    from sac_compile.markers import ops
 
     token = ops._MARKER_SINK.set(lambda kind, payload: seen.append((kind, payload[0])))
     try:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from sac_compile.testing import RankFailed, run_ranks
+from sac_compile.testing.ranks import RankFailed, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +26,7 @@ def _fsdp2_vs_single_process(rank: int, world_size: int, keep: tuple[str, ...], 
     from torch.distributed.fsdp import fully_shard
 
     import sac_compile as sc
-    from sac_compile.demo_models import Stack
+    from sac_compile.testing.models import Stack
 
     torch.manual_seed(0)
     ref = Stack(n=2, d=16, dropout=0.0)
@@ -131,8 +131,8 @@ def _ep_moe_vs_single_process(rank: int, world_size: int, compiled: bool, micro_
     import torch.distributed as dist
 
     import sac_compile as sc
-    from sac_compile.demo_models import EPBlock, EPStack
     from sac_compile.eager import checkpoint_with_regions
+    from sac_compile.testing.models import EPBlock, EPStack
 
     group = dist.group.WORLD
     out = {}

@@ -8,9 +8,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import sac_compile as sc
-from sac_compile.demo_models import Block, MoEBlock
 from sac_compile.eager import checkpoint_with_regions
 from sac_compile.policy import SAVE_ALL, SAVE_COSTLY
+from sac_compile.testing.models import Block, MoEBlock
 
 # Mechanism tests (in-place writes, dropping, RNG) run under both built-in policies:
 # SAVE_ALL caches every op of a kept region, the harder case for in-place safety.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sac_compile as sc
-from sac_compile.demo_models import Block
+from sac_compile.testing.models import Block
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

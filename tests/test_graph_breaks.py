@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 import sac_compile as sc
-from sac_compile import _torch_internals
-from sac_compile import backend as backend_mod
+from sac_compile._compat import aot as aot_compat
+from sac_compile.compiler import session
 
 INNER = "aot_eager"
 
@@ -160,17 +160,17 @@ def _record_joint_tags(monkeypatch) -> list:
     """(record, names of nodes with a recompute tag, node name -> op) of every joint graph the
     aot_eager backends hand to the min-cut partitioner from now on."""
     joints = []
-    min_cut = _torch_internals.min_cut_rematerialization_partition
+    min_cut = aot_compat.min_cut_rematerialization_partition
 
     def partition(joint, joint_inputs, **kwargs):
-        unit = backend_mod.compiling_unit()
+        unit = session.current_unit()
         rec = unit.records[-1] if unit and unit.records else None
         tagged = {n.name for n in joint.graph.nodes if "recompute" in n.meta}
         ops = {n.name: str(n.target) for n in joint.graph.nodes if n.op == "call_function"}
         joints.append((rec, tagged, ops))
         return min_cut(joint, joint_inputs, **kwargs)
 
-    monkeypatch.setattr(_torch_internals, "min_cut_rematerialization_partition", partition)
+    monkeypatch.setattr(aot_compat, "min_cut_rematerialization_partition", partition)
     return joints
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 import sac_compile as sc  # noqa: E402
 from sac_compile import hf  # noqa: E402
-from sac_compile.parity import parity_report  # noqa: E402
+from sac_compile.testing.parity import parity_report  # noqa: E402
 
 MODELS = {
     "llama": (lambda: hf.tiny_llama(), ("attn", "mlp")),

@@ -12,8 +12,8 @@ import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import sac_compile as sc
-from sac_compile import ops
-from sac_compile.eager import _SESSION
+from sac_compile.eager.session import _SESSION
+from sac_compile.markers import ops
 
 from .models import Block, Stack, run_step
 

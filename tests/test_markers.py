@@ -9,8 +9,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 import sac_compile as sc
-from sac_compile import ops
-from sac_compile.markers import checkpoint_scope, enclosing_context
+from sac_compile.markers import checkpoint_scope, enclosing_context, ops
 
 from .scenarios import with_block_graph_break
 

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import sac_compile as sc  # noqa: E402
-from sac_compile.backend import baseline_backend  # noqa: E402
+from sac_compile.compiler.backend import baseline_backend  # noqa: E402
 from sac_compile.policy import SAVE_ALL  # noqa: E402
 
 from .models import net_forward_bytes  # noqa: E402

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import sac_compile as sc
-from sac_compile.demo_models import Block
-from sac_compile.parity import parity_report
+from sac_compile.testing.models import Block
+from sac_compile.testing.parity import parity_report
 
 
 @pytest.mark.parametrize("keep", [(), {"attn"}, {"mlp"}, sc.ALL_REGIONS], ids=["none", "attn", "mlp", "all"])

@@ -11,11 +11,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 import sac_compile as sc
-from sac_compile import ops
-from sac_compile.backend import baseline_backend
+from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
-from sac_compile.passes import tag_regions
-from sac_compile.passes.tag_regions import _SOURCE_FILES
+from sac_compile.markers import ops
+from sac_compile.passes.tag_regions import _SOURCE_FILES, tag_regions
 from sac_compile.policy import SAVE_ALL, SAVE_COSTLY, format_scope, is_costly, parse_scope, policy_key
 
 aten = torch.ops.aten
@@ -230,7 +229,7 @@ def test_backends_and_cache_keys_differ_per_policy_and_budget():
     assert sc.make_sac_backend({"a"}, budget=0) is backends[0]  # budget 0 = no budget
     # every source file the decision depends on enters the key
     names = {f.rsplit("/", 1)[-1] for f in _SOURCE_FILES}
-    assert {"keep.py", "policy.py", "_torch_internals.py", "tag_regions.py", "saving_rules.py"} <= names
+    assert {"keep.py", "policy.py", "inductor.py", "ops.py", "tag_regions.py", "saving_rules.py"} <= names
 
 
 # --- compiled: what is saved ------------------------------------------------------------------
@@ -263,7 +262,7 @@ def test_kept_swiglu_saves_exactly_its_two_up_projections(inner):
 
 
 def test_keeping_everything_never_saves_more_than_no_checkpoint():
-    from sac_compile.demo_models import Block
+    from sac_compile.testing.models import Block
 
     torch.manual_seed(0)
     block = Block(32, heads=4)
@@ -280,7 +279,7 @@ def test_keeping_everything_never_saves_more_than_no_checkpoint():
 
 
 def test_budget_saves_the_kept_values_then_fills_up_to_the_budget():
-    from sac_compile.demo_models import Block
+    from sac_compile.testing.models import Block
 
     torch.manual_seed(0)
     block = Block(32, heads=4)
@@ -307,7 +306,7 @@ def test_budget_saves_the_kept_values_then_fills_up_to_the_budget():
 @pytest.mark.parametrize("policy", [SAVE_COSTLY, SAVE_ALL], ids=["save_costly", "save_all"])
 @pytest.mark.parametrize("keep", [(), {"attn"}, {"mlp"}, sc.ALL_REGIONS], ids=["none", "attn", "mlp", "all"])
 def test_compiled_gradients_match_eager_for_every_policy(policy, keep):
-    from sac_compile.demo_models import Block
+    from sac_compile.testing.models import Block
 
     torch.manual_seed(0)
     block = Block(16, heads=2).double()
@@ -479,7 +478,7 @@ def test_with_a_budget_the_small_read_is_still_saved_instead_of_the_matmul(budge
     (outside the kept region) is untagged, and the knapsack saved the padded expert buffer's down
     projection (capacity x experts rows) instead of the gathered rows (measured on the demo
     layer: +1.5 MiB, dominated by a plain ``activation_memory_budget`` point)."""
-    from sac_compile.demo_models import MoETransformer
+    from sac_compile.testing.models import MoETransformer
 
     torch.manual_seed(0)
     model = MoETransformer(vocab=64, d=32, n_layers=1, heads=4, n_experts=8, top_k=2)

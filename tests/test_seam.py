@@ -8,7 +8,11 @@ import torch
 
 import sac_compile as sc
 from sac_compile import seam
-from sac_compile.demo_models import Block, Stack
+from sac_compile.testing.models import Block, Stack
+
+
+def _wrapped(module: torch.nn.Module) -> bool:
+    return getattr(module, "_sac_seam", None) is not None
 
 
 @pytest.fixture
@@ -231,17 +235,17 @@ class TestContainers:
             TypeError, match=r"cannot wrap a Module(List|Dict): it has no forward.*Wrap each layer"
         ):
             sc.apply_selective_checkpointing(container, {"attn"})
-        assert not seam.is_wrapped(container)
+        assert not _wrapped(container)
 
     def test_a_layers_pattern_matching_a_container_is_an_error_naming_the_pattern(self, stack):
         with pytest.raises(
             ValueError, match=r"layers='layers' matches ModuleList 'layers'.*layers='layers\.\*'"
         ):
             sc.SacConfig(layers="layers", keep={"attn"}, regions={"layers.*.attn": "attn"}).apply(stack)
-        assert not any(seam.is_wrapped(m) for m in stack.modules())
+        assert not any(_wrapped(m) for m in stack.modules())
         assert not sc.declare.declared_regions(stack)  # nothing half-applied
 
     def test_sequential_has_a_forward_and_is_wrapped(self):
         seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
         sc.apply_selective_checkpointing(seq, {"attn"})
-        assert seam.is_wrapped(seq)
+        assert _wrapped(seq)

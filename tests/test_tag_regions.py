@@ -8,10 +8,9 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 import sac_compile as sc
-from sac_compile import ops
-from sac_compile._torch_internals import seed_ops
-from sac_compile.markers import Enclosing
-from sac_compile.passes import tag_regions
+from sac_compile._compat.inductor import seed_ops
+from sac_compile.markers import Enclosing, ops
+from sac_compile.passes.tag_regions import tag_regions
 
 aten = torch.ops.aten
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE

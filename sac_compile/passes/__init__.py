@@ -1,5 +1,4 @@
-"""Graph passes. One module per pass, named for what it does."""
-
-from .tag_regions import TagRegionsPass, tag_regions
-
-__all__ = ["TagRegionsPass", "tag_regions"]
+"""Graph passes on the joint graph, one module per job: :mod:`.tag_regions` (the tagging
+pass), :mod:`.saving_rules` (what it saves beyond the policy), :mod:`.hop_bodies`
+(higher-order-op bodies). Importing them loads Inductor (the pass subclasses its
+``CustomGraphPass``): the backend imports them on its first compile."""

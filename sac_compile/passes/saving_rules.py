@@ -17,8 +17,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import ops, records
-from .._torch_internals import CheckpointPolicy
+from .. import records
+from .._compat import ops as op_types
+from .._compat.checkpoint import CheckpointPolicy
+from ..markers import ops
 from ..policy import MATMULS
 
 __all__ = [
@@ -36,7 +38,7 @@ LEFT_TO_BUDGET = "sac_left_to_budget"
 
 def _is_collective(n: fx.Node) -> bool:
     target = n.target
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+    return isinstance(target, op_types.OpOverload) and target.namespace == "_c10d_functional"
 
 
 def save_what_collectives_feed(nodes, forward, rec: records.GraphRecord) -> None:
@@ -52,9 +54,7 @@ def save_what_collectives_feed(nodes, forward, rec: records.GraphRecord) -> None
         for a in n.all_input_nodes:
             if _is_collective(a) and a.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE:
                 return True
-            passes_through = a.target is operator.getitem or (
-                isinstance(a.target, torch._ops.OpOverload) and a.target.is_view
-            )
+            passes_through = a.target is operator.getitem or (op_types.is_view_op(a.target))
             if passes_through and depth < 8 and fed_by_recomputed_collective(a, depth + 1):
                 return True
         return False
@@ -83,7 +83,7 @@ def _nbytes(n: fx.Node) -> int | None:
 
 
 def _is_view_like(n: fx.Node) -> bool:
-    return n.target is operator.getitem or (isinstance(n.target, torch._ops.OpOverload) and n.target.is_view)
+    return n.target is operator.getitem or op_types.is_view_op(n.target)
 
 
 def _shrinks(n: fx.Node, size: int) -> bool:
@@ -100,7 +100,7 @@ def _shrinks(n: fx.Node, size: int) -> bool:
     if not recomputed and not n.meta.get(LEFT_TO_BUDGET):
         return False
     target = n.target
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+    if isinstance(target, op_types.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
         return False
     out = _nbytes(n)
     return out is not None and 2 * out <= size

@@ -17,7 +17,7 @@ Rules (the product spec's Semantics):
   ``torch.utils.checkpoint`` regions already tagged in the graph; failing
   those, the scopes of wrapped layers the graph starts inside of (a graph break
   split the layer: ``context.scopes``, read from the Python stack by
-  :func:`sac_compile.markers.enclosing_context`); failing those, the whole graph is
+  :func:`sac_compile.markers.context.enclosing_context`); failing those, the whole graph is
   one scope - unless the compiled callable contains wrapped layers
   (``context.wrapped_inside``): then code outside every scope is not the user's
   checkpoint unit and stays untagged (saved as without checkpointing). Each scope has its own ``ac_graph_id``, increasing
@@ -47,37 +47,48 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from .. import _torch_internals, keep, ops, policy, records
-from .._torch_internals import CheckpointPolicy, CustomGraphPass, get_hash_for_files, seed_ops
+from .. import keep, policy, records
+from .._compat import aot, frames
+from .._compat import inductor as inductor_compat
+from .._compat import ops as op_types
+from .._compat.checkpoint import CheckpointPolicy
+from .._compat.inductor import custom_graph_pass_base, get_hash_for_files, seed_ops
 from ..keep import KeepSet, format_keep, parse_keep
-from ..markers import NO_CONTEXT, Enclosing
+from ..markers import ops
+from ..markers.context import NO_CONTEXT, Enclosing
+from ..markers.regions import WRAPPER_NAME
 from ..policy import RegionPolicy, checked_decision, parse_scope, policy_key, saves
-from . import saving_rules
+from . import hop_bodies, saving_rules
+from .hop_bodies import ERASED as _ERASED
+from .hop_bodies import INVOKE_SUBGRAPH as _INVOKE_SUBGRAPH
 from .saving_rules import TAGGED as _TAGGED
 
 __all__ = ["TagRegionsPass", "tag_regions"]
 
-# Every source file whose code decides a tag (the seed-op list lives in _torch_internals).
+# Every source file whose code decides a tag (the seed-op list and the op types live in _compat).
 _SOURCE_FILES = (
     __file__,
     ops.__file__,
     records.__file__,
     keep.__file__,
     policy.__file__,
-    _torch_internals.__file__,
     saving_rules.__file__,
+    hop_bodies.__file__,
+    aot.__file__,
+    op_types.__file__,
+    frames.__file__,
+    inductor_compat.__file__,
 )
-_ERASED = "sac_erased_regions"  # GraphModule.meta key: regions whose markers were erased
-_INVOKE_SUBGRAPH = getattr(torch.ops.higher_order, "invoke_subgraph", None)
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
-class TagRegionsPass(CustomGraphPass):
+class TagRegionsPass(custom_graph_pass_base()):
     """Inductor ``joint_custom_pre_pass`` running :func:`tag_regions`.
 
     ``uuid()`` covers the keep set, the region policy (its key includes a hash of a
@@ -85,6 +96,9 @@ class TagRegionsPass(CustomGraphPass):
     starts inside of and a hash of every source file the pass reads, so neither
     the FX graph cache nor the AOTAutograd cache can serve a partition made for
     another configuration.
+
+    Each run's :class:`~sac_compile.records.GraphRecord` goes to ``publish`` (the
+    backend passes its compile session's; default: the record history only).
     """
 
     def __init__(
@@ -95,7 +109,9 @@ class TagRegionsPass(CustomGraphPass):
         budget: float | None = None,
         options_key: str = "",
         context: Enclosing = NO_CONTEXT,
+        publish: Callable[[records.GraphRecord], None] = records.publish,
     ) -> None:
+        self.publish = publish
         self.keep = keep
         self.policy = policy
         self.budget = budget
@@ -103,7 +119,9 @@ class TagRegionsPass(CustomGraphPass):
         self.context = context
 
     def __call__(self, graph: fx.Graph) -> None:
-        tag_regions(graph, self.keep, policy=self.policy, budget=self.budget, context=self.context)
+        rec = tag_regions(graph, self.keep, policy=self.policy, budget=self.budget, context=self.context)
+        if not rec.repeat:
+            self.publish(rec)
 
     def uuid(self) -> bytes:
         extra = (
@@ -152,6 +170,7 @@ def tag_regions(
     if not markers and any(n.meta.get(_TAGGED) for n in nodes):
         # Inductor may run the joint passes on a graph twice (HOP partitioning);
         # the first run tagged it and erased the markers: nothing left to do.
+        rec.repeat = True
         return rec
     if is_training:
         forward = _forward_nodes(nodes)
@@ -168,19 +187,18 @@ def tag_regions(
             # Inductor runs joint passes on HOP bodies (cond branches, ...) before
             # the graph holding them; leave a note for the outer graph's record.
             graph.owning_module.meta.setdefault(_ERASED, []).extend(sorted(rec.regions))
-    _erase_hop_markers(graph, rec)
+    hop_bodies.erase_markers(graph, rec)
     for n in markers:
         graph.erase_node(n)
     rec.markers_erased += len(markers)
     graph.lint()
     if graph.owning_module is not None:
         graph.owning_module.recompile()
-    records.publish(rec)
     return rec
 
 
 def _is_tangent(node: fx.Node) -> bool:
-    return node.op == "placeholder" and "tangents" in str(node.target)
+    return node.op == "placeholder" and aot.is_tangent(node)
 
 
 def _forward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
@@ -349,7 +367,7 @@ def _tag_forward(
         if from_checkpoint and not open_names:
             continue  # outside marked regions the checkpoint's own policy stands
         decision = _decide(n, open_names, scope)
-        if n.target is _INVOKE_SUBGRAPH and _body_keeps(n):
+        if n.target is _INVOKE_SUBGRAPH and hop_bodies.body_keeps(n):
             # The body was partitioned (and tagged) on its own; recomputing the
             # call in the outer backward would recompute what it kept.
             decision = CheckpointPolicy.MUST_SAVE
@@ -389,7 +407,7 @@ def _tag_forward(
 
 def _note_module(rec: records.GraphRecord, marker: fx.Node) -> None:
     """Where a region was entered: the innermost module Dynamo saw around the marker."""
-    if "_region_wrapper" in (marker.meta.get("stack_trace") or ""):
+    if frames.stack_trace_mentions(marker, WRAPPER_NAME):
         rec.decorated_enters.add(str(marker.args[0]))  # the @region wrapper emitted it
     stack = marker.meta.get("nn_module_stack") or {}
     if not stack:
@@ -409,53 +427,6 @@ def _decide(n: fx.Node, open_names: tuple[str, ...], scope: _Scope) -> Checkpoin
         return None
     if target in seed_ops():
         return CheckpointPolicy.MUST_SAVE
-    if isinstance(target, torch._ops.OpOverload) and target.is_view:
+    if op_types.is_view_op(target):
         return CheckpointPolicy.MUST_RECOMPUTE
     return checked_decision(scope.policy, target, open_names, scope.keep)
-
-
-def _body_keeps(call: fx.Node) -> bool:
-    """Whether an invoke_subgraph body holds a node this pass tagged MUST_SAVE."""
-    owner = call.graph.owning_module
-    body_ref = call.args[0] if call.args else None
-    if owner is None or not isinstance(body_ref, fx.Node) or body_ref.op != "get_attr":
-        return False
-    body = getattr(owner, str(body_ref.target), None)
-    if not isinstance(body, fx.GraphModule):
-        return False
-    return any(
-        m.meta.get(_TAGGED) and m.meta.get("recompute") == CheckpointPolicy.MUST_SAVE
-        for m in body.graph.nodes
-    )
-
-
-def _erase_hop_markers(graph: fx.Graph, rec: records.GraphRecord) -> None:
-    """Erase markers left in higher-order-op bodies, recording each one.
-
-    ``invoke_subgraph`` bodies are partitioned (and so tagged) on their own before
-    the outer graph, so markers seldom remain there; ``cond`` / ``while_loop`` /
-    flex-attention bodies are not partitioned by region, so their markers are
-    recorded as not honoured and removed.
-    """
-    owner = graph.owning_module
-    if owner is None:
-        return
-    for n in graph.nodes:
-        if n.op != "get_attr":
-            continue
-        sub = getattr(owner, str(n.target), None)
-        if not isinstance(sub, fx.GraphModule):
-            continue
-        hop = ",".join(sorted({str(getattr(u.target, "__name__", u.target)) for u in n.users})) or "?"
-        inner = [m for m in sub.graph.nodes if ops.marker_kind(m) is not None]
-        names = [str(m.args[0]) for m in inner if ops.marker_kind(m) == "region_enter"]
-        names += sub.meta.get(_ERASED, [])
-        for name in names:
-            if (hop, name) not in rec.hop_markers:
-                rec.hop_markers.append((hop, name))
-        for m in inner:
-            sub.graph.erase_node(m)
-        rec.markers_erased += len(inner)
-        _erase_hop_markers(sub.graph, rec)
-        if inner:
-            sub.recompile()

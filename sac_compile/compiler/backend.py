@@ -19,87 +19,59 @@ object for the same configuration: one new backend per layer would exhaust
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from . import _torch_internals as ti
-from . import diagnostics, ops, records
-from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
-from .markers import NO_CONTEXT, Enclosing, enclosing_context, with_block_fallbacks
-from .passes.tag_regions import TagRegionsPass
-from .policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_budget, validate_policy
+from .. import records
+from .._compat import aot, dynamo, inductor
+from .._compat.ops import is_view_op, op_name
+from ..diagnostics import compiled as diagnosed
+from ..diagnostics import describe_module, side_file, trace_watch
+from ..diagnostics.core import innermost_module
+from ..keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+from ..markers import marker_kind
+from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, with_block_fallbacks
+from ..policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_budget, validate_policy
+from . import session
+from .session import CompileUnit
 
 __all__ = ["SacBackend", "baseline_backend", "make_sac_backend", "sac_backend"]
 
 _INNER = ("inductor", "aot_eager")
 
 
-class CompileUnit:
-    """One Dynamo graph compiled by a :class:`SacBackend`, for capture_partition."""
-
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
-        self.records: list = []
-        self.with_fallbacks = with_block_fallbacks(gm)
-        self.context = enclosing_context(_compiled_self())
-        self.graphs: dict[str, Any] = {}  # "forward" / "backward" / "inference" -> snapshot
-        self.saved_names: list[str] | None = None  # what the partitioned forward saves
-        self.module = _compiled_module_name()
-        self.layer_paths = _layer_paths(gm)
-        self.swallowed = _swallowed_layers(gm)
-        self.grad_enabled = torch.is_grad_enabled()
-        # per Dynamo graph input (AOTAutograd's primals_1, primals_2, ... in order):
-        # True for parameters and buffers, whose saving costs no activation memory
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        self.input_is_param: list[bool] = [
-            isinstance(ex, torch.nn.Parameter) or "_buffers_" in name
+def _new_unit(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> CompileUnit:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return CompileUnit(
+        module=_compiled_module_name(),
+        context=enclosing_context(dynamo.compiled_self()),
+        with_fallbacks=with_block_fallbacks(gm),
+        layer_paths=_layer_paths(gm),
+        swallowed=_swallowed_layers(gm),
+        grad_enabled=torch.is_grad_enabled(),
+        input_is_param=[
+            isinstance(ex, torch.nn.Parameter) or aot.is_buffer_input(name)
             for name, ex in zip(names, example_inputs)
-        ]
-
-
-# Compiles are synchronous on the compiling thread, so the unit being compiled is
-# thread-local; the lazily compiled backward finds its unit through a closure.
-_state = threading.local()
-_capture_lock = threading.Lock()
-_capture_sinks: list[list[CompileUnit]] = []
-
-
-def _current_unit() -> CompileUnit | None:
-    return getattr(_state, "unit", None)
-
-
-def compiling_unit() -> CompileUnit | None:
-    """The graph a sac backend is compiling on this thread right now, if any."""
-    return _current_unit()
-
-
-def _compiled_self() -> object:
-    """The ``self`` of the frame Dynamo is compiling (a method's first argument), if any."""
-    tx = ti.current_dynamo_tx()
-    code = getattr(tx, "f_code", None)
-    if code is not None and code.co_argcount > 0:
-        return getattr(tx, "f_locals", {}).get(code.co_varnames[0])
-    return None
+        ],
+    )
 
 
 def _compiled_module_name() -> str:
     """The module whose frame Dynamo is compiling (for diagnostics)."""
-    obj = _compiled_self()
+    obj = dynamo.compiled_self()
     if isinstance(obj, torch.nn.Module):
-        return diagnostics.describe_module(getattr(obj, "_orig_mod", obj))
+        return describe_module(dynamo.unwrap_compiled(obj))
     # a resume function, a region's __enter__ run on its own, a plain function:
     # the module whose method is running below it
-    module = diagnostics.innermost_module_on_stack(2)
+    module = innermost_module()
     if module is not None:
-        return diagnostics.describe_module(module)
-    code = getattr(ti.current_dynamo_tx(), "f_code", None)
-    return f"{code.co_name}()" if code is not None else "<unknown>"
+        return describe_module(module)
+    name = dynamo.compiled_code_name()
+    return f"{name}()" if name is not None else "<unknown>"
 
 
 def _swallowed_layers(gm: torch.fx.GraphModule) -> list[str]:
@@ -109,7 +81,7 @@ def _swallowed_layers(gm: torch.fx.GraphModule) -> list[str]:
     """
     found = []
     for node in gm.graph.nodes:
-        if ops.marker_kind(node) == "scope_enter" and node.args[0] == 1:
+        if marker_kind(node) == "scope_enter" and node.args[0] == 1:
             stack = list((node.meta.get("nn_module_stack") or {}).values())
             if stack:
                 found.append(records.describe_stack_entry(*stack[-1]))
@@ -157,7 +129,7 @@ class SacBackend:
         self.inner = inner
         self.inductor_config = inductor_config
         self._options_key = f"inner={inner}|inductor_config={inductor_config!r}"
-        self._passes: dict[Enclosing, TagRegionsPass] = {}
+        self._passes: dict[Enclosing, Any] = {}
 
     def __repr__(self) -> str:
         if not self.checkpoint:
@@ -167,52 +139,51 @@ class SacBackend:
         extra += "" if self.budget is None else f", budget={self.budget:g}"
         return f"make_sac_backend(keep={keep}{extra}, inner={self.inner!r})"
 
-    def tagging_pass(self, context: Enclosing = NO_CONTEXT) -> TagRegionsPass:
-        """The (cached) pass for graphs compiled in ``context`` (the scopes and regions they
-        start inside of, from the Python stack)."""
+    def tagging_pass(self, context: Enclosing = NO_CONTEXT):
+        """The (cached) :class:`~sac_compile.passes.tag_regions.TagRegionsPass` for graphs
+        compiled in ``context`` (the scopes and regions they start inside of, from the
+        Python stack). Its records go to the compile session."""
         if context not in self._passes:
+            # Imported here, not at the top: the pass subclasses Inductor's CustomGraphPass,
+            # and importing Inductor is what `import sac_compile` must not do.
+            from ..passes.tag_regions import TagRegionsPass
+
             self._passes[context] = TagRegionsPass(
                 self.keep,
                 policy=self.policy,
                 budget=self.budget,
                 options_key=self._options_key,
                 context=context,
+                publish=session.publish,
             )
         return self._passes[context]
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        unit = CompileUnit(gm, example_inputs)
-        with _capture_lock:
-            capturing = bool(_capture_sinks)
-            for sink in _capture_sinks:
-                sink.append(unit)
+        unit = _new_unit(gm, example_inputs)
+        capturing = session.capturing()
         pass_ = self.tagging_pass(unit.context) if self.checkpoint else None
-        diagnostics.note_sac_backend()  # this compile is ours: no "no-pass" at its end
-        prev = _current_unit()
-        _state.unit = unit
-        try:
+        trace_watch.claim_trace()  # this graph is ours: its markers are not "no-pass"
+        with session.compiling(unit):
             if self.inner == "inductor":
                 compiled = self._compile_inductor(gm, example_inputs, pass_, unit, capturing)
             else:
                 compiled = self._compile_aot_eager(gm, example_inputs, pass_, unit)
-        finally:
-            _state.unit = prev
         if pass_ is None:
             return compiled
-        return diagnostics.with_reporter(compiled, _graph_reporter(self, unit, gm, example_inputs, pass_))
+        return diagnosed.with_reporter(compiled, _graph_reporter(self, unit, gm, example_inputs, pass_))
 
     def _compile_inductor(self, gm, example_inputs, pass_, unit, capturing):
         patches = dict(self.inductor_config)
         if pass_ is not None:
             patches["joint_custom_pre_pass"] = pass_
         inner = functools.partial(_capturing_inner_compile, unit, capturing)
-        return ti.compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
+        return inductor.compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
 
     def _compile_aot_eager(self, gm, example_inputs, pass_, unit):
         def partition(joint, joint_inputs, **kwargs):
             if pass_ is not None:
                 pass_(joint.graph)
-            return ti.min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+            return aot.min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
 
         def compiler(kind):
             def compile_graph(g, _inputs):
@@ -221,12 +192,12 @@ class SacBackend:
                     pass_(g.graph)
                 unit.graphs[kind] = _snapshot(g)
                 if kind == "forward":
-                    unit.saved_names = ti.forward_saved_outputs(g)
-                return ti.make_boxed_func(g.forward)
+                    unit.saved_names = aot.forward_saved_outputs(g)
+                return aot.make_boxed_func(g.forward)
 
             return compile_graph
 
-        return ti.aot_autograd(
+        return aot.aot_autograd(
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
@@ -236,30 +207,28 @@ class SacBackend:
 
 
 def _capturing_inner_compile(unit: CompileUnit, capturing: bool, gm, example_inputs, **kwargs):
-    from torch._inductor.compile_fx import compile_fx_inner
-
     if kwargs.get("is_backward"):
         kind = "backward"
     elif kwargs.get("is_inference"):
         kind = "inference"
     else:
         kind = "forward"
-        unit.saved_names = ti.forward_saved_outputs(gm)
+        unit.saved_names = aot.forward_saved_outputs(gm)
     if capturing:
         unit.graphs[kind] = _snapshot(gm)  # before Inductor's post-grad passes mutate gm
-    return compile_fx_inner(gm, example_inputs, **kwargs)
+    return inductor.compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 # --- Diagnostics for one compiled graph ---------------------------------------------
 
-_SIDE_VERSION = 1
 
-
-def _graph_reporter(self_backend, unit: CompileUnit, gm, example_inputs, pass_) -> diagnostics.GraphReporter:
+def _graph_reporter(
+    backend: SacBackend, unit: CompileUnit, gm, example_inputs, pass_
+) -> diagnosed.GraphReporter:
     """The graph's diagnoses: from the pass's records, or (warm cache hit) from the side file."""
-    key = _side_key(gm, example_inputs, pass_)
+    key = side_file.side_key(gm.code, example_inputs, pass_.uuid())
     if unit.records:
-        found = diagnostics.graph_diagnoses(
+        found = diagnosed.graph_diagnoses(
             unit.records,
             saved_names=unit.saved_names,
             with_fallbacks=unit.with_fallbacks,
@@ -267,72 +236,28 @@ def _graph_reporter(self_backend, unit: CompileUnit, gm, example_inputs, pass_) 
             module=unit.module,
             swallowed=unit.swallowed,
             grad_enabled=unit.grad_enabled,
-            backend_name=repr(self_backend),
+            backend_name=repr(backend),
         )
         regions = sorted({name for rec in unit.records for name in rec.regions})
         keep_names = sorted(
             {n for rec in unit.records for s in rec.scopes if s.keep is not ALL_REGIONS for n in s.keep}
         )
-        if ti.compile_caches_enabled():
-            _write_side(key, found, regions, keep_names)
+        if inductor.compile_caches_enabled():
+            side_file.write(key, found, regions, keep_names)
     else:
-        side = _read_side(key)
+        side = side_file.read(key)
         if side is None:
-            if any(_is_marker(n) for n in gm.graph.nodes):
+            if any(marker_kind(n) is not None for n in gm.graph.nodes):
                 logging.getLogger("sac_compile").info(
                     "sac_compile: graph of %s was served from the compile cache and its diagnostics were not "
                     "found (%s); it was not checked. Set torch.compiler.config.force_disable_caches=True once "
                     "to re-check.",
                     unit.module,
-                    _side_path(key),
+                    side_file.side_path(key),
                 )
-            return diagnostics.GraphReporter([], set(), unit.module)
+            return diagnosed.GraphReporter([], set(), unit.module)
         found, regions, keep_names = side
-    return diagnostics.GraphReporter(found, set(keep_names), unit.module, set(regions))
-
-
-def _is_marker(node: torch.fx.Node) -> bool:
-    return ops.marker_kind(node) is not None
-
-
-def _side_key(gm, example_inputs, pass_) -> str:
-    metas = [
-        (
-            tuple(getattr(x, "shape", ())),
-            str(getattr(x, "dtype", type(x).__name__)),
-            getattr(x, "requires_grad", None),
-        )
-        for x in example_inputs
-    ]
-    text = f"{_SIDE_VERSION}|{gm.code}|{pass_.uuid().hex()}|{metas}|{torch.is_grad_enabled()}"
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _side_path(key: str) -> str:
-    return os.path.join(ti.cache_dir(), "sac_compile", key[:2], f"{key}.json")
-
-
-def _write_side(key: str, found, regions, keep_names) -> None:
-    path = _side_path(key)
-    data = {"diagnoses": [d.to_json() for d in found], "regions": list(regions), "keep": list(keep_names)}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only cache dir must not break compiling
-        logging.getLogger("sac_compile").info("sac_compile: could not write %s: %s", path, e)
-
-
-def _read_side(key: str):
-    try:
-        with open(_side_path(key)) as f:
-            data = json.load(f)
-        found = [diagnostics.Diagnosis.from_json(d) for d in data["diagnoses"]]
-        return found, data["regions"], data["keep"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return diagnosed.GraphReporter(found, set(keep_names), unit.module, set(regions))
 
 
 def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
@@ -345,29 +270,12 @@ def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
             placeholders.append((n.name, n.meta.get("val")))
         elif n.op == "call_function":
             base = None
-            if isinstance(n.target, torch._ops.OpOverload) and n.target.is_view and n.args:
-                if isinstance(n.args[0], torch.fx.Node):
-                    base = n.args[0].name
-            calls.append((n.name, _op_name(n.target), base))
+            if is_view_op(n.target) and n.args and isinstance(n.args[0], torch.fx.Node):
+                base = n.args[0].name
+            calls.append((n.name, op_name(n.target), base))
             inputs[n.name] = tuple(a.name for a in n.all_input_nodes)
     return {"placeholders": placeholders, "calls": calls, "inputs": inputs}
 
-
-def _op_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        packet = target.overloadpacket
-        return f"{packet._qualified_op_name.replace('::', '.')}"
-    return getattr(target, "__name__", str(target))
-
-
-def _record_hook(record) -> None:
-    unit = _current_unit()
-    if unit is not None:
-        record.eager_fallbacks = list(unit.with_fallbacks)
-        unit.records.append(record)
-
-
-records.on_publish(_record_hook)
 
 _BACKENDS: dict[tuple, SacBackend] = {}
 _BACKENDS_LOCK = threading.Lock()
@@ -415,7 +323,7 @@ def make_sac_backend(
             )
         if not isinstance(inductor_config, Mapping):
             raise TypeError(f"inductor_config must be a mapping, got {type(inductor_config).__name__}")
-        known = ti.inductor_config()
+        known = inductor.inductor_config()
         for key in inductor_config:
             if key == "joint_custom_pre_pass":
                 raise ValueError(

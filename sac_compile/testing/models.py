@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .keep import ALL_REGIONS
-from .markers import checkpoint_scope, region
+from ..keep import ALL_REGIONS
+from ..markers import checkpoint_scope, region
 
 __all__ = [
     "Attention",

@@ -1,33 +1,25 @@
-"""``capture_partition``: what a compiled function saves for backward, and what it recomputes.
+"""Partition reports: what a compiled graph saves for backward, and what it recomputes.
 
-In the spirit of JAX's ``print_saved_residuals``: compile ``fn`` with a sac
-backend (both compile caches disabled, so the tagging pass really runs), run
-forward and backward once, and read the partitioned forward/backward graphs.
-A *saved* value is a placeholder of the backward graph other than a tangent;
-a *recomputed* node is a forward node that the backward graph computes again.
+Built from a :class:`~sac_compile.compiler.session.CompileUnit` (snapshots of the
+partitioned graphs and the tagging pass's records). A *saved* value is a placeholder
+of the backward graph other than a tangent; a *recomputed* node is a forward node
+that the backward graph computes again.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import backend as _backend
-from .keep import ALL_REGIONS
-from .records import GraphRecord
+from .._compat import aot
+from ..compiler.session import CompileUnit
+from ..keep import ALL_REGIONS
+from ..records import GraphRecord
 
-__all__ = [
-    "GraphPartition",
-    "PartitionReport",
-    "SavedValue",
-    "autograd_saved_bytes",
-    "capture_partition",
-    "collectives_run",
-]
+__all__ = ["INPUT", "GraphPartition", "PartitionReport", "SavedValue", "build_partition"]
 
 INPUT = "input"
 PARAM = "param"
@@ -124,9 +116,6 @@ class PartitionReport:
         for v in self.saved:
             out[v.region] += v.nbytes
         return dict(out)
-
-    def recomputed_count(self) -> int:
-        return sum(len(v) for g in self.graphs for v in g.recomputed.values())
 
     def format(self, *, inputs: bool = False) -> str:
         """A stable plain-text table (for ``assertExpectedInline``).
@@ -226,7 +215,7 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition | None:
+def build_partition(index: int, unit: CompileUnit) -> GraphPartition | None:
     record = unit.records[-1] if unit.records else None
     fw = unit.graphs.get("forward")
     bw = unit.graphs.get("backward")
@@ -266,13 +255,13 @@ def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition |
     if bw is not None:
         seen: set[str] = set()
         for name, val in bw["placeholders"]:
-            if name.startswith("tangents"):
+            if aot.is_tangent(name):
                 continue
             base = root(name)
             regions = regions_of(name)
             if base in fw_inputs:
                 region = PARAM if _is_param(base, unit.input_is_param) else INPUT
-            elif name.startswith("rng_state_output"):
+            elif aot.is_rng_state_output(name):
                 region = RNG  # AOTAutograd's saved RNG state for a recomputed random op
             else:
                 region = "+".join(regions) if regions else NO_REGION
@@ -290,14 +279,8 @@ def _build_partition(index: int, unit: _backend.CompileUnit) -> GraphPartition |
 
 
 def _is_param(primal: str, input_is_param: list[bool]) -> bool:
-    """AOTAutograd names graph inputs primals_1, primals_2, ... in Dynamo's input order."""
-    if not primal.startswith("primals_"):
-        return False
-    try:
-        index = int(primal.removeprefix("primals_")) - 1
-    except ValueError:
-        return False
-    return 0 <= index < len(input_is_param) and input_is_param[index]
+    index = aot.primal_index(primal)
+    return index is not None and 0 <= index < len(input_is_param) and input_is_param[index]
 
 
 def _saved_value(name, op, region, scope, val, *, count: bool) -> SavedValue:
@@ -306,121 +289,3 @@ def _saved_value(name, op, region, scope, val, *, count: bool) -> SavedValue:
         shape = tuple(int(s) if not isinstance(s, torch.SymInt) else -1 for s in val.shape)
         return SavedValue(name, op, region, scope, shape, str(val.dtype).replace("torch.", ""), nbytes)
     return SavedValue(name, op, region, scope, None, type(val).__name__, 0)
-
-
-class _FreshBackend:
-    """A new backend object per capture, so Dynamo cannot reuse an earlier compile."""
-
-    def __init__(self, inner: _backend.SacBackend) -> None:
-        self.inner = inner
-
-    def __call__(self, gm, example_inputs):
-        return self.inner(gm, example_inputs)
-
-
-def _resolve_backend(backend: Any) -> _backend.SacBackend:
-    if isinstance(backend, _backend.SacBackend):
-        return backend
-    if backend in ("inductor", "aot_eager"):
-        return _backend.baseline_backend(backend)
-    raise TypeError(
-        f"capture_partition needs a sac backend (sac_compile.sac_backend or "
-        f"sac_compile.make_sac_backend(...)), or 'inductor' / 'aot_eager' for the same "
-        f"compile without checkpointing; got {backend!r}"
-    )
-
-
-def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> PartitionReport:
-    """Compile ``fn`` with ``backend``, run forward and backward once, report the partition.
-
-    ``backend`` defaults to :data:`sac_compile.sac_backend`. Both compile caches
-    are disabled for the capture (a cache hit would skip the tagging pass). The
-    capture compiles ``fn`` afresh with its own backend object, in its own
-    ``isolate_recompiles`` bucket: its cache entries do not count against the
-    ``recompile_limit`` of your own ``torch.compile`` calls (they stay in memory). ``fn``'s output must be a tensor or a
-    structure of tensors; backward runs on the sum of its floating-point parts.
-    """
-    sac = _resolve_backend(_backend.sac_backend if backend is None else backend)
-    units: list[_backend.CompileUnit] = []
-    dynamo_config = torch._dynamo.config
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
-        stack.enter_context(dynamo_config.patch(accumulated_recompile_limit=1 << 20))
-        with _backend._capture_lock:
-            _backend._capture_sinks.append(units)
-        try:
-            # isolate_recompiles: the capture's entries do not count against the
-            # recompile_limit of the user's own torch.compile calls on fn's code.
-            compiled = torch.compile(fn, backend=_FreshBackend(sac), isolate_recompiles=True)
-            out = compiled(*args, **kwargs)
-            loss = _scalar_loss(out)
-            if loss is not None and loss.requires_grad:
-                loss.backward()
-        finally:
-            with _backend._capture_lock:
-                _backend._capture_sinks.remove(units)
-    report = PartitionReport(output=out)
-    for unit in units:
-        part = _build_partition(len(report.graphs), unit)
-        if part is not None:
-            report.graphs.append(part)
-    return report
-
-
-def _scalar_loss(out: Any) -> torch.Tensor | None:
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-    leaves = [t for t in leaves if t.is_floating_point() and t.requires_grad]
-    if not leaves:
-        return None
-    return sum(t.sum() for t in leaves)
-
-
-def autograd_saved_bytes(fn, *args: Any, exclude: Any = ()) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn(*args)`` runs.
-
-    An independent check of a partition report (and the eager no-checkpoint
-    baseline): ``saved_tensors_hooks`` see what the compiled graph or the eager
-    ops hand to autograd. Storages of the tensors in ``exclude`` (pass the
-    parameters) are left out. Runs ``fn(*args).sum().backward()``.
-    """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    out.sum().backward()
-    return sum(storages.values())
-
-
-def collectives_run(fn, *args: Any, **kwargs: Any) -> tuple[Any, Counter]:
-    """Run ``fn(*args, **kwargs)`` and count the collectives it runs, by op.
-
-    Counts ``c10d`` / ``_c10d_functional`` communication ops (not ``wait_tensor``
-    and the async wrapper) seen by a ``TorchDispatchMode``, including those a
-    backward run inside ``fn`` executes (autograd carries the mode into the
-    backward) and those that compiled code calls (Inductor and ``aot_eager``
-    call collectives as ops). Returns ``(fn's result, Counter)``.
-    """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from .eager import _communicates
-
-    counts: Counter = Counter()
-
-    class _Count(TorchDispatchMode):
-        supports_higher_order_operators = True
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if _communicates(func):
-                counts[str(func.overloadpacket)] += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Count():
-        out = fn(*args, **kwargs)
-    return out, counts

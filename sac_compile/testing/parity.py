@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .backend import make_sac_backend
-from .eager import checkpoint_with_regions
-from .inspection import INPUT, capture_partition
-from .keep import KeepSet, format_keep, normalize_keep
+from ..compiler.backend import make_sac_backend
+from ..eager import checkpoint_with_regions
+from ..inspection import INPUT, capture_partition
+from ..keep import KeepSet, format_keep, normalize_keep
 
 __all__ = ["ParityReport", "parity_report"]
 

@@ -16,7 +16,8 @@ proxy mode is active in TLS; and the ops are registered with
 ``torch.fx.node.has_side_effect`` so ``eliminate_dead_code`` keeps them although
 nothing uses their (empty) result. Being ordinary nodes they keep their position,
 so the joint graph carries them in forward program order. The tagging pass
-(:mod:`sac_compile.passes.tag_regions`) reads and then erases them.
+(:mod:`sac_compile.passes.tag_regions`) reads and then erases them. When a backend
+without that pass traces them, :mod:`sac_compile.diagnostics.trace_watch` reports it.
 
 Eagerly the ops call the active *marker sink*, a callable in a ``ContextVar``
 that the eager engine installs inside its checkpointed function; outside any
@@ -30,6 +31,9 @@ from collections.abc import Callable
 
 import torch
 from torch.fx.node import has_side_effect
+
+from .._compat import inductor
+from ..diagnostics import trace_watch
 
 __all__ = ["MARKER_OPS", "REGION_ENTER", "REGION_EXIT", "SCOPE_ENTER", "SCOPE_EXIT"]
 
@@ -49,11 +53,8 @@ def _emit(kind: str, payload: tuple) -> None:
 
 def _on_trace(kind: str, payload: tuple) -> None:
     # Fake implementations run when Dynamo or AOTAutograd trace a marker.
-    from ._torch_internals import register_inductor_noop_lowerings
-    from .diagnostics import marker_traced
-
-    register_inductor_noop_lowerings(MARKER_OPS)
-    marker_traced(kind, payload)
+    inductor.register_noop_lowerings(MARKER_OPS)
+    trace_watch.marker_traced(kind, payload)
 
 
 @torch.library.custom_op("sac_compile::region_enter", mutates_args=())

@@ -1,0 +1,113 @@
+"""AOTAutograd and the min-cut partitioner: entry points and the naming conventions of the
+graphs they produce. Imported on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+from . import private
+
+__all__ = [
+    "aot_autograd",
+    "forward_saved_outputs",
+    "is_buffer_input",
+    "is_rng_state_output",
+    "is_tangent",
+    "make_boxed_func",
+    "min_cut_rematerialization_partition",
+    "primal_index",
+    "running_compiled_code",
+]
+
+
+def aot_autograd(**kwargs: Any):
+    """A Dynamo backend running AOTAutograd with these compilers (``torch._dynamo.backends.common``)."""
+    return private("torch._dynamo.backends.common", "aot_autograd")(**kwargs)
+
+
+def make_boxed_func(fn):
+    return private("functorch.compile", "make_boxed_func")(fn)
+
+
+def min_cut_rematerialization_partition(joint, joint_inputs, **kwargs: Any):
+    """The min-cut partitioner (``torch/_functorch/partitioners.py``): reads ``node.meta``
+    ``"recompute"`` (a ``CheckpointPolicy``) and ``"ac_graph_id"`` on forward nodes."""
+    partition = private("torch._functorch.partitioners", "min_cut_rematerialization_partition")
+    return partition(joint, joint_inputs, **kwargs)
+
+
+def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:
+    """Names of the values a partitioned forward graph saves for the backward.
+
+    AOTAutograd's forward returns (mutated inputs, user outputs, intermediate
+    bases, rng offsets, *saved values*); ``fw_metadata.num_forward`` counts the
+    part before the saved values (torch/_functorch/_aot_autograd/schemas.py).
+    Read from the ``TracingContext`` while the forward compiler runs.
+    """
+    ctx = private("torch._guards", "TracingContext").try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    num_forward = getattr(meta, "num_forward", None)
+    if num_forward is None:
+        return None
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    return [v.name for v in values[num_forward:] if isinstance(v, torch.fx.Node)]
+
+
+# --- Naming conventions of AOTAutograd's graphs ----------------------------------------
+# The joint graph's inputs are primals_1, primals_2, ... (the Dynamo graph's inputs, in
+# order) and tangents_1, ... (the backward's incoming gradients); a partitioned
+# backward's inputs are the saved values plus the tangents, and a saved RNG state of a
+# recomputed random op is named rng_state_output*.
+
+
+def is_tangent(node_or_name: Any) -> bool:
+    """A joint or backward graph input carrying an incoming gradient."""
+    name = node_or_name if isinstance(node_or_name, str) else str(node_or_name.target)
+    return name.startswith("tangents")
+
+
+def primal_index(name: str) -> int | None:
+    """``primals_3`` -> 2 (the Dynamo graph input it is); None for other names."""
+    if not name.startswith("primals_"):
+        return None
+    try:
+        return int(name.removeprefix("primals_")) - 1
+    except ValueError:
+        return None
+
+
+def is_rng_state_output(name: str) -> bool:
+    """A saved RNG state that the partitioner added for a recomputed random op."""
+    return name.startswith("rng_state_output")
+
+
+def is_buffer_input(placeholder_name: str) -> bool:
+    """A Dynamo graph input that is a module buffer (Dynamo names it ``..._buffers_...``)."""
+    return "_buffers_" in placeholder_name
+
+
+_AOT_RUNTIME = os.path.join("_functorch", "_aot_autograd") + os.sep
+
+
+def running_compiled_code(max_depth: int = 64) -> bool:
+    """Whether an AOTAutograd-compiled graph (aot_eager or Inductor) is running on this thread.
+
+    Relies on compiled graphs running under AOTAutograd's runtime wrappers
+    (``torch/_functorch/_aot_autograd/runtime_wrappers.py``: ``CompiledFunction.forward``
+    and friends) being on the Python stack below the ops they dispatch. Only called
+    for costly ops run with grad disabled inside a kept region, so the walk is rare.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return False
+        if _AOT_RUNTIME in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False

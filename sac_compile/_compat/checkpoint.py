@@ -1,0 +1,69 @@
+"""``torch.utils.checkpoint``'s selective-checkpointing internals, autograd's saved-tensor
+hooks, Python dispatch modes and pytree helpers, as the eager engine uses them.
+
+The engine is modelled on PyTorch's ``_CachingTorchDispatchMode`` /
+``_CachedTorchDispatchMode``; where upstream exposes the pieces it shares
+(the ignored-op set, the per-op storage key, version-checked detached aliases)
+we use upstream's, so fixes there reach us.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Public: the partitioner's and SAC's tag values.
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import TorchApiMoved, private
+
+__all__ = [
+    "CheckpointPolicy",
+    "TorchDispatchMode",
+    "VersionWrapper",
+    "detach_helper",
+    "sac_ignored_ops",
+    "sac_storage_key",
+    "top_saved_tensors_hooks",
+    "tree_leaves",
+    "tree_map",
+]
+
+# torch.utils._python_dispatch.TorchDispatchMode: the base class of dispatch modes
+# (private module, the documented way to write one).
+TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode")
+# A cached value as SAC stores it: a detached alias wrapped with the version counter it
+# had when cached (get_val raises if it was written in place since).
+VersionWrapper = private("torch.utils.checkpoint", "_VersionWrapper")
+detach_helper = private("torch.utils.checkpoint", "_detach_helper")
+
+
+def sac_ignored_ops() -> frozenset:
+    """Ops SAC neither caches nor counts (``torch.utils.checkpoint.SAC_IGNORED_OPS``: detach,
+    ``prim.device`` and ``FunctionalTensor.metadata_fns``, which checkpoint's own checks may
+    run a different number of times in the forward and the recompute)."""
+    return frozenset(private("torch.utils.checkpoint", "SAC_IGNORED_OPS"))
+
+
+def sac_storage_key(func: Any, args: tuple) -> Any:
+    """The key of ``func``'s per-op FIFO of cached values (``_sac_storage_key``): the op,
+    except that each Inductor-compiled region called as ``inductor_compiled_code`` gets its
+    own queue (upstream gh-175258: one shared queue served the wrong entry when a cached
+    region was skipped in the recompute). Torch without it: the op."""
+    try:
+        key_fn = private("torch.utils.checkpoint", "_sac_storage_key")
+    except TorchApiMoved:
+        return func
+    return key_fn(func, args)
+
+
+def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
+    """The innermost ``saved_tensors_hooks`` pair in effect (the checkpoint's own, inside
+    a non-reentrant checkpoint), or None (``torch._C._autograd``)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+# torch.utils._pytree: flattening op arguments and outputs (no public equivalent in 2.13).
+tree_leaves = private("torch.utils._pytree", "tree_leaves")
+tree_map = private("torch.utils._pytree", "tree_map")

@@ -1,0 +1,162 @@
+"""What Dynamo is compiling right now, and how compiled modules are wrapped.
+
+Relies on ``torch._dynamo`` internals named in each function. Dynamo is imported on
+first use only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import private
+
+__all__ = [
+    "aot_cache_hits",
+    "compiled_self",
+    "compiling_resume_of",
+    "current_compile_id",
+    "current_dynamo_tx",
+    "dynamo_config",
+    "has_compiled_call",
+    "on_dynamo_compile_end",
+    "skip_frame",
+    "tx_module_stack",
+    "tx_where",
+    "unwrap_compiled",
+    "unwrap_dynamo_backend",
+]
+
+
+def unwrap_compiled(obj: Any) -> Any:
+    """The module behind ``torch.compile(module)`` (``OptimizedModule._orig_mod``), else ``obj``."""
+    return getattr(obj, "_orig_mod", obj)
+
+
+def has_compiled_call(module: torch.nn.Module) -> bool:
+    """Whether ``module.compile()`` made its calls compiled (``Module._compiled_call_impl``)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def dynamo_config():
+    return private("torch._dynamo", "config")
+
+
+def current_dynamo_tx():
+    """The root ``InstructionTranslator`` while Dynamo traces a frame, else None.
+
+    Relies on ``torch._dynamo.symbolic_convert.InstructionTranslator.current_tx``
+    (a thread-local set for the whole trace, including the backend call), its
+    ``output.compiler_fn`` (the backend, wrapped), ``nn_module_stack`` (module key
+    -> (path, class) for the module calls being inlined) and ``f_code`` / ``f_locals``.
+    """
+    translator = private("torch._dynamo.symbolic_convert", "InstructionTranslator")
+    try:
+        return translator.current_tx()
+    except AttributeError:
+        return None
+
+
+def compiled_self(tx: Any = None) -> Any:
+    """The ``self`` (first argument) of the frame Dynamo is compiling, if any."""
+    tx = current_dynamo_tx() if tx is None else tx
+    code = getattr(tx, "f_code", None)
+    if code is not None and code.co_argcount > 0:
+        return getattr(tx, "f_locals", {}).get(code.co_varnames[0])
+    return None
+
+
+def compiled_code_name(tx: Any = None) -> str | None:
+    """The name of the function whose frame Dynamo is compiling."""
+    tx = current_dynamo_tx() if tx is None else tx
+    code = getattr(tx, "f_code", None)
+    return None if code is None else code.co_name
+
+
+def tx_module_stack(tx: Any) -> list[tuple[str, Any]]:
+    """``(module path, class)`` of the module calls Dynamo is inlining, outermost first."""
+    return list(getattr(tx, "nn_module_stack", {}).values())
+
+
+def tx_backend(tx: Any) -> Any:
+    """The backend the traced frame is compiled with (behind Dynamo's wrappers)."""
+    return unwrap_dynamo_backend(tx.output.compiler_fn)
+
+
+def tx_trace(tx: Any) -> Any:
+    """The object identifying one Dynamo trace attempt (its ``OutputGraph``)."""
+    return tx.output
+
+
+def tx_where(tx: Any) -> tuple[Any, str]:
+    """``(self of the traced frame or None, the traced function's name)``."""
+    return compiled_self(tx), tx.f_code.co_name
+
+
+def unwrap_dynamo_backend(fn: Any) -> Any:
+    """The user's backend behind Dynamo's wrappers (``WrapBackendDebug``, ``torch.compile``'s)."""
+    for _ in range(8):
+        inner = getattr(fn, "_torchdynamo_orig_backend", None)
+        if inner is None and type(fn).__name__ == "_TorchCompileWrapper":
+            inner = getattr(fn, "compiler_fn", None)
+        if inner is None or inner is fn:
+            return fn
+        fn = inner
+    return fn
+
+
+_end_callbacks: dict = {}
+
+
+def on_dynamo_compile_end(callback) -> None:
+    """``callback(compile_id: str)`` after each Dynamo frame compile (``torch._dynamo.callback``).
+
+    Idempotent; call it before relying on it, since ``torch._dynamo.reset()``
+    clears Dynamo's callbacks. The callback must not raise: Dynamo runs it
+    holding a lock and a counter.
+    """
+    trigger = private("torch._dynamo.callback", "CallbackTrigger")
+    handler = private("torch._dynamo.callback", "callback_handler")
+    run = _end_callbacks.get(callback)
+    if run is None:
+
+        def run(args) -> None:
+            if args.callback_trigger == trigger.DYNAMO:
+                callback(str(args.compile_id))
+
+        _end_callbacks[callback] = run
+    if run not in handler.end_callbacks:
+        handler.register_end_callback(run)
+
+
+def current_compile_id() -> str | None:
+    """Dynamo's id of the frame compile in progress (``torch._guards.CompileContext``)."""
+    cid = private("torch._guards", "CompileContext").current_compile_id()
+    return None if cid is None else str(cid)
+
+
+def compiling_resume_of(function_prefix: str) -> bool:
+    """Whether Dynamo is compiling a resume function (the code after a graph break) of a
+    function whose name starts with ``function_prefix``. Relies on Dynamo naming them
+    ``torch_dynamo_resume_in_<function>_at_<line>`` (``torch/_dynamo/resume_execution.py``)."""
+    prefix = private("torch._dynamo.resume_execution", "TORCH_DYNAMO_RESUME_IN_PREFIX")
+    name = compiled_code_name()
+    return name is not None and name.startswith(f"{prefix}_{function_prefix}")
+
+
+def skip_frame(fn) -> None:
+    """Never compile ``fn``'s code as a frame of its own; traced inline it is still traced.
+
+    Relies on ``torch._dynamo.eval_frame.skip_code``, which sets the code's frame
+    execution strategy only (``torch._dynamo.skip`` also marks the function disabled,
+    which makes inlining it a graph break).
+    """
+    private("torch._dynamo.eval_frame", "skip_code")(fn.__code__)
+
+
+def aot_cache_hits() -> int:
+    """How many graphs the AOTAutograd cache has served in this process
+    (``torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]``)."""
+    counters = private("torch._dynamo.utils", "counters")
+    return int(counters["aot_autograd"]["autograd_cache_hit"])

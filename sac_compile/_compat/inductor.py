@@ -1,0 +1,114 @@
+"""Inductor: its entry points, config, the custom joint-graph pass hook, lowerings and
+caches. Inductor is imported on first use: ``import sac_compile`` does not load it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from . import private
+
+__all__ = [
+    "custom_graph_pass_base",
+    "cache_dir",
+    "compile_caches_enabled",
+    "compile_fx",
+    "compile_fx_inner",
+    "get_hash_for_files",
+    "inductor_config",
+    "register_noop_lowerings",
+    "seed_ops",
+]
+
+
+def custom_graph_pass_base() -> type:
+    """Inductor's custom-pass extension point (``torch/_inductor/custom_graph_pass.py``):
+    ``config.joint_custom_pre_pass`` runs on the joint graph before Inductor's own joint
+    passes (and so before ``replace_random_passes``); ``uuid()`` enters the FX graph cache
+    and AOTAutograd cache keys. Importing it loads Inductor: only the tagging pass's
+    module (imported on a backend's first compile) subclasses it."""
+    return private("torch._inductor.custom_graph_pass", "CustomGraphPass")
+
+
+def get_hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:
+    """A hash of these source files and ``extra`` (``custom_graph_pass.get_hash_for_files``)."""
+    return private("torch._inductor.custom_graph_pass", "get_hash_for_files")(paths, extra=extra)
+
+
+def compile_fx(gm, example_inputs, **kwargs: Any):
+    """Inductor's entry point; ``config_patches`` is re-applied for the lazily compiled backward."""
+    return private("torch._inductor.compile_fx", "compile_fx")(gm, example_inputs, **kwargs)
+
+
+def compile_fx_inner(gm, example_inputs, **kwargs: Any):
+    """Inductor's per-graph compiler (``inner_compile``): ``is_backward`` / ``is_inference``
+    say which partitioned graph ``gm`` is."""
+    return private("torch._inductor.compile_fx", "compile_fx_inner")(gm, example_inputs, **kwargs)
+
+
+def inductor_config():
+    return private("torch._inductor", "config")
+
+
+@functools.cache
+def seed_ops() -> frozenset:
+    """Ops that produce random *seeds* (never to be forced to recompute).
+
+    Inductor's replace_random_passes introduces these after our pre-pass; AOT's
+    own rng functionalization wraps random ops in run_and_save_rng_state. We list
+    them so that a graph that already carries them is handled too.
+    """
+    prims = private("torch._inductor", "inductor_prims")
+    found = {prims.seed, prims.seeds, prims.lookup_seed}
+    hops = torch.ops.higher_order
+    for name in ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state"):
+        op = getattr(hops, name, None)
+        if op is not None:
+            found.add(op)
+    return frozenset(found)
+
+
+_noop_lowerings_registered = False
+
+
+def register_noop_lowerings(ops) -> None:
+    """Lower ``ops`` (the marker ops) to nothing in Inductor (once, lazily).
+
+    The tagging pass erases markers before Inductor lowers a graph; this covers
+    graphs compiled by Inductor *without* the pass (plain ``torch.compile`` on a
+    marked model). There, a no-output side-effectful fallback kernel next to
+    Inductor's random seeds made the wrapper free a seed buffer before its last
+    use (torch 2.13: "cannot access local variable 'bufN'"). Dropping the
+    markers at lowering avoids that and leaves no call in the generated code.
+    Relies on ``torch._inductor.lowering.register_lowering`` / ``lowerings``.
+    Called from the markers' fake implementations, which Dynamo and AOTAutograd
+    run before any lowering, so importing ``sac_compile`` stays light.
+    """
+    global _noop_lowerings_registered
+    if _noop_lowerings_registered:
+        return
+    _noop_lowerings_registered = True
+    lowering = private("torch._inductor", "lowering")
+
+    def _drop_marker(*args, **kwargs):
+        return None
+
+    for op in ops:
+        if op not in lowering.lowerings:
+            lowering.register_lowering(op, type_promotion_kind=None)(_drop_marker)
+
+
+def cache_dir() -> str:
+    """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or the default)."""
+    return private("torch._inductor.runtime.cache_dir_utils", "cache_dir")()
+
+
+def compile_caches_enabled() -> bool:
+    """Whether FX-graph / AOTAutograd caches may serve a graph without running our pass."""
+    if torch.compiler.config.force_disable_caches if hasattr(torch.compiler, "config") else False:
+        return False
+    functorch_config = private("torch._functorch", "config")
+    return bool(inductor_config().fx_graph_cache or functorch_config.enable_autograd_cache)

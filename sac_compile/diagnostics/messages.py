@@ -1,0 +1,216 @@
+"""Every diagnosis text, built in one place (compiled and eager rules share them)."""
+
+from __future__ import annotations
+
+from .core import (
+    COLLECTIVE_RECOMPUTED,
+    COMPILE_FALLBACK,
+    COMPILE_SWALLOWED,
+    COMPILED_IN_EAGER,
+    EAGER_FALLBACK,
+    GRAPH_BREAK,
+    KEEP_UNUSED,
+    KEPT_NOTHING,
+    LEGACY_KEEP_IGNORED,
+    NO_PASS,
+    NO_SCOPE,
+    UNBALANCED,
+    Diagnosis,
+)
+
+__all__ = [
+    "collective_recomputed",
+    "compile_fallback",
+    "compile_swallowed",
+    "compiled_in_eager",
+    "eager_fallback",
+    "graph_break",
+    "keep_unused",
+    "kept_nothing",
+    "legacy_keep_ignored",
+    "marker_in_hop_body",
+    "no_pass",
+    "no_scope",
+    "unbalanced",
+]
+
+# Why a kept region kept nothing (the first clause of a kept-nothing message).
+NO_COSTLY_OP = (
+    "it is kept, but the region policy saves none of the ops it ran: no costly op "
+    "(matmul, convolution, attention, custom kernel, collective), only cheap ops, views "
+    "or waits, which are recomputed from their inputs"
+)
+BACKWARD_READS_NONE = "it is kept, but the backward reads none of the values computed in it"
+EAGER_HOLDS_NOTHING = (
+    "it is kept, but after the forward nothing computed in it is held: the region "
+    "policy saved none of its ops (no costly op - matmul, convolution, attention, "
+    "custom kernel - ran in it; cheap ops, views, collectives and in-place targets "
+    "are recomputed), or the backward reads none of its values"
+)
+
+
+def keep_unused(names: list[str], where: str) -> Diagnosis:
+    plural = "s" if len(names) > 1 else ""
+    return Diagnosis(
+        KEEP_UNUSED,
+        ",".join(names),
+        where,
+        f"keep names region{plural} {', '.join(map(repr, names))} but no marker with that name ever "
+        "ran, so nothing is kept for it. Check the spelling against the region(...) markers and "
+        "declare_regions names, or drop it from keep.",
+    )
+
+
+def kept_nothing(name: str, where: str, why: str) -> Diagnosis:
+    """``why``: :data:`NO_COSTLY_OP`, :data:`BACKWARD_READS_NONE` or :data:`EAGER_HOLDS_NOTHING`."""
+    return Diagnosis(
+        KEPT_NOTHING,
+        name,
+        where,
+        f"{why}, so keeping it saves nothing. Mark the op whose output the backward needs "
+        "(e.g. the matmul or attention core), or drop the name from keep.",
+    )
+
+
+def marker_in_hop_body(hop: str, name: str, where: str) -> Diagnosis:
+    return Diagnosis(
+        KEPT_NOTHING,
+        name,
+        where,
+        f"region markers inside a {hop} body are not honoured (the body is not partitioned "
+        "by region); they were removed. Move the region(...) around the call instead.",
+    )
+
+
+def unbalanced(name: str, where: str, how: str, *, within: str) -> Diagnosis:
+    """``how``: "enter without exit" | "exit without enter"; ``within``: "graph" (compiled)
+    or "call" (the eager engine's checkpointed call)."""
+    if within == "graph":
+        effect = (
+            "the region stays open to the graph's end"
+            if how == "enter without exit"
+            else "the region was open from the graph's start"
+        )
+        text = (
+            f"{how} within one graph: {effect}. Usually a graph break split the region (see "
+            "TORCH_LOGS=graph_breaks) or an exception skipped the exit; use region(...) as a with-block "
+            "or decorator."
+        )
+    else:
+        effect = (
+            "the region stayed open to the end of the layer"
+            if how == "enter without exit"
+            else "the exit was ignored"
+        )
+        text = (
+            f"{how} inside the checkpointed call: {effect}. Use region(...) as a with-block or decorator "
+            "so that enter and exit pair up."
+        )
+    return Diagnosis(UNBALANCED, name, where, text)
+
+
+def graph_break(name: str, where: str) -> Diagnosis:
+    return Diagnosis(
+        GRAPH_BREAK,
+        name,
+        where,
+        "a graph break inside the region (a decorated function or a declared module) split it "
+        "across graphs; each part is still "
+        "kept in its own graph, but the boundaries between graphs are saved and the graphs "
+        "are partitioned separately. Remove the graph break (TORCH_LOGS=graph_breaks) to get one graph.",
+    )
+
+
+def eager_fallback(name: str, where: str, site: str) -> Diagnosis:
+    return Diagnosis(
+        EAGER_FALLBACK,
+        name,
+        where,
+        f"a graph break inside `with region({name!r})` at {site} made Dynamo run that whole frame "
+        "eagerly: its ops are neither compiled nor checkpointed. Use @region(...) as a decorator on "
+        "the code with the graph break (the caller then keeps compiling), or remove the break.",
+    )
+
+
+def no_scope(where: str, layer_paths: list[str]) -> Diagnosis:
+    shown = (
+        ", ".join(layer_paths)
+        if len(layer_paths) <= 3
+        else f"{layer_paths[0]}, {layer_paths[1]}, ... {layer_paths[-1]}"
+    )
+    return Diagnosis(
+        NO_SCOPE,
+        "-",
+        where,
+        f"one graph holds {len(layer_paths)} layers ({shown}) and no checkpoint "
+        "scope, so the whole graph is one scope: the backward recomputes the entire forward at "
+        "once. Wrap each layer with apply_selective_checkpointing (it emits one scope per layer "
+        "under torch.compile), or compile each layer on its own.",
+    )
+
+
+def compile_swallowed(where: str, backend_name: str) -> Diagnosis:
+    return Diagnosis(
+        COMPILE_SWALLOWED,
+        "-",
+        where,
+        "this layer was wrapped with apply_selective_checkpointing(..., compile=True), but an outer "
+        f"torch.compile (backend {backend_name}) traced it as part of a larger graph: the layer's own "
+        "compile and backend never run. Its keep set still applies as a checkpoint scope if the outer "
+        "backend is a sac_compile backend. Drop compile=True, or do not compile the enclosing model.",
+    )
+
+
+def no_pass(region: str, where: str, backend_name: str, note: str = "") -> Diagnosis:
+    return Diagnosis(
+        NO_PASS,
+        region,
+        where,
+        f"its markers were compiled by torch.compile with backend {backend_name}, which does not run "
+        "sac_compile's tagging pass, so the region keeps nothing (and no checkpointing happens "
+        f"in the graph){note}. Compile with backend=sac_compile.sac_backend or make_sac_backend(keep=...).",
+    )
+
+
+def compiled_in_eager(where: str, compiled: list[str]) -> Diagnosis:
+    return Diagnosis(
+        COMPILED_IN_EAGER,
+        "-",
+        where,
+        f"it is checkpointed eagerly but contains compiled code ({', '.join(compiled)}): the "
+        "compiled graph's saved tensors are discarded and it is recomputed whole in the backward. "
+        "Pass compile=True to apply_selective_checkpointing instead, or compile the whole model.",
+    )
+
+
+def compile_fallback(where: str) -> Diagnosis:
+    return Diagnosis(
+        COMPILE_FALLBACK,
+        "-",
+        where,
+        "it was wrapped with compile=True but runs eagerly: Dynamo did not compile its call (recompile "
+        "limit reached, the frame was skipped, or compiling is disabled), so the eager engine checkpoints "
+        "it instead (correct, slower). See TORCH_LOGS=recompiles,graph_breaks.",
+    )
+
+
+def legacy_keep_ignored(keep_text: str, where: str, attr: str) -> Diagnosis:
+    return Diagnosis(
+        LEGACY_KEEP_IGNORED,
+        keep_text,
+        where,
+        f"it sets {attr}=True, so it is checkpointed reentrantly and keep="
+        f"{keep_text!r} is ignored (every op in it is recomputed)",
+    )
+
+
+def collective_recomputed(name: str, where: str, listed: str) -> Diagnosis:
+    return Diagnosis(
+        COLLECTIVE_RECOMPUTED,
+        name,
+        where,
+        f"it is kept, but the eager engine recomputes the collectives in it ({listed} per call), "
+        "so the backward communicates again: their output buffers may be written outside the "
+        "region, so eager mode never serves them from a cache. A compiled layer "
+        "(compile=True, or a sac backend) saves kept functional collectives instead.",
+    )

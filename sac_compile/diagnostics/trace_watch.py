@@ -1,0 +1,187 @@
+"""Trace time: markers compiled by a backend that does not run the tagging pass (``no-pass``),
+and layers wrapped with ``compile=True`` swallowed by an outer compile (``compile-swallowed``).
+
+Two sightings of the same marker make the verdict, so that nothing is guessed:
+Dynamo traces it first (the fake impl runs with Dynamo's translator current: we
+note the region and the module around it), then, if and only if the graph is
+really compiled by an AOTAutograd-based backend (Inductor, aot_eager, ...),
+AOTAutograd traces it again inside the backend call. If no sac backend claimed
+that Dynamo trace (:func:`claim_trace`, called by every sac backend before it
+compiles), the markers reached a compile that drops them. A Dynamo trace that is
+abandoned (a restart after a graph break) never gets the second sighting, and a
+custom backend that hands the graph to a sac backend is compiling through ours.
+Backends that do not use AOTAutograd ("eager", custom ones) cannot checkpoint
+anything and are not reported.
+
+A warm AOTAutograd cache serves a foreign backend's graph without tracing it again,
+so AOTAutograd's sighting never comes. Per Dynamo compile (compile id), the sightings
+are kept until the compile ends; if no sac backend compiled in it and the
+AOTAutograd cache served a graph meanwhile, they are reported then (logged: Dynamo
+runs end-of-compile callbacks under its own lock, where raising is unsafe).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from .._compat import dynamo, frames
+from ..records import describe_stack_entry
+from . import messages
+from .core import COMPILE_SWALLOWED, NO_PASS, Diagnosis, SacDiagnosticError, describe_module, owner, report
+
+__all__ = ["claim_trace", "marker_traced"]
+
+log = logging.getLogger("sac_compile")
+
+Key = tuple[str, str]  # (diagnosis kind, region)
+
+
+@dataclass
+class _Trace:
+    """One Dynamo trace attempt (its ``OutputGraph``; an abandoned attempt's is dropped with it)."""
+
+    seen: dict[Key, str] = field(default_factory=dict)  # sighted by Dynamo -> where
+    done: set[Key] = field(default_factory=set)  # already reported
+    claimed: bool = False  # a sac backend compiles this trace's graph
+
+
+@dataclass
+class _Watch:
+    """Sightings of one Dynamo compile (compile id), for a warm-cache hit."""
+
+    hits: int
+    backend: str
+    sightings: dict[Key, str] = field(default_factory=dict)
+    reported: set[Key] = field(default_factory=set)
+    sac: bool = False
+
+
+_lock = threading.Lock()
+# OutputGraph defines __eq__ without __hash__: keyed by id, dropped by a finalizer
+_traces: dict[int, _Trace] = {}
+_watched: dict[str | None, _Watch] = {}
+
+
+def _trace_state(trace: object) -> _Trace:
+    key = id(trace)
+    state = _traces.get(key)
+    if state is None:
+        state = _traces[key] = _Trace()
+        weakref.finalize(trace, _traces.pop, key, None)
+    return state
+
+
+def claim_trace() -> None:
+    """A sac backend is compiling the graph of the current Dynamo trace: no ``no-pass``."""
+    tx = dynamo.current_dynamo_tx()
+    cid = dynamo.current_compile_id()
+    with _lock:
+        if tx is not None:
+            _trace_state(dynamo.tx_trace(tx)).claimed = True
+        if cid in _watched:
+            _watched[cid].sac = True
+
+
+def marker_traced(kind: str, payload: tuple) -> None:
+    """Called by the markers' fake implementations (Dynamo and AOTAutograd tracing).
+
+    Never breaks a compile: only a strict-mode diagnosis propagates.
+    """
+    try:
+        _marker_traced(kind, payload)
+    except SacDiagnosticError:
+        raise
+    except Exception as e:  # a diagnostics bug must not fail the user's compile
+        log.debug("sac_compile: trace-time diagnostics failed: %r", e)
+
+
+def _marker_traced(kind: str, payload: tuple) -> None:
+    tx = dynamo.current_dynamo_tx()
+    if tx is None:
+        return
+    trace = dynamo.tx_trace(tx)
+    region_name = str(payload[0]) if kind.startswith("region") else f"<scope keep={payload[1]!r}>"
+    cid = dynamo.current_compile_id()
+    backend = _backend_name(dynamo.tx_backend(tx))
+    if not frames.inside_backend_call():
+        # Dynamo's sighting: remember where the marker is
+        module_stack = dynamo.tx_module_stack(tx)
+        found = []
+        if kind == "scope_enter" and payload[0] == 1 and module_stack:
+            found.append(((COMPILE_SWALLOWED, "-"), _where_in_trace(tx, module_stack)))
+        if kind.startswith("region"):
+            found.append(((NO_PASS, region_name), _where_in_trace(tx, module_stack)))
+        for key, where in found:
+            with _lock:
+                _trace_state(trace).seen.setdefault(key, where)
+            _watch(cid, key, where, backend)
+        return
+    # AOTAutograd's sighting inside a backend call
+    with _lock:
+        state = _trace_state(trace)
+        if state.claimed:
+            return  # a sac backend is compiling this graph
+        todo = [
+            (k, w)
+            for k, w in state.seen.items()
+            if k not in state.done and (k[0] != NO_PASS or k[1] == region_name)
+        ]
+        state.done.update(k for k, _ in todo)
+        if cid in _watched:
+            _watched[cid].reported.update(k for k, _ in todo)
+    root = owner()
+    for key, where in todo:
+        report(_trace_diagnosis(key, where, backend), root)
+
+
+def _trace_diagnosis(key: Key, where: str, backend: str, note: str = "") -> Diagnosis:
+    kind, region = key
+    if kind == COMPILE_SWALLOWED:
+        return messages.compile_swallowed(where, backend)
+    return messages.no_pass(region, where, backend, note)
+
+
+def _watch(cid: str | None, key: Key, where: str, backend: str) -> None:
+    if cid is None:
+        return
+    dynamo.on_dynamo_compile_end(_on_compile_end)
+    with _lock:
+        state = _watched.get(cid)
+        if state is None:
+            state = _watched[cid] = _Watch(hits=dynamo.aot_cache_hits(), backend=backend)
+        state.sightings.setdefault(key, where)
+
+
+def _on_compile_end(cid: str) -> None:
+    with _lock:
+        state = _watched.pop(cid, None)
+    if state is None or state.sac or dynamo.aot_cache_hits() <= state.hits:
+        return
+    root = owner()
+    for key, where in state.sightings.items():
+        if key in state.reported:
+            continue
+        d = _trace_diagnosis(key, where, state.backend, " (the graph was served from the compile cache)")
+        try:
+            report(d, root)
+        except SacDiagnosticError:
+            log.error("%s", d.message())
+
+
+def _where_in_trace(tx, module_stack: list) -> str:
+    if module_stack:
+        return describe_stack_entry(*module_stack[-1])
+    obj, function = dynamo.tx_where(tx)
+    if isinstance(obj, nn.Module):
+        return describe_module(obj)
+    return f"{function}()"
+
+
+def _backend_name(backend: object) -> str:
+    name = getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
+    return repr(name or type(backend).__name__)

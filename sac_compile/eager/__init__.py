@@ -1,0 +1,7 @@
+"""The eager engine: region-level selective checkpointing without compile (:mod:`.engine`)."""
+
+from __future__ import annotations
+
+from .engine import EagerSession, EngineStats, checkpoint_with_regions
+
+__all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions"]

@@ -1,0 +1,81 @@
+"""``capture_partition``: compile a function with a sac backend and report its partition.
+
+In the spirit of JAX's ``print_saved_residuals``: compile ``fn`` with a sac
+backend (both compile caches disabled, so the tagging pass really runs), run
+forward and backward once, and read the partitioned forward/backward graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .._compat import dynamo
+from .._compat.checkpoint import tree_leaves
+from ..compiler import backend as _backend
+from ..compiler import session
+from .report import PartitionReport, build_partition
+
+__all__ = ["capture_partition"]
+
+
+class _FreshBackend:
+    """A new backend object per capture, so Dynamo cannot reuse an earlier compile."""
+
+    def __init__(self, inner: _backend.SacBackend) -> None:
+        self.inner = inner
+
+    def __call__(self, gm, example_inputs):
+        return self.inner(gm, example_inputs)
+
+
+def _resolve_backend(backend: Any) -> _backend.SacBackend:
+    if isinstance(backend, _backend.SacBackend):
+        return backend
+    if backend in ("inductor", "aot_eager"):
+        return _backend.baseline_backend(backend)
+    raise TypeError(
+        f"capture_partition needs a sac backend (sac_compile.sac_backend or "
+        f"sac_compile.make_sac_backend(...)), or 'inductor' / 'aot_eager' for the same "
+        f"compile without checkpointing; got {backend!r}"
+    )
+
+
+def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> PartitionReport:
+    """Compile ``fn`` with ``backend``, run forward and backward once, report the partition.
+
+    ``backend`` defaults to :data:`sac_compile.sac_backend`. Both compile caches
+    are disabled for the capture (a cache hit would skip the tagging pass). The
+    capture compiles ``fn`` afresh with its own backend object, in its own
+    ``isolate_recompiles`` bucket: its cache entries do not count against the
+    ``recompile_limit`` of your own ``torch.compile`` calls (they stay in memory). ``fn``'s output must be a tensor or a
+    structure of tensors; backward runs on the sum of its floating-point parts.
+    """
+    sac = _resolve_backend(_backend.sac_backend if backend is None else backend)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
+        stack.enter_context(dynamo.dynamo_config().patch(accumulated_recompile_limit=1 << 20))
+        units = stack.enter_context(session.capture_units())
+        # isolate_recompiles: the capture's entries do not count against the
+        # recompile_limit of the user's own torch.compile calls on fn's code.
+        compiled = torch.compile(fn, backend=_FreshBackend(sac), isolate_recompiles=True)
+        out = compiled(*args, **kwargs)
+        loss = _scalar_loss(out)
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+    report = PartitionReport(output=out)
+    for unit in units:
+        part = build_partition(len(report.graphs), unit)
+        if part is not None:
+            report.graphs.append(part)
+    return report
+
+
+def _scalar_loss(out: Any) -> torch.Tensor | None:
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in leaves if t.is_floating_point() and t.requires_grad]
+    if not leaves:
+        return None
+    return sum(t.sum() for t in leaves)

@@ -1,0 +1,168 @@
+"""``region(name)``: the user-facing marker, as a context manager and a decorator.
+
+Both forms emit ``sac_compile::region_enter`` / ``region_exit`` (see
+:mod:`sac_compile.markers.ops`) around the marked code, in program order.
+
+Graph breaks. Dynamo cannot resume a graph break inside a user-defined context
+manager: the frame holding the ``with region(...)`` block then runs eagerly
+(``__enter__`` and ``__exit__`` are compiled as tiny graphs of their own, which
+the backend recognises and records, see :func:`sac_compile.markers.context.with_block_fallbacks`). The
+decorator therefore does not use a ``with`` block: under compile its wrapper is
+straight-line code (enter; call; exit), so a graph break inside the decorated
+function bubbles up to the wrapper's call site and the caller keeps compiling.
+The wrapper frame then runs on its own, and the decorated function's graphs are
+compiled while ``_region_wrapper`` frames are on the Python stack. The seam's call
+(a wrapped layer's scope) and a declared module's call (its hooks' regions) work the
+same way: :func:`sac_compile.markers.context.enclosing_context` reads those frames, so the graphs compiled below
+them start inside their scopes and regions. (Dynamo does not guard on this context:
+a function whose body is compiled as separate frames keeps the context of its first
+compile.)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from .._compat import frames
+from ..keep import format_keep, normalize_keep, validate_region_name
+from ..records import SEAM_PREFIX
+from . import ops  # noqa: F401  (registers the marker ops)
+
+__all__ = [
+    "DECLARED_ATTR",
+    "LEGACY_ATTR",
+    "SEAM_CALL_PREFIX",
+    "WRAPPER_NAME",
+    "checkpoint_scope",
+    "declared_names",
+    "region",
+    "seam_scope_args",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+#: The name of the decorator's wrapper function (see _make_wrapper): the context reader
+#: finds its frames on the stack, the tagging pass finds it in recorded stack traces.
+WRAPPER_NAME = "_region_wrapper"
+
+
+class region:
+    """Mark the forward ops run inside as the region ``name``.
+
+    Use as ``with region("attn"): ...`` or as a decorator ``@region("attn")`` on a
+    function or a ``forward`` method. Regions nest and overlap; the same name may
+    be open more than once (entries are counted). Outside any checkpoint scope a
+    marker is a no-op; in compiled code the markers are erased by the tagging
+    pass and cost nothing at run time.
+    """
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = validate_region_name(name)
+
+    def __repr__(self) -> str:
+        return f"region({self.name!r})"
+
+    def __enter__(self) -> region:
+        torch.ops.sac_compile.region_enter(self.name)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.ops.sac_compile.region_exit(self.name)
+
+    def __call__(self, fn: _F) -> _F:
+        if not callable(fn):
+            raise TypeError(
+                f"region({self.name!r}) decorates a function or a forward method, "
+                f"got {type(fn).__name__} {fn!r}"
+            )
+        if inspect.isclass(fn):
+            raise TypeError(
+                f"region({self.name!r}) cannot decorate the class {fn.__qualname__}; "
+                "decorate its forward method, or use sac_compile.declare_regions"
+            )
+        return _make_wrapper(self.name, fn)
+
+
+class checkpoint_scope:
+    """Emit the scope markers for one checkpoint scope with its own keep set.
+
+    Used by the seam when an outer ``torch.compile`` traces a wrapped module:
+    instead of an eager checkpoint, the module's forward is bracketed by
+    ``scope_enter`` / ``scope_exit`` carrying ``scope_id`` (a constant per wrap
+    site, so Dynamo does not specialise on a counter) and the keep set.
+    """
+
+    __slots__ = ("keep_text", "scope_id")
+
+    def __init__(self, scope_id: int, keep: object) -> None:
+        if not isinstance(scope_id, int) or isinstance(scope_id, bool) or scope_id < 0:
+            raise TypeError(f"scope_id must be a non-negative int, got {scope_id!r}")
+        self.scope_id = scope_id
+        self.keep_text = format_keep(normalize_keep(keep))
+
+    def __enter__(self) -> checkpoint_scope:
+        torch.ops.sac_compile.scope_enter(self.scope_id, self.keep_text)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.ops.sac_compile.scope_exit(self.scope_id, self.keep_text)
+
+
+def _make_wrapper(name: str, fn: _F) -> _F:
+    # Keep the name `_region_wrapper` (WRAPPER_NAME): markers.context finds these frames
+    # on the stack by it, and the tagging pass finds it in Dynamo's recorded stack traces.
+    @functools.wraps(fn)
+    def _region_wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Straight-line on purpose: a graph break inside `fn` must not sit in
+            # a try/with block, or Dynamo falls back for the whole frame.
+            torch.ops.sac_compile.region_enter(name)
+            out = fn(*args, **kwargs)
+            torch.ops.sac_compile.region_exit(name)
+            return out
+        torch.ops.sac_compile.region_enter(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.ops.sac_compile.region_exit(name)
+
+    _region_wrapper.__sac_region__ = name  # type: ignore[attr-defined]
+    return _region_wrapper  # type: ignore[return-value]
+
+
+#: Set this attribute to True on a module whose forward relies on grad-mode tricks
+#: (state that must see the original forward run exactly once, reentrantly).
+LEGACY_ATTR = "sac_legacy_checkpoint"
+
+# The seam's generated call functions are named _sac_call_impl_<Class> (sac_compile/seam.py).
+SEAM_CALL_PREFIX = frames.SEAM_CALL_PREFIX
+SEAM_CLASS_PREFIX = SEAM_PREFIX  # ... and its generated classes SelectiveCheckpointed<Class>
+SEAM_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "seam.py")
+
+#: Module attribute holding the regions declared on a module (sac_compile.declare writes
+#: it: {region name: (pre-hook handle, post-hook handle)}); read here for the context.
+DECLARED_ATTR = "_sac_declared"
+
+
+def declared_names(module: torch.nn.Module) -> tuple[str, ...]:
+    """The region names declared on ``module`` itself (not its children)."""
+    return tuple(module.__dict__.get(DECLARED_ATTR, ()))
+
+
+def seam_scope_args(module: torch.nn.Module) -> tuple[int, str]:
+    """The ``(scope_id, scope text)`` a wrapped module's scope markers carry.
+
+    Scope id 1 says that the layer asked for its own compile (``compile=True``; an
+    outer compile swallowing it is reported), 0 otherwise; constant per wrap site,
+    so Dynamo does not specialise on a counter. A legacy (reentrant) layer keeps nothing.
+    """
+    config = module._sac_seam
+    legacy = getattr(module, LEGACY_ATTR, False) is True
+    return (0 if config.compile_options is None else 1), ("" if legacy else config.scope_text)
