@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .keep import KeepSet
+from .keep import KeepSet, format_keep
 
 __all__ = ["GraphRecord", "RegionStats", "ScopeInfo", "collect_records", "recent_records"]
 
@@ -97,6 +97,44 @@ class GraphRecord:
     @property
     def whole_graph_scope(self) -> bool:
         return any(s.source == "whole graph" for s in self.scopes)
+
+    def summary(self) -> dict:
+        """What the pass decided, per scope and region, as JSON-ready data (the structured
+        trace artifact ``sac_compile_regions``)."""
+        policies: dict[str, int] = {}
+        for decision in self.node_policy.values():
+            policies[decision] = policies.get(decision, 0) + 1
+        return {
+            "graph_index": self.graph_index,
+            "is_training": self.is_training,
+            "scopes": [
+                {
+                    "ac_graph_id": s.ac_graph_id,
+                    "source": s.source,
+                    "keep": format_keep(s.keep),
+                    "policy": s.policy,
+                    "budget": s.budget,
+                    "nodes": s.nodes,
+                }
+                for s in self.scopes
+            ],
+            "regions": {
+                name: {
+                    "entered": r.entered,
+                    "kept": r.kept,
+                    "saved_nodes": r.saved_nodes,
+                    "recompute_nodes": r.recompute_nodes,
+                }
+                for name, r in sorted(self.regions.items())
+            },
+            "tags": policies,
+            "starts_inside": list(self.starts_inside),
+            "unbalanced": [list(u) for u in self.unbalanced],
+            "outside_every_scope": self.outside_every_scope,
+            "hop_markers": [list(h) for h in self.hop_markers],
+            "budget": self.budget,
+            "markers_erased": self.markers_erased,
+        }
 
 
 def clean_module_path(path: str) -> str:

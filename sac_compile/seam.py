@@ -206,9 +206,7 @@ def _seam_call_impl(self, *args, **kwargs):
     call = super(klass, self)._call_impl
     legacy = getattr(self, LEGACY_ATTR, False) is True
     if torch.compiler.is_compiling():
-        # Straight-line on purpose (no with-block): a graph break inside the layer
-        # must not make Dynamo fall back for the whole frame; the graphs compiled below
-        # this frame then find the scope on the stack (markers.enclosing_context).
+        # See Note [straight-line under compile] in sac_compile/markers/regions.py.
         scope_id, keep_text = seam_scope_args(self)
         torch.ops.sac_compile.scope_enter(scope_id, keep_text)
         out = call(*args, **kwargs)

@@ -1,17 +1,20 @@
 import pytest
 import torch
 
+from sac_compile._compat.inductor import pass_skipping_caches_disabled
+
 
 @pytest.fixture(autouse=True)
 def _fresh_compile_state():
     """Each test compiles from scratch: no Dynamo cache, and no FX-graph/AOTAutograd cache hits.
 
     A cache hit skips the tagging pass (so no records); the cache tests in
-    test_cache.py run in fresh processes with the caches on.
+    test_cache.py run in fresh processes with the caches on. Inductor's kernel cache stays
+    on (the C++ kernels of identical graphs are built once per run, not once per test).
     """
     torch._dynamo.reset()
     torch.manual_seed(0)
-    with torch.compiler.config.patch(force_disable_caches=True):
+    with pass_skipping_caches_disabled():
         yield
     torch._dynamo.reset()
 

@@ -32,11 +32,18 @@ def _probe(keep: str, cache_dir: Path, *extra: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def cold_warm(tmp_path_factory) -> tuple[dict, dict, Path]:
+    """keep={"a","zz"} compiled twice in fresh processes sharing one cache dir ("zz" never
+    appears); the two tests below read both runs (each probe is an Inductor compile)."""
+    cache = tmp_path_factory.mktemp("cache")
+    return _probe("a,zz", cache), _probe("a,zz", cache), cache
+
+
 @pytest.mark.subprocess
-def test_same_configuration_hits_and_another_keep_set_does_not(tmp_path):
-    first_a = _probe("a", tmp_path)
-    second_a = _probe("a", tmp_path)
-    then_b = _probe("b", tmp_path)
+def test_same_configuration_hits_and_another_keep_set_does_not(cold_warm):
+    first_a, second_a, cache = cold_warm
+    then_b = _probe("b", cache)
 
     assert first_a["autograd_cache_miss"] == 1 and first_a["autograd_cache_hit"] == 0
     assert first_a["pass_ran"] == 1
@@ -51,13 +58,12 @@ def test_same_configuration_hits_and_another_keep_set_does_not(tmp_path):
 
 
 @pytest.mark.subprocess
-def test_diagnostics_neither_misfire_nor_go_silent_on_a_warm_cache(tmp_path):
+def test_diagnostics_neither_misfire_nor_go_silent_on_a_warm_cache(cold_warm):
     """keep={"a","zz"}: "zz" never appears. Cold: the pass reports it. Warm (the pass does
     not run): the same report, read from the side file, and "a" is not reported although
     no marker was traced into a tagging pass in that process. Red without the side file:
     the warm run logs nothing (silent); without the regions it stores, "a" misfires."""
-    cold = _probe("a,zz", tmp_path)
-    warm = _probe("a,zz", tmp_path)
+    cold, warm, tmp_path = cold_warm
     assert cold["pass_ran"] == 1 and warm["pass_ran"] == 0 and warm["autograd_cache_hit"] == 1
     warnings = [[m for lvl, m in run["logged"] if lvl == "WARNING"] for run in (cold, warm)]
     assert len(warnings[0]) == 1 and "[keep-unused] region 'zz'" in warnings[0][0]

@@ -66,8 +66,10 @@ def _fsdp2_vs_single_process(rank: int, world_size: int, keep: tuple[str, ...], 
     }
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("keep", [(), ("attn",), ("attn", "mlp")], ids=["full", "attn", "attn+mlp"])
+# Each mode once, with a non-empty keep set (keep=() is plain checkpointing, tested without FSDP).
+@pytest.mark.parametrize(
+    "keep, compile", [(("attn", "mlp"), False), (("attn",), True)], ids=["attn+mlp-eager", "attn-compiled"]
+)
 def test_fsdp2_outside_the_seam_matches_a_single_process(keep, compile):
     results = run_ranks(_fsdp2_vs_single_process, keep, compile)
     for r in results:
@@ -96,8 +98,8 @@ def test_a_rank_that_raises_fails_fast_with_its_traceback():
 
 
 def test_a_hanging_rank_ends_in_a_timeout():
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 15 s"):
-        run_ranks(_hang, timeout=15)
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 6 s"):
+        run_ranks(_hang, timeout=6)
 
 
 # --- expert-parallel MoE ------------------------------------------------------------------
@@ -200,7 +202,9 @@ def _ep_moe_vs_single_process(rank: int, world_size: int, compiled: bool, micro_
     return out
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2], ids=["1mb", "2mb"])
+# Two micro-batches interleaved (each region open twice at once) is the harder case and
+# covers the single one's paths.
+@pytest.mark.parametrize("micro_batches", [2], ids=["2mb"])
 def test_expert_parallel_moe_eager_recomputes_every_collective(micro_batches):
     """Eager: each forward all-to-all runs again in the backward whatever is kept (forced when
     its region is kept: counted and reported); gradients match one process."""
@@ -221,7 +225,7 @@ def test_expert_parallel_moe_eager_recomputes_every_collective(micro_batches):
             assert reported == {"moe.dispatch", "moe.combine"} & set(keep), (label, got["diagnosed"])
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2], ids=["1mb", "2mb"])
+@pytest.mark.parametrize("micro_batches", [2], ids=["2mb"])
 def test_expert_parallel_moe_compiled_saves_kept_collectives(micro_batches):
     """Compiled: a kept dispatch is not re-communicated (no forward all-to-all of moe.dispatch in
     the partitioned backward); with nothing kept every forward all-to-all is recomputed; each

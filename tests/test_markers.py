@@ -53,10 +53,23 @@ class TestValidation:
 
 class TestEager:
     def test_marker_outside_any_scope_is_a_no_op(self):
-        x = torch.randn(3)
-        with sc.region("a"):
-            y = x.sin()
-        assert torch.equal(y, x.sin())
+        """No sink outside a scope: the markers record nothing, and autograd sees the same
+        program (the same values, the same saved tensors) as without them."""
+        w = torch.randn(4, 4, requires_grad=True)
+
+        def plain(x):
+            return torch.tanh(x @ w).sin()
+
+        @sc.region("a")
+        def marked(x):
+            with sc.region("b"):
+                h = torch.tanh(x @ w)
+            return h.sin()
+
+        x = torch.randn(3, 4, requires_grad=True)
+        assert ops._MARKER_SINK.get() is None
+        assert torch.equal(marked(x), plain(x))
+        assert sc.autograd_saved_bytes(marked, x) == sc.autograd_saved_bytes(plain, x) > 0
 
     def test_sink_sees_markers_in_program_order(self):
         seen = []

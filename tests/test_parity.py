@@ -9,13 +9,17 @@ import sac_compile as sc
 from sac_compile.testing.models import Block
 from sac_compile.testing.parity import parity_report
 
+CASES = [(keep, "aot_eager") for keep in ((), {"attn"}, {"mlp"}, sc.ALL_REGIONS)] + [
+    (sc.ALL_REGIONS, "inductor")
+]
 
-@pytest.mark.parametrize("keep", [(), {"attn"}, {"mlp"}, sc.ALL_REGIONS], ids=["none", "attn", "mlp", "all"])
-def test_same_regions_saved_and_compiled_holds_no_more(keep):
+
+@pytest.mark.parametrize("keep, inner", CASES, ids=["none", "attn", "mlp", "all", "all-inductor"])
+def test_same_regions_saved_and_compiled_holds_no_more(keep, inner):
     torch.manual_seed(0)
     block = Block(32, heads=4)
     x = torch.randn(2, 16, 32, requires_grad=True)
-    report = parity_report(block, x, keep=keep)
+    report = parity_report(block, x, keep=keep, inner=inner)
     print(report.format())
     expected = set() if keep == () else ({"attn", "mlp"} if keep is sc.ALL_REGIONS else set(keep))
     assert report.saved_regions("eager") == report.saved_regions("compiled") == expected

@@ -1,8 +1,8 @@
 """Expect tests of `capture_partition(...).format()`, each paired with a gradient check.
 
-Every scenario runs twice, with ``inner="aot_eager"`` and with Inductor: the two
-decompose differently before partitioning, so node names differ, while the
-regions kept must be the same.
+Every scenario is pinned with ``inner="aot_eager"``; Inductor decomposes differently
+before partitioning (node names and recomputed ops differ), so one scenario is pinned in
+full with Inductor and one more must agree with aot_eager region by region.
 """
 
 import torch
@@ -18,6 +18,19 @@ def _report(name: str, inner: str) -> str:
     torch.manual_seed(0)
     module, x = make(), inp().requires_grad_()
     return sc.capture_partition(module, x, backend=sc.make_sac_backend(keep, inner=inner)).format()
+
+
+def _summary(name: str, inner: str) -> tuple:
+    """What a report says independently of decompositions: each graph's header (scopes, kept
+    and recomputed regions), the activation bytes saved per region, the regions recomputed."""
+    make, inp, keep = cases()[name]
+    torch.manual_seed(0)
+    module, x = make(), inp().requires_grad_()
+    report = sc.capture_partition(module, x, backend=sc.make_sac_backend(keep, inner=inner))
+    headers = tuple(line for line in report.format().splitlines() if line.startswith("graph "))
+    by_region = {k: v for k, v in report.bytes_by_region().items() if v}
+    recomputed = sorted({r for g in report.graphs for r in g.recomputed})
+    return headers, by_region, recomputed
 
 
 def _check_grads(name: str, inner: str) -> None:
@@ -169,22 +182,13 @@ total: 11 activations, 3840 B; 112 ops recomputed""",
 
 
 class TestInductor(TestCase):
-    inner = "inductor"
+    """Inductor decomposes before partitioning, so node names and the recomputed ops differ
+    from aot_eager's; one scenario is pinned in full (with its gradients), and one more (nested,
+    overlapping regions: where node-level differences could shift a value between regions)
+    must agree with aot_eager on what matters: the scopes, the regions kept and recomputed,
+    and the bytes each region saves."""
 
-    def test_mlp_kept(self):
-        self.assertExpectedInline(
-            _report("mlp_kept", self.inner),
-            """\
-graph 0: scopes [#1 whole graph keep=mlp] regions [mlp(kept)]
-saved    op          region  scope  shape   dtype    bytes
-addmm_1  aten.addmm  mlp     #1     [4, 8]  float32  128
-inputs saved: 1 (128 B); parameters saved: 3 (2176 B)
-recomputed:
-  -: 2 ops: addmm, permute
-  mlp: 2 ops: permute, relu
-total: 1 activations, 128 B; 4 ops recomputed""",
-        )
-        _check_grads("mlp_kept", self.inner)
+    inner = "inductor"
 
     def test_attn_kept_mlp_recomputed(self):
         self.assertExpectedInline(
@@ -203,97 +207,7 @@ total: 2 activations, 576 B; 45 ops recomputed""",
         )
         _check_grads("attn_kept_mlp_recomputed", self.inner)
 
-    def test_two_regions_one_kept(self):
-        self.assertExpectedInline(
-            _report("two_regions_one_kept", self.inner),
-            """\
-graph 0: scopes [#1 whole graph keep=a] regions [a(kept), b(recomputed)]
-saved  op       region  scope  shape   dtype    bytes
-mm     aten.mm  a       #1     [4, 8]  float32  128
-inputs saved: 1 (128 B); parameters saved: 2 (512 B)
-recomputed:
-  a: 1 ops: tanh
-  b: 2 ops: mm, sigmoid
-total: 1 activations, 128 B; 3 ops recomputed""",
-        )
-        _check_grads("two_regions_one_kept", self.inner)
-
-    def test_nested_overlap(self):
-        self.assertExpectedInline(
-            _report("nested_overlap_keep_inner_x", self.inner),
-            """\
-graph 0: scopes [#1 whole graph keep=inner+x] regions [inner(kept), outer(recomputed), x(kept)]
-saved  op       region       scope  shape   dtype    bytes
-mm_1   aten.mm  inner+outer  #1     [4, 8]  float32  128
-mm_2   aten.mm  outer+x      #1     [4, 8]  float32  128
-mm_3   aten.mm  x            #1     [4, 8]  float32  128
-inputs saved: 1 (128 B); parameters saved: 1 (256 B)
-recomputed:
-  -: 1 ops: mm
-  inner+outer: 1 ops: sigmoid
-  outer: 2 ops: mm, tanh
-  outer+x: 1 ops: tanh
-  x: 1 ops: sigmoid
-total: 3 activations, 384 B; 6 ops recomputed""",
-        )
-        _check_grads("nested_overlap_keep_inner_x", self.inner)
-
-    def test_unbalanced(self):
-        self.assertExpectedInline(
-            _report("unbalanced", self.inner),
-            """\
-graph 0: scopes [#1 whole graph keep=early+late] regions [early(kept), late(kept)]; unbalanced: early exit without enter, late enter without exit
-saved  op       region  scope  shape   dtype    bytes
-mm     aten.mm  early   #1     [4, 8]  float32  128
-mm_2   aten.mm  late    #1     [4, 8]  float32  128
-inputs saved: 1 (128 B); parameters saved: 1 (256 B)
-recomputed:
-  -: 2 ops: mm, sigmoid
-  early: 1 ops: tanh
-  late: 1 ops: tanh
-total: 2 activations, 256 B; 4 ops recomputed""",
-        )
-        _check_grads("unbalanced", self.inner)
-
-    def test_in_checkpoint(self):
-        self.assertExpectedInline(
-            _report("in_checkpoint", self.inner),
-            """\
-graph 0: scopes [#1 torch.utils.checkpoint keep=core] regions [core(kept)]; overrides checkpoint policy: core in #1
-saved  op         region  scope  shape   dtype    bytes
-relu   aten.relu  -       -      [4, 8]  float32  128
-mm_2   aten.mm    core    #1     [4, 8]  float32  128
-mm_4   aten.mm    -       -      [4, 8]  float32  128
-inputs saved: 1 (128 B); parameters saved: 1 (256 B)
-recomputed:
-  -: 4 ops: mm x2, tanh x2
-  core: 1 ops: sigmoid
-total: 3 activations, 384 B; 5 ops recomputed""",
-        )
-        _check_grads("in_checkpoint", self.inner)
-
-    def test_scoped_stack(self):
-        self.assertExpectedInline(
-            _report("scoped_stack", self.inner),
-            """\
-graph 0: scopes [#1 scope markers keep=attn, #2 scope markers keep=attn, #3 scope markers keep=attn, #4 scope markers keep=attn] regions [attn(kept), mlp(recomputed)]
-saved       op        region  scope  shape         dtype    bytes
-getitem_2   getitem   attn    #1     [2, 2, 4, 8]  float32  512
-getitem_3   getitem   attn    #1     [2, 2, 4]     float32  64
-add_6       aten.add  -       #1     [2, 4, 16]    float32  512
-getitem_8   getitem   attn    #2     [2, 2, 4, 8]  float32  512
-getitem_9   getitem   attn    #2     [2, 2, 4]     float32  64
-add_13      aten.add  -       #2     [2, 4, 16]    float32  512
-getitem_14  getitem   attn    #3     [2, 2, 4, 8]  float32  512
-getitem_15  getitem   attn    #3     [2, 2, 4]     float32  64
-add_20      aten.add  -       #3     [2, 4, 16]    float32  512
-getitem_20  getitem   attn    #4     [2, 2, 4, 8]  float32  512
-getitem_21  getitem   attn    #4     [2, 2, 4]     float32  64
-inputs saved: 1 (512 B); parameters saved: 36 (51200 B)
-recomputed:
-  -: 88 ops: add x12, getitem x8, mm x8, mul x8, permute x12, rsqrt x4, select x12, sub x4, var_mean x4, view x16
-  attn: 12 ops: permute x4, view x8
-  mlp: 80 ops: add x12, addmm x4, erf x4, getitem x8, mul x20, permute x8, rsqrt x4, sub x4, var_mean x4, view x12
-total: 11 activations, 3840 B; 180 ops recomputed""",
-        )
-        _check_grads("scoped_stack", self.inner)
+    def test_regions_and_saved_bytes_match_aot_eager(self):
+        for name in ("nested_overlap_keep_inner_x",):
+            got, want = _summary(name, "inductor"), _summary(name, "aot_eager")
+            assert got == want, (name, got, want)

@@ -250,6 +250,8 @@ def test_kept_swiglu_saves_exactly_its_two_up_projections(inner):
     # the frontier point: g(h) and u(h), recomputing silu and the product from them
     assert sorted(v.op for v in kept) == ["aten.mm", "aten.mm"]
     assert all(tuple(v.shape) == (32, 128) for v in kept)
+    if inner == "inductor":
+        return  # Inductor smoke: the same two values; the rest below is Inductor-independent
     old = sc.capture_partition(m, x, backend=sc.make_sac_backend({"mlp"}, inner=inner, policy=SAVE_ALL))
     (old_graph,) = [g for g in old.graphs if g.backward_compiled]
     assert graph.activation_bytes < old_graph.activation_bytes

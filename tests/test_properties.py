@@ -14,6 +14,7 @@ Properties, for any program and keep set:
 * compiled (``aot_eager``): gradients equal within tolerance; every saved value
   is a graph input, the RNG state, or computed while a kept region was open
   (nothing else may be saved: no SymInts, scopes, hooks or collectives here);
+  no costly value (matmul, attention) of a kept region is recomputed;
   the report's bytes (one count per storage) equal what ``saved_tensors_hooks``
   see the compiled function save.
 
@@ -22,6 +23,8 @@ closing note of issue #6 for the count run in CI.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.nn as nn
@@ -204,6 +207,9 @@ def _captured(module: nn.Module, x: torch.Tensor, backend) -> tuple[sc.Partition
     return report, [x.grad] + [p.grad for p in module.parameters()]
 
 
+_COSTLY_OP = re.compile(r"(^|\.)(mm|addmm|bmm|baddbmm)$|scaled_dot_product|attention")
+
+
 def _kept(region: str, keep) -> bool:
     names = [] if region == "-" else region.split("+")
     if keep is sc.ALL_REGIONS:
@@ -233,6 +239,14 @@ def test_compiled_saves_only_kept_values_and_matches(program, keep):
 
     for v in report.saved:
         assert v.is_input or v.region == "rng" or _kept(v.region, keep), (v, program, keep)
+    # ... and what a kept region must save is saved: none of its costly values (matmuls,
+    # attention) is recomputed. (A pass that tags nothing MUST_SAVE fails here: the
+    # partitioner then recomputes them.)
+    for g in report.graphs:
+        for region, recomputed in g.recomputed.items():
+            if _kept(region, keep):
+                costly = [op for _, op in recomputed if _COSTLY_OP.search(op)]
+                assert not costly, (region, costly, program, keep)
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=backend)
     hooks = sc.autograd_saved_bytes(compiled, x.detach().requires_grad_(), exclude=module.parameters())

@@ -14,6 +14,7 @@ module              what it wraps
 ``aot``             AOTAutograd and the min-cut partitioner: entry points and naming
                     conventions of partitioned graphs
 ``inductor``        Inductor's entry points, config, custom-pass hook, lowerings, caches
+``logs``            PyTorch's structured trace (``TORCH_TRACE``, read by ``tlparse``)
 ``frames``          reading the Python stack: torch's own frames (``nn.Module`` calls,
                     ``torch.compile``'s entry) and ours (decorated regions, seam calls)
 ==================  ==========================================================================

@@ -4,7 +4,9 @@ caches. Inductor is imported on first use: ``import sac_compile`` does not load 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ __all__ = [
     "compile_caches_enabled",
     "compile_fx",
     "compile_fx_inner",
+    "pass_skipping_caches_disabled",
     "get_hash_for_files",
     "inductor_config",
     "register_noop_lowerings",
@@ -104,6 +107,23 @@ def register_noop_lowerings(ops) -> None:
 def cache_dir() -> str:
     """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or the default)."""
     return private("torch._inductor.runtime.cache_dir_utils", "cache_dir")()
+
+
+@contextlib.contextmanager
+def pass_skipping_caches_disabled() -> Iterator[None]:
+    """Inside the block no compile is served from a cache that would skip the tagging pass:
+    Inductor's FX graph cache and the AOTAutograd cache (local and remote) are off, and so is
+    Dynamo's profile-guided dynamic-shape cache (it would carry shapes between compiles).
+    Inductor's kernel caches stay on: a kernel compiled once is not compiled again (unlike
+    ``torch.compiler.config.force_disable_caches``, which recompiles every C++ kernel)."""
+    functorch_config = private("torch._functorch", "config")
+    dynamo_config = private("torch._dynamo", "config")
+    with (
+        inductor_config().patch(fx_graph_cache=False, fx_graph_remote_cache=False),
+        functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
+        dynamo_config.patch(automatic_dynamic_local_pgo=False, automatic_dynamic_remote_pgo=False),
+    ):
+        yield
 
 
 def compile_caches_enabled() -> bool:

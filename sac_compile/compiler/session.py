@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import records
+from .._compat import logs
 from ..markers.context import NO_CONTEXT, Enclosing
 
 __all__ = ["CompileUnit", "capture_units", "capturing", "compiling", "current_unit", "publish"]
@@ -89,9 +90,12 @@ def capture_units() -> Iterator[list[CompileUnit]]:
 
 def publish(record: records.GraphRecord) -> None:
     """The tagging pass's account of one graph: filed on the unit being compiled (if a sac
-    backend runs the pass) and in the record history (:func:`sac_compile.collect_records`)."""
+    backend runs the pass), in the record history (:func:`sac_compile.collect_records`) and
+    in PyTorch's structured trace (artifact ``sac_compile_regions``)."""
     unit = current_unit()
     if unit is not None:
         record.eager_fallbacks = list(unit.with_fallbacks)
         unit.records.append(record)
     records.publish(record)
+    # next to the graphs in tlparse (TORCH_TRACE=dir): what the pass kept and recomputed
+    logs.trace_artifact("sac_compile_regions", record.summary)

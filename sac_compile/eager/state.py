@@ -107,7 +107,8 @@ class _State:
 
     def _settle_shrinking_reads(self) -> None:
         """Keep the small reads of a cached matmul output cached only if every read is one
-        and together they are at most half its size.
+        and together they are at most half its size (Note [small reads of a kept matmul]
+        in passes/saving_rules.py).
 
         Then the recompute never reads the matmul output and it is dropped (unless autograd
         saved it); otherwise the reads are recomputed from it as usual. The compiled pass

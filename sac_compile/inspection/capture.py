@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._compat import dynamo
+from .._compat import dynamo, inductor
 from .._compat.checkpoint import tree_leaves
 from ..compiler import backend as _backend
 from ..compiler import session
@@ -55,7 +55,7 @@ def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> Par
     """
     sac = _resolve_backend(_backend.sac_backend if backend is None else backend)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.compiler.config.patch(force_disable_caches=True))
+        stack.enter_context(inductor.pass_skipping_caches_disabled())
         stack.enter_context(dynamo.dynamo_config().patch(accumulated_recompile_limit=1 << 20))
         units = stack.enter_context(session.capture_units())
         # isolate_recompiles: the capture's entries do not count against the

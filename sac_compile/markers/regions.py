@@ -115,14 +115,22 @@ class checkpoint_scope:
         torch.ops.sac_compile.scope_exit(self.scope_id, self.keep_text)
 
 
+# Note [straight-line under compile]
+# Dynamo cannot resume a graph break inside a try/with block of a frame it compiles: the
+# whole frame then runs eagerly. So code that brackets a call with markers while Dynamo
+# traces it (the decorator's wrapper here, the seam's call of a wrapped layer) emits
+# enter; call; exit as straight-line code. A graph break inside the call then splits the
+# caller around it, the caller keeps compiling, and the graphs compiled below the waiting
+# wrapper frame find its region or scope on the Python stack (markers.context).
+
+
 def _make_wrapper(name: str, fn: _F) -> _F:
     # Keep the name `_region_wrapper` (WRAPPER_NAME): markers.context finds these frames
     # on the stack by it, and the tagging pass finds it in Dynamo's recorded stack traces.
     @functools.wraps(fn)
     def _region_wrapper(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            # Straight-line on purpose: a graph break inside `fn` must not sit in
-            # a try/with block, or Dynamo falls back for the whole frame.
+            # See Note [straight-line under compile].
             torch.ops.sac_compile.region_enter(name)
             out = fn(*args, **kwargs)
             torch.ops.sac_compile.region_exit(name)

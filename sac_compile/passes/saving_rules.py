@@ -106,8 +106,17 @@ def _shrinks(n: fx.Node, size: int) -> bool:
     return out is not None and 2 * out <= size
 
 
+# Note [small reads of a kept matmul]
+# A kept matmul whose output the backward reads only through small cheap ops (a slice,
+# a reduction: at most half its bytes in total, every reader one) is better held as
+# those reads: the recompute never needs the big output, so it is dropped. Both engines
+# apply the same rule: here on the joint graph, and in the eager engine's end-of-forward
+# walk (eager/state.py, _State._settle_shrinking_reads).
+
+
 def save_small_reads_of_kept_matmuls(nodes, forward, rec: records.GraphRecord) -> None:
-    """Save the small reads of a kept matmul output instead of the output itself.
+    """Save the small reads of a kept matmul output instead of the output itself
+    (Note [small reads of a kept matmul]).
 
     When every op reading a saved matmul output (through views) is a recomputed cheap
     op, and together they are at most half its size — the combine's gather out of a zero-padded expert
