@@ -30,7 +30,7 @@ lint: install
 	$(PY) -m ruff format --check sac_compile tests examples benchmarks
 
 test: install lint
-	$(PY) -m pytest -n $(JOBS) --dist loadfile -q tests
+	$(PY) -m pytest -n $(JOBS) --dist worksteal -q tests
 
 demo: install
 	$(PY) examples/demo.py

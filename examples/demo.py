@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 import sac_compile as sc
-from sac_compile.compiler.backend import baseline_backend
 from sac_compile.testing.models import MoETransformer
 
 
@@ -103,7 +102,7 @@ def build(args, mode: str, keep: set[str] | tuple | None):
     run = model
     if mode == "compiled":
         if keep is None:
-            backend = baseline_backend(args.inner)  # the same compile without the tagging pass
+            backend = sc.baseline_backend(args.inner)  # the same compile without the tagging pass
         elif args.inner == "inductor":
             backend = sc.sac_backend  # each layer's checkpoint scope carries its own keep set
         else:

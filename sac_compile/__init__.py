@@ -20,7 +20,7 @@ that too):
 imported by ``import sac_compile``.
 """
 
-from .compiler import make_sac_backend, sac_backend
+from .compiler import baseline_backend, make_sac_backend, sac_backend
 from .config import SacConfig
 from .declare import RegionDeclarations, declare_regions, declared_regions, undeclare_regions
 from .diagnostics import SacDiagnosticError, set_strict, strict
@@ -42,6 +42,7 @@ __all__ = [
     "ALL_REGIONS",  # keep every marked region
     "make_sac_backend",  # memoised backend for a keep set
     "sac_backend",  # Inductor backend keeping every marked region
+    "baseline_backend",  # the same compile without the tagging pass (for comparisons)
     # Region policies: (op, open regions, keep) -> CheckpointPolicy, the same in both modes
     "SAVE_COSTLY",  # default: a kept region's costly values saved, its cheap ops recomputed
     "SAVE_ALL",  # every op of a kept region saved
