@@ -147,7 +147,7 @@ def _exit_hook(name: str, _module, _args, _output) -> None:
 # frames of their own (a graph break split the module call, so Dynamo runs _call_impl
 # eagerly), they are not compiled: the markers run eagerly (a no-op outside the eager
 # engine) and the graphs compiled for the forward find the region on the stack
-# (markers.enclosing_context) instead of in a marker-only graph of their own.
+# (markers.context.enclosing_context) instead of in a marker-only graph of their own.
 
 
 @functools.cache

@@ -160,7 +160,11 @@ def is_costly(op: Any) -> bool:
 
 # recomputed with their collective, but not communication themselves
 _COLLECTIVE_COMPANIONS = frozenset(
-    {"_c10d_functional::wait_tensor", "_c10d_functional::_wrap_tensor_autograd"}
+    {
+        "_c10d_functional::wait_tensor",
+        "_c10d_functional::_wrap_tensor_autograd",
+        "c10d_functional::wait_tensor",  # the legacy namespace's wait
+    }
 )
 
 

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ._compat import frames
 from ._compat.dynamo import has_compiled_call
+from ._compat.nn import CALL_IMPL, next_call_impl
 from .compiler.backend import make_sac_backend
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
@@ -191,7 +192,7 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
         _SUBCLASSES[key] = type(
             f"{SEAM_PREFIX}{cls.__name__}",
             (cls,),
-            {"_call_impl": call_impl, "__module__": cls.__module__, "_sac_seam_class": True},
+            {CALL_IMPL: call_impl, "__module__": cls.__module__, "_sac_seam_class": True},
         )
     return _SUBCLASSES[key]
 
@@ -203,7 +204,7 @@ def _seam_call_impl(self, *args, **kwargs):
     for klass in type(self).__mro__:
         if "_sac_seam_class" in klass.__dict__:
             break
-    call = super(klass, self)._call_impl
+    call = next_call_impl(klass, self)
     legacy = getattr(self, LEGACY_ATTR, False) is True
     if torch.compiler.is_compiling():
         # See Note [straight-line under compile] in sac_compile/markers/regions.py.

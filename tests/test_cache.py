@@ -84,7 +84,7 @@ def test_diagnostics_neither_misfire_nor_go_silent_on_a_warm_cache(cold_warm):
 def test_no_pass_is_reported_when_the_plain_compile_is_served_from_the_cache(tmp_path):
     """Plain torch.compile (Inductor, no pass) of a marked model: cold, AOTAutograd traces
     the markers and no-pass fires; warm, the cache serves the graph without tracing it.
-    Red without diagnostics._on_compile_end's cache-hit check: the warm run is silent."""
+    Red without diagnostics.trace_watch._on_compile_end's cache-hit check: the warm run is silent."""
     cold = _probe("", tmp_path, "--plain")
     warm = _probe("", tmp_path, "--plain")
     assert warm["autograd_cache_hit"] == 1

@@ -122,7 +122,7 @@ class BreakInDecorated(nn.Module):
 
 @pytest.mark.parametrize("compile", [False, AOT], ids=["eager", "compiled"])
 def test_keep_name_never_recorded_is_reported_once_per_model(reports, compile):
-    # Red without: diagnostics.GraphReporter.on_call's / seam._check_eager's keep-unused check.
+    # Red without: diagnostics.compiled.GraphReporter.on_call's / diagnostics.eager.check_engine_call's keep-unused check (both through diagnostics.judge).
     model = _stack(keep={"attn", "atn_typo_1"}, compile=compile)
     _steps(model, 3)
     got = reports("keep-unused")
@@ -159,12 +159,36 @@ def test_a_region_recorded_by_one_model_does_not_hide_keep_unused_for_another(re
     assert len(got) == 1 and "region 'attn'" in got[0] and "Unmarked" in got[0], got
 
 
+class BreakThenRegion(nn.Module):
+    """A graph break, then a region: compiled, two graphs, the region only in the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).relu()
+        torch._dynamo.graph_break()
+        with sc.region("late"):
+            return self.b(h)
+
+
+def test_layers_called_under_a_new_root_model_do_not_misfire_keep_unused(reports):
+    # Red before the per-module record: trained inside a wrapper (one root), then called on
+    # its own (another root), the first graph was judged on its second call before the
+    # second graph, which holds "late", had run under the new root.
+    layer = sc.apply_selective_checkpointing(BreakThenRegion(), keep={"late"}, compile=AOT)
+    _steps(nn.Sequential(layer), 1)
+    _steps(layer, 2)
+    assert reports("keep-unused") == []
+
+
 # --- 2. kept region that kept nothing -------------------------------------------------
 
 
 @pytest.mark.parametrize("compile", [False, AOT], ids=["eager", "aot_eager"])
 def test_kept_region_holding_only_views_is_reported(reports, compile):
-    # Red without: the saved_nodes == 0 branch of graph_diagnoses / the held check in seam._check_eager.
+    # Red without: the saved_nodes == 0 branch of diagnostics.compiled.graph_diagnoses / the held check in diagnostics.eager._first_call.
     model = sc.apply_selective_checkpointing(ViewRegion(), keep={"only_views"}, compile=compile)
     _steps(model, 3, _x())
     got = reports("kept-nothing")
@@ -186,7 +210,7 @@ def test_kept_region_the_backward_never_reads_is_reported(reports, compile):
 
 
 def test_markers_compiled_by_a_plain_backend_are_reported_at_compile_time(reports):
-    # Red without: diagnostics.marker_traced (called from the markers' fake impls).
+    # Red without: diagnostics.trace_watch.marker_traced (called from the markers' fake impls).
     model = Stack(n=2, d=16)
     compiled = torch.compile(model, backend="aot_eager")
     _steps(compiled, 2)
@@ -222,7 +246,7 @@ def test_a_custom_backend_that_delegates_to_the_sac_backend_is_not_reported(repo
 
 @pytest.mark.parametrize("compile", [False, AOT], ids=["eager", "compiled"])
 def test_enter_without_exit_is_reported(reports, compile):
-    # Red without: the unbalanced loop of graph_diagnoses / of seam._check_eager.
+    # Red without: the unbalanced loop of graph_diagnoses / of diagnostics.eager._first_call.
     model = sc.apply_selective_checkpointing(HalfOpen(), keep=sc.ALL_REGIONS, compile=compile)
     _steps(model, 3)
     got = reports("unbalanced")

@@ -416,7 +416,7 @@ def test_dead_recomputed_ops_are_skipped_bit_identically():
 
 
 def test_kept_region_of_cheap_ops_only_is_reported(caplog):
-    # Red without the kept-nothing check (seam._check_eager / diagnostics.graph_diagnoses).
+    # Red without the kept-nothing check (diagnostics.eager._first_call / diagnostics.compiled.graph_diagnoses).
     import logging
 
     class Cheap(nn.Module):

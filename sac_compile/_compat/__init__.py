@@ -14,6 +14,7 @@ module              what it wraps
 ``aot``             AOTAutograd and the min-cut partitioner: entry points and naming
                     conventions of partitioned graphs
 ``inductor``        Inductor's entry points, config, custom-pass hook, lowerings, caches
+``nn``              ``nn.Module``'s call machinery the seam overrides (``_call_impl``)
 ``logs``            PyTorch's structured trace (``TORCH_TRACE``, read by ``tlparse``)
 ``frames``          reading the Python stack: torch's own frames (``nn.Module`` calls,
                     ``torch.compile``'s entry) and ours (decorated regions, seam calls)
@@ -46,16 +47,26 @@ class TorchApiMoved(RuntimeError):
 @functools.cache
 def private(module: str, name: str) -> Any:
     """``module.name``, imported on first use; :class:`TorchApiMoved` if torch moved it."""
+    path = module
     try:
         obj = importlib.import_module(module)
-        path = module
         for part in name.split("."):
             path = f"{path}.{part}"
-            # a submodule is not an attribute of its package until it is imported
-            obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(path)
+            if hasattr(obj, part):
+                obj = getattr(obj, part)
+            else:  # a submodule is not an attribute of its package until it is imported
+                obj = importlib.import_module(path)
         return obj
-    except (ImportError, AttributeError) as e:
-        raise TorchApiMoved(
-            f"sac_compile relies on {module}.{name}, which torch {torch.__version__} does not provide "
-            f"({e}). sac_compile supports torch {SUPPORTED}; please report this with your torch version."
-        ) from e
+    except ModuleNotFoundError as e:
+        # only the module we look up being absent means torch moved it; an import error
+        # raised inside an existing module (a broken dependency) propagates as it is
+        if e.name is None or not (path.startswith(e.name) or module.startswith(e.name)):
+            raise
+        raise _moved(module, name, e) from e
+
+
+def _moved(module: str, name: str, e: Exception) -> TorchApiMoved:
+    return TorchApiMoved(
+        f"sac_compile relies on {module}.{name}, which torch {torch.__version__} does not provide "
+        f"({e}). sac_compile supports torch {SUPPORTED}; please report this with your torch version."
+    )

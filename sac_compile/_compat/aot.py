@@ -20,6 +20,7 @@ __all__ = [
     "is_tangent",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
+    "partitioner_tag",
     "primal_index",
     "running_compiled_code",
 ]
@@ -64,6 +65,13 @@ def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:
 # order) and tangents_1, ... (the backward's incoming gradients); a partitioned
 # backward's inputs are the saved values plus the tangents, and a saved RNG state of a
 # recomputed random op is named rng_state_output*.
+
+
+def partitioner_tag(node: Any) -> str | None:
+    """AOTAutograd's placement tag on a joint-graph node (``node.meta["partitioner_tag"]``):
+    ``"is_forward"`` for nodes traced by the forward, ``"must_be_in_forward"`` /
+    ``"must_be_in_backward"`` for nodes pinned to one side."""
+    return node.meta.get("partitioner_tag")
 
 
 def is_tangent(node_or_name: Any) -> bool:

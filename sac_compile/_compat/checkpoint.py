@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 # Public: the partitioner's and SAC's tag values.
 from torch.utils.checkpoint import CheckpointPolicy
 
-from . import TorchApiMoved, private
+from . import private
 
 __all__ = [
     "CheckpointPolicy",
@@ -46,16 +47,15 @@ def sac_ignored_ops() -> frozenset:
     return frozenset(private("torch.utils.checkpoint", "SAC_IGNORED_OPS"))
 
 
+_STORAGE_KEY = getattr(torch.utils.checkpoint, "_sac_storage_key", None)
+
+
 def sac_storage_key(func: Any, args: tuple) -> Any:
     """The key of ``func``'s per-op FIFO of cached values (``_sac_storage_key``): the op,
     except that each Inductor-compiled region called as ``inductor_compiled_code`` gets its
     own queue (upstream gh-175258: one shared queue served the wrong entry when a cached
     region was skipped in the recompute). Torch without it: the op."""
-    try:
-        key_fn = private("torch.utils.checkpoint", "_sac_storage_key")
-    except TorchApiMoved:
-        return func
-    return key_fn(func, args)
+    return func if _STORAGE_KEY is None else _STORAGE_KEY(func, args)
 
 
 def top_saved_tensors_hooks() -> tuple[Any, Any] | None:

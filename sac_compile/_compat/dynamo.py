@@ -19,6 +19,7 @@ __all__ = [
     "current_compile_id",
     "current_dynamo_tx",
     "dynamo_config",
+    "node_module_stack",
     "has_compiled_call",
     "on_dynamo_compile_end",
     "skip_frame",
@@ -51,10 +52,10 @@ def current_dynamo_tx():
     ``output.compiler_fn`` (the backend, wrapped), ``nn_module_stack`` (module key
     -> (path, class) for the module calls being inlined) and ``f_code`` / ``f_locals``.
     """
-    translator = private("torch._dynamo.symbolic_convert", "InstructionTranslator")
+    current_tx = private("torch._dynamo.symbolic_convert", "InstructionTranslator.current_tx")
     try:
-        return translator.current_tx()
-    except AttributeError:
+        return current_tx()
+    except AttributeError:  # no trace on this thread (the thread-local is unset)
         return None
 
 
@@ -77,6 +78,13 @@ def compiled_code_name(tx: Any = None) -> str | None:
 def tx_module_stack(tx: Any) -> list[tuple[str, Any]]:
     """``(module path, class)`` of the module calls Dynamo is inlining, outermost first."""
     return list(getattr(tx, "nn_module_stack", {}).values())
+
+
+def node_module_stack(node: Any) -> list[tuple[str, Any]]:
+    """``(module path, class)`` of the module calls around an FX node Dynamo traced,
+    outermost first (``node.meta["nn_module_stack"]``, which Dynamo records and AOTAutograd
+    carries onto the joint graph)."""
+    return list((node.meta.get("nn_module_stack") or {}).values())
 
 
 def tx_backend(tx: Any) -> Any:

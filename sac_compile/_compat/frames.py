@@ -75,7 +75,9 @@ def frame_self(frame: Any) -> torch.nn.Module | None:
     if code.co_filename.startswith(_OUR_PACKAGE) and not code.co_name.startswith(SEAM_CALL_PREFIX):
         return None
     candidate = frame.f_locals.get(code.co_varnames[0])
-    return unwrap_compiled(candidate) if isinstance(candidate, torch.nn.Module) else None
+    if not isinstance(candidate, torch.nn.Module) or isinstance(candidate, torch.fx.GraphModule):
+        return None  # (a backend's `fn(gm, example_inputs)` is not a module call)
+    return unwrap_compiled(candidate)
 
 
 def outermost_module() -> torch.nn.Module | None:

@@ -112,8 +112,9 @@ def cache_dir() -> str:
 @contextlib.contextmanager
 def pass_skipping_caches_disabled() -> Iterator[None]:
     """Inside the block no compile is served from a cache that would skip the tagging pass:
-    Inductor's FX graph cache and the AOTAutograd cache (local and remote) are off, and so is
-    Dynamo's profile-guided dynamic-shape cache (it would carry shapes between compiles).
+    Inductor's FX graph cache, the AOTAutograd cache (local and remote) and Dynamo's
+    precompile cache are off, and so is Dynamo's profile-guided dynamic-shape cache (it
+    would carry shapes between compiles).
     Inductor's kernel caches stay on: a kernel compiled once is not compiled again (unlike
     ``torch.compiler.config.force_disable_caches``, which recompiles every C++ kernel)."""
     functorch_config = private("torch._functorch", "config")
@@ -121,7 +122,11 @@ def pass_skipping_caches_disabled() -> Iterator[None]:
     with (
         inductor_config().patch(fx_graph_cache=False, fx_graph_remote_cache=False),
         functorch_config.patch(enable_autograd_cache=False, enable_remote_autograd_cache=False),
-        dynamo_config.patch(automatic_dynamic_local_pgo=False, automatic_dynamic_remote_pgo=False),
+        dynamo_config.patch(
+            automatic_dynamic_local_pgo=False,
+            automatic_dynamic_remote_pgo=False,
+            caching_precompile=False,  # Dynamo's precompile cache installs whole compiled backends
+        ),
     ):
         yield
 

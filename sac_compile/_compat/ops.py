@@ -6,7 +6,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["OpOverload", "OpOverloadPacket", "HigherOrderOperator", "is_view_op", "op_name"]
+__all__ = [
+    "HigherOrderOperator",
+    "OpOverload",
+    "OpOverloadPacket",
+    "functional_all_to_all",
+    "is_view_op",
+    "op_name",
+]
 
 # torch._ops is where the operator classes live; torch.ops only exposes instances.
 OpOverload = torch._ops.OpOverload
@@ -24,3 +31,13 @@ def op_name(target: Any) -> str:
     if isinstance(target, OpOverload):
         return target.overloadpacket._qualified_op_name.replace("::", ".")
     return getattr(target, "__name__", str(target))
+
+
+def functional_all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Equal-split all-to-all as a differentiable functional collective (its backward is
+    the reverse all-to-all): ``torch.distributed._functional_collectives``
+    ``all_to_all_single_autograd``, whose ops (``_c10d_functional.all_to_all_single`` +
+    ``wait_tensor``) the compiled path can save."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(t, None, None, group)

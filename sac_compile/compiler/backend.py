@@ -82,7 +82,7 @@ def _swallowed_layers(gm: torch.fx.GraphModule) -> list[str]:
     found = []
     for node in gm.graph.nodes:
         if marker_kind(node) == "scope_enter" and node.args[0] == 1:
-            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            stack = dynamo.node_module_stack(node)
             if stack:
                 found.append(records.describe_stack_entry(*stack[-1]))
     return found
@@ -92,7 +92,7 @@ def _layer_paths(gm: torch.fx.GraphModule) -> list[str]:
     """Sibling layers a graph spans: module paths ``...<int>`` sharing a parent and class."""
     groups: dict[tuple[str, str], set[str]] = {}
     for node in gm.graph.nodes:
-        for path, cls in (node.meta.get("nn_module_stack") or {}).values():
+        for path, cls in dynamo.node_module_stack(node):
             clean = records.clean_module_path(path)
             parent, _, last = clean.rpartition(".")
             if last.isdigit():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch.nn as nn
+
 from ..records import GraphRecord, describe_modules
 from . import messages
 from .core import PROCESS, Diagnosis, innermost_module, note_regions, owner
@@ -103,7 +105,7 @@ class GraphReporter:
             return
         root = owner()
         # regions are recorded per root model: a graph records them for each model it runs in
-        note_regions(self.regions, root)
+        note_regions(self.regions, root, inner if isinstance(inner, nn.Module) else None)
         self.judge.on_call(inner, root, self.where, lambda: self.diagnoses)
 
 

@@ -187,16 +187,32 @@ def describe_module(module: nn.Module, path: str | None = None) -> str:
 # --- Region names recorded per root model (for keep-unused) --------------------------
 
 _recorded: weakref.WeakKeyDictionary[object, set[str]] = weakref.WeakKeyDictionary()
+# the same names by the module whose graph or eager scope recorded them: a module that ran
+# under one root (a DDP wrapper) and is later called under another (``ddp.module``) keeps
+# counting for the models that contain it
+_recorded_by_module: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 
 
-def note_regions(names: Iterable[str], owner_: object) -> None:
-    """Region names that a marker recorded under ``owner_`` (a tagged graph that ran, an eager scope)."""
+def note_regions(names: Iterable[str], owner_: object, module: nn.Module | None = None) -> None:
+    """Region names that a marker recorded under ``owner_`` (a tagged graph that ran, an
+    eager scope), in ``module`` (the layer or graph's module, if any)."""
+    names = set(names)
     with _lock:
         _recorded.setdefault(_as_owner(owner_), set()).update(names)
+        if module is not None:
+            _recorded_by_module.setdefault(module, set()).update(names)
 
 
 def unrecorded(names: Iterable[str], owner_: object) -> list[str]:
-    """The names in ``names`` that no marker recorded under ``owner_``."""
+    """The names in ``names`` that no marker recorded under ``owner_``, nor in any module
+    that ``owner_`` contains."""
+    root = _as_owner(owner_)
     with _lock:
-        seen = _recorded.get(_as_owner(owner_), set())
-        return sorted(n for n in names if n not in seen)
+        seen = set(_recorded.get(root, ()))
+    missing = sorted(n for n in names if n not in seen)
+    if missing and isinstance(root, nn.Module):
+        with _lock:
+            for m in root.modules():
+                seen |= _recorded_by_module.get(m, set())
+        missing = [n for n in missing if n not in seen]
+    return missing

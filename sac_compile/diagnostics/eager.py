@@ -58,7 +58,7 @@ def check_engine_call(module: nn.Module, keep: KeepSet, stats: Any) -> None:
     """Diagnoses of one eager engine call (``stats``: its ``EngineStats``)."""
     root = owner()
     where = where_in(module, root)
-    note_regions(stats.regions_entered, root)
+    note_regions(stats.regions_entered, root, module)
     explicit = () if keep is ALL_REGIONS else tuple(keep)
     judge = _judges.setdefault(format_keep(keep), RepeatJudge(explicit))
     judge.on_call(module, root, where, lambda: _first_call(keep, stats, where))

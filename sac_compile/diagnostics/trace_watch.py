@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from .._compat import dynamo, frames
+from .._compat import TorchApiMoved, dynamo, frames
 from ..records import describe_stack_entry
 from . import messages
 from .core import COMPILE_SWALLOWED, NO_PASS, Diagnosis, SacDiagnosticError, describe_module, owner, report
@@ -94,8 +94,8 @@ def marker_traced(kind: str, payload: tuple) -> None:
     """
     try:
         _marker_traced(kind, payload)
-    except SacDiagnosticError:
-        raise
+    except (SacDiagnosticError, TorchApiMoved):
+        raise  # strict mode; a private torch API that moved must be loud, not a silent no-op
     except Exception as e:  # a diagnostics bug must not fail the user's compile
         log.debug("sac_compile: trace-time diagnostics failed: %r", e)
 

@@ -54,7 +54,7 @@ import torch
 import torch.fx as fx
 
 from .. import keep, policy, records
-from .._compat import aot, frames
+from .._compat import aot, dynamo, frames
 from .._compat import inductor as inductor_compat
 from .._compat import ops as op_types
 from .._compat.checkpoint import CheckpointPolicy
@@ -208,7 +208,7 @@ def _forward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
     ``partitioner_tag == "is_forward"``; a graph without those tags (built by hand)
     falls back to "everything before the first node that reads a tangent".
     """
-    tagged = {n for n in nodes if n.meta.get("partitioner_tag") == "is_forward"}
+    tagged = {n for n in nodes if aot.partitioner_tag(n) == "is_forward"}
     if tagged:
         return tagged
     backward: set[fx.Node] = set()
@@ -343,7 +343,7 @@ def _tag_forward(
                     del scope_stack[i]
                     break
             continue
-        if n.meta.get("partitioner_tag") in ("must_be_in_forward", "must_be_in_backward"):
+        if aot.partitioner_tag(n) in ("must_be_in_forward", "must_be_in_backward"):
             continue
 
         open_names = tuple(sorted(name for name, c in open_count.items() if c > 0))
@@ -409,10 +409,10 @@ def _note_module(rec: records.GraphRecord, marker: fx.Node) -> None:
     """Where a region was entered: the innermost module Dynamo saw around the marker."""
     if frames.stack_trace_mentions(marker, WRAPPER_NAME):
         rec.decorated_enters.add(str(marker.args[0]))  # the @region wrapper emitted it
-    stack = marker.meta.get("nn_module_stack") or {}
+    stack = dynamo.node_module_stack(marker)
     if not stack:
         return
-    path, cls = list(stack.values())[-1]
+    path, cls = stack[-1]
     where = (records.clean_module_path(path), records.user_class_name(cls))
     rec.region_modules.setdefault(str(marker.args[0]), set()).add(where)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._compat.ops import functional_all_to_all
 from ..keep import ALL_REGIONS
 from ..markers import checkpoint_scope, region
 
@@ -263,9 +264,7 @@ class ExpertParallelMoE(nn.Module):
     def _all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         if self.group is None:
             return t
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-        return all_to_all_single_autograd(t, None, None, self.group)
+        return functional_all_to_all(t, self.group)
 
     def _dispatch(self, x: torch.Tensor, token: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         send = x.new_zeros(self.n_experts * x.shape[0], x.shape[1]).index_add(0, slot, x[token])
