@@ -27,11 +27,10 @@ from typing import Any
 import torch
 
 from .. import records
-from .._compat import aot, dynamo, inductor
+from .._compat import aot, dynamo, frames, inductor
 from .._compat.ops import is_view_op, op_name
 from ..diagnostics import compiled as diagnosed
 from ..diagnostics import describe_module, side_file, trace_watch
-from ..diagnostics.core import innermost_module
 from ..keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from ..markers import marker_kind
 from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, with_block_fallbacks
@@ -46,9 +45,10 @@ _INNER = ("inductor", "aot_eager")
 
 def _new_unit(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> CompileUnit:
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    compiled_self = dynamo.compiled_self()
     return CompileUnit(
-        module=_compiled_module_name(),
-        context=enclosing_context(dynamo.compiled_self()),
+        module=_compiled_module_name(compiled_self),
+        context=enclosing_context(compiled_self),
         with_fallbacks=with_block_fallbacks(gm),
         layer_paths=_layer_paths(gm),
         swallowed=_swallowed_layers(gm),
@@ -60,14 +60,14 @@ def _new_unit(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> CompileUni
     )
 
 
-def _compiled_module_name() -> str:
-    """The module whose frame Dynamo is compiling (for diagnostics)."""
-    obj = dynamo.compiled_self()
+def _compiled_module_name(obj: object) -> str:
+    """The module whose frame Dynamo is compiling (for diagnostics); ``obj``: that frame's
+    ``self``, if any."""
     if isinstance(obj, torch.nn.Module):
         return describe_module(dynamo.unwrap_compiled(obj))
     # a resume function, a region's __enter__ run on its own, a plain function:
     # the module whose method is running below it
-    module = innermost_module()
+    module = frames.innermost_module()
     if module is not None:
         return describe_module(module)
     name = dynamo.compiled_code_name()

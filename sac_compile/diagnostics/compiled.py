@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
+from .._compat.frames import innermost_module
 from ..records import GraphRecord, describe_modules
 from . import messages
-from .core import PROCESS, Diagnosis, innermost_module, note_regions, owner
+from .core import PROCESS, Diagnosis, note_regions, owner
 from .judge import RepeatJudge
 
 __all__ = ["GraphReporter", "graph_diagnoses", "with_reporter"]

@@ -28,7 +28,6 @@ __all__ = [
     "Diagnosis",
     "SacDiagnosticError",
     "describe_module",
-    "innermost_module",
     "make_strict",
     "note_regions",
     "owner",
@@ -151,11 +150,6 @@ def owner() -> object:
     """The root module: the outermost ``nn.Module`` with a frame on the stack (else the process)."""
     found = frames.outermost_module()
     return PROCESS if found is None else found
-
-
-def innermost_module() -> nn.Module | None:
-    """The innermost ``nn.Module`` with a frame on the stack."""
-    return frames.innermost_module()
 
 
 def report(diagnosis: Diagnosis, owner_: object | None = None) -> bool:

@@ -31,7 +31,7 @@ _legacy_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _compiled_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _fallback_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # one judge per keep set (Note [judged on a repeat]), keyed by the wrapped module
-_judges: dict[str, RepeatJudge] = {}
+_judges: dict[KeepSet, RepeatJudge] = {}
 
 
 def where_in(module: nn.Module, root: object) -> str:
@@ -50,7 +50,7 @@ def _kept(keep: KeepSet, name: str) -> bool:
 
 def engine_done(module: nn.Module, keep: KeepSet) -> bool:
     """Whether ``module``'s eager-engine calls need no more checking."""
-    judge = _judges.get(format_keep(keep))
+    judge = _judges.get(keep)
     return judge is not None and judge.done(module)
 
 
@@ -60,7 +60,7 @@ def check_engine_call(module: nn.Module, keep: KeepSet, stats: Any) -> None:
     where = where_in(module, root)
     note_regions(stats.regions_entered, root, module)
     explicit = () if keep is ALL_REGIONS else tuple(keep)
-    judge = _judges.setdefault(format_keep(keep), RepeatJudge(explicit))
+    judge = _judges.setdefault(keep, RepeatJudge(explicit))
     judge.on_call(module, root, where, lambda: _first_call(keep, stats, where))
 
 
