@@ -198,13 +198,25 @@ def test_eager_engine_is_bit_identical_and_retains_no_more(program, keep):
     assert selective <= plain, (selective, plain)
 
 
-def _captured(module: nn.Module, x: torch.Tensor, backend) -> tuple[sc.PartitionReport, list]:
-    """capture_partition runs forward and backward (of the output's sum) once."""
+def _captured(module: nn.Module, x: torch.Tensor, backend) -> tuple[sc.PartitionReport, list, int]:
+    """capture_partition runs forward and backward (of the output's sum) once; the same run
+    is watched by ``saved_tensors_hooks`` (bytes of the distinct non-parameter storages
+    the compiled function hands to autograd), an independent count of what it saves."""
     module.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
     torch.manual_seed(1)
-    report = sc.capture_partition(module, x, backend=backend)
-    return report, [x.grad] + [p.grad for p in module.parameters()]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        report = sc.capture_partition(module, x, backend=backend)
+    return report, [x.grad] + [p.grad for p in module.parameters()], sum(storages.values())
 
 
 _COSTLY_OP = re.compile(r"(^|\.)(mm|addmm|bmm|baddbmm)$|scaled_dot_product|attention")
@@ -226,12 +238,12 @@ def test_compiled_saves_only_kept_values_and_matches(program, keep):
     x = _input()
     has_dropout = any(what in RANDOM for _, what in program)
     backend = sc.make_sac_backend(keep, inner="aot_eager")
-    report, got = _captured(module, x, backend)
+    report, got, hooks = _captured(module, x, backend)
     # the reference: the same compile without the tagging pass when random ops are in play
     # (the compiled RNG stream is the compiled graph's), else eager
     if has_dropout:
         torch._dynamo.reset()
-        _, ref = _captured(module, x, "aot_eager")
+        _, ref, _ = _captured(module, x, "aot_eager")
     else:
         _, ref = _grads(module, x, lambda m, x: m(x))
     for g, r in zip(got, ref, strict=True):
@@ -247,7 +259,4 @@ def test_compiled_saves_only_kept_values_and_matches(program, keep):
             if _kept(region, keep):
                 costly = [op for _, op in recomputed if _COSTLY_OP.search(op)]
                 assert not costly, (region, costly, program, keep)
-    torch._dynamo.reset()
-    compiled = torch.compile(module, backend=backend)
-    hooks = sc.autograd_saved_bytes(compiled, x.detach().requires_grad_(), exclude=module.parameters())
     assert report.saved_bytes == hooks, (report.saved_bytes, hooks, report.format(inputs=True))
