@@ -1,11 +1,25 @@
 # `make test` and `make demo` work from a fresh clone: they create/refresh .venv,
 # install the pinned CPU wheel torch==2.13.0 first (an unpinned torch would pull a
 # multi-GB CUDA build), then the package with its extras, then run.
+#
+# `make test TORCH=2.15.0` (or 2.14.1, any supported release) does the same in a
+# venv of its own, .venv-torch2.15.0. Releases after 2.13.0 exist only as the full
+# CUDA build (it runs on the CPU; 2.15.0 is ~3 GB of wheels), and this machine's pip
+# constraint file caps torch at 2.14.1: that venv's installs read an empty
+# constraint file instead (PIP_CONSTRAINT, set for those pip commands only; no
+# system file is touched).
 PYTHON ?= python3
+TORCH  ?= 2.13.0
+DEFAULT_TORCH := 2.13.0
+ifeq ($(TORCH),$(DEFAULT_TORCH))
 VENV   ?= .venv
+PIP_ENV :=
+else
+VENV   ?= .venv-torch$(TORCH)
+PIP_ENV := PIP_CONSTRAINT=$(abspath $(VENV))/no-constraints.txt
+endif
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sac-compile-installed
-TORCH  := torch==2.13.0
 # pytest-xdist workers; Inductor's own compile pool is kept to one thread per worker.
 JOBS   ?= 2
 
@@ -18,9 +32,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml Makefile | $(PY)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e '.[test,demo]'
+	: > $(VENV)/no-constraints.txt
+	$(PIP_ENV) $(PY) -m pip install --quiet --upgrade pip
+	$(PIP_ENV) $(PY) -m pip install --quiet torch==$(TORCH)
+	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test,demo]'
+	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -133,7 +133,7 @@ def test_eager_held_bytes_per_layer_rise_with_kept_regions(name):
         stats: list = []
         checkpoint_with_regions(layer, h, keep=set(keep), stats_out=stats).sum().backward()
         by_region = stats[0].held_by_region
-        # activations only: "rng" is the RNG state kept to replay dropout (p=0 still draws)
+        # activations only: "rng" is the RNG state kept to replay a random op (dropout)
         held[keep] = sum(v for k, v in by_region.items() if k != "rng")
         assert {r for key in by_region if by_region[key] for r in key.split("+")} - {"-", "rng"} == set(keep)
     assert held[()] == 0 < held[(a,)] < held[(a, b)] <= none

@@ -23,5 +23,10 @@ def test_same_regions_saved_and_compiled_holds_no_more(keep, inner):
     print(report.format())
     expected = set() if keep == () else ({"attn", "mlp"} if keep is sc.ALL_REGIONS else set(keep))
     assert report.saved_regions("eager") == report.saved_regions("compiled") == expected
-    assert report.eager == report.compiled
+    # the same bytes per region; the RNG state is not a region: before torch 2.15 the
+    # partitioner stashes it for a recomputed SDPA kernel even without dropout (it carries
+    # the nondeterministic_seeded tag), which the eager engine and 2.15 do not
+    regions = {k: v for k, v in report.compiled.items() if k != "rng"}
+    assert {k: v for k, v in report.eager.items() if k != "rng"} == regions
+    assert report.eager.get("rng", 0) == 0
     assert report.eager["input"] == report.compiled["input"] == x.numel() * 4

@@ -18,6 +18,7 @@ __all__ = [
     "is_buffer_input",
     "is_rng_state_output",
     "is_tangent",
+    "is_with_effects",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "partitioner_tag",
@@ -72,6 +73,15 @@ def partitioner_tag(node: Any) -> str | None:
     ``"is_forward"`` for nodes traced by the forward, ``"must_be_in_forward"`` /
     ``"must_be_in_backward"`` for nodes pinned to one side."""
     return node.meta.get("partitioner_tag")
+
+
+def is_with_effects(node: Any) -> bool:
+    """A ``with_effects`` call: an effectful op (``torch.library._register_effectful_op``:
+    ``aten._print``, torchbind calls, ...) threaded with an effect token. The partitioner
+    saves its outputs (``force_save_effectful_ops``, ``torch/_functorch/partitioners.py``)
+    unless it is tagged ``MUST_RECOMPUTE``; since 2.15 that tag raises, and before it the op
+    ran again in the backward and the token-free saved list crashed the forward."""
+    return node.op == "call_function" and node.target is torch.ops.higher_order.with_effects
 
 
 def is_tangent(node_or_name: Any) -> bool:

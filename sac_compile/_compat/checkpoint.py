@@ -9,6 +9,8 @@ we use upstream's, so fixes there reach us.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "sac_ignored_ops",
     "sac_storage_key",
     "top_saved_tensors_hooks",
+    "checkpoint_internal_hooks",
     "tree_leaves",
     "tree_map",
 ]
@@ -62,6 +65,30 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
     """The innermost ``saved_tensors_hooks`` pair in effect (the checkpoint's own, inside
     a non-reentrant checkpoint), or None (``torch._C._autograd``)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@contextlib.contextmanager
+def checkpoint_internal_hooks(pack: Callable, unpack: Callable) -> Iterator[None]:
+    """``saved_tensors_hooks(pack, unpack)`` that a checkpoint nested inside takes for the
+    checkpoint's own, not the user's.
+
+    Since torch 2.15 selective checkpointing routes the tensors it caches through the
+    *user's* saved-tensors hooks (``respect_saved_tensors_hooks``; a ``FutureWarning`` while
+    it defaults to off), found by ``_current_user_saved_tensors_hooks``, which skips pack
+    hooks marked ``_checkpoint_internal`` and follows their ``_user_hooks`` to the pair that
+    was in effect below them (``torch/utils/checkpoint.py``). Our pack hook wraps the
+    checkpoint's own, so it is marked the same way; before 2.15 the marks are unread.
+    """
+    current = getattr(torch.utils.checkpoint, "_current_user_saved_tensors_hooks", None)
+    if current is not None:
+        pack._checkpoint_internal = True  # type: ignore[attr-defined]
+        pack._user_hooks = current()  # type: ignore[attr-defined]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        if current is not None:
+            del pack._user_hooks  # type: ignore[attr-defined]  # (upstream: no reference cycle)
 
 
 # torch.utils._pytree: flattening op arguments and outputs (no public equivalent in 2.13).

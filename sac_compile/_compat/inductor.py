@@ -24,6 +24,8 @@ __all__ = [
     "inductor_config",
     "register_noop_lowerings",
     "seed_ops",
+    "custom_graph_passes",
+    "seed_creation_ops",
 ]
 
 
@@ -54,6 +56,21 @@ def compile_fx_inner(gm, example_inputs, **kwargs: Any):
 
 def inductor_config():
     return private("torch._inductor", "config")
+
+
+def custom_graph_passes(value: Any) -> tuple:
+    """A ``joint_custom_*_pass`` config value as a tuple of passes: ``None``, one pass, or a
+    list / tuple of them (``custom_graph_pass.get_custom_graph_passes``; a tuple is also what
+    the config accepts and the cache key hashes, pass by pass)."""
+    return private("torch._inductor.custom_graph_pass", "get_custom_graph_passes")(value)
+
+
+def seed_creation_ops() -> frozenset:
+    """The ops that draw seeds from the RNG in Inductor's joint graph: ``inductor_seed`` (one
+    per random op, from ``replace_random_passes``) and ``inductor_seeds`` (one per device,
+    from ``fuse_seed_creation_pass``, ``torch/_inductor/fx_passes/replace_random.py``)."""
+    prims = private("torch._inductor", "inductor_prims")
+    return frozenset({prims.seed, prims.seeds})
 
 
 @functools.cache

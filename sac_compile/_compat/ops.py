@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+
+from . import private
 
 __all__ = [
     "HigherOrderOperator",
     "OpOverload",
     "OpOverloadPacket",
     "functional_all_to_all",
+    "is_effectful",
     "is_view_op",
     "op_name",
 ]
@@ -24,6 +28,18 @@ HigherOrderOperator = torch._ops.HigherOrderOperator
 def is_view_op(target: Any) -> bool:
     """An ATen overload whose output aliases its input (``OpOverload.is_view``)."""
     return isinstance(target, OpOverload) and target.is_view
+
+
+@functools.lru_cache(maxsize=4096)
+def is_effectful(func: Any) -> bool:
+    """An op registered with side effects (``torch.library._register_effectful_op``;
+    ``torch._higher_order_ops.effects._get_effect``): ``aten._print``, torchbind calls, a
+    user's effectful custom op. Under compile it is threaded with an effect token
+    (``with_effects``) and never recomputed. Looked up once per op: effects are
+    registered with the op, before it first runs."""
+    if not isinstance(func, OpOverload):
+        return False
+    return private("torch._higher_order_ops.effects", "_get_effect")(func) is not None
 
 
 def op_name(target: Any) -> str:

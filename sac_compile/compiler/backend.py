@@ -175,7 +175,14 @@ class SacBackend:
     def _compile_inductor(self, gm, example_inputs, pass_, unit, capturing):
         patches = dict(self.inductor_config)
         if pass_ is not None:
+            from ..passes.untag_seeds import UNTAG_SEEDS  # loads Inductor, as the pass does
+
             patches["joint_custom_pre_pass"] = pass_
+            # after any post pass of the user's (scoped or global): seeds drawn once
+            user_post = patches.get(
+                "joint_custom_post_pass", inductor.inductor_config().joint_custom_post_pass
+            )
+            patches["joint_custom_post_pass"] = (*inductor.custom_graph_passes(user_post), UNTAG_SEEDS)
         inner = functools.partial(_capturing_inner_compile, unit, capturing)
         return inductor.compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
 

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .._compat.checkpoint import top_saved_tensors_hooks
+from .._compat.checkpoint import checkpoint_internal_hooks, top_saved_tensors_hooks
 from ..keep import KeepSet
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
@@ -91,7 +91,7 @@ def _chained_pack_hook(state: _State):
         state.saved_storages.add_tensor(t)
         return outer_pack(t)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, outer_unpack):
+    with checkpoint_internal_hooks(pack, outer_unpack):
         yield
 
 

@@ -16,6 +16,7 @@ from .._compat.checkpoint import (
     tree_map,
 )
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
+from .._compat.ops import is_effectful
 from ..markers import ops
 from ..policy import MATMULS, communicates, is_collective, is_costly
 from .op_facts import (
@@ -74,7 +75,8 @@ class _CachingMode(TorchDispatchMode):
         inputs = _tensor_storages((args, kwargs))
         writes = _writes(func, args, kwargs)
         rng = None
-        if _is_random(func) and st.preserve_rng_state:
+        random = _is_random(func, args, kwargs)
+        if random and st.preserve_rng_state:
             rng = _rng_state((args, kwargs))
         out = func(*args, **kwargs)
 
@@ -87,7 +89,7 @@ class _CachingMode(TorchDispatchMode):
             cached = is_costly(func) and not running_compiled_code()
         shrink_of = None
         if not cached and st.matmul_bytes and torch.is_grad_enabled():
-            shrink_of = _shrinking_read(st, func, inputs, out, writes)
+            shrink_of = _shrinking_read(st, func, args, kwargs, inputs, out, writes)
             cached = shrink_of is not None
         if is_collective(func):
             if communicates(func):
@@ -95,6 +97,8 @@ class _CachingMode(TorchDispatchMode):
                 # autograd kernel: kept is what the region asked for)
                 st.stats.collectives.append((regions, str(func.overloadpacket), kept))
             cached = False
+        elif is_effectful(func) and not writes.has_out and not running_compiled_code():
+            cached = True  # its effect happens once, in the forward (as compiled code does)
         external_writes = []
         for t in writes.in_place:
             s = _storage(t)
@@ -139,7 +143,7 @@ class _CachingMode(TorchDispatchMode):
             # lift_fresh returns its input: a torch.tensor(...) literal made in the scope
             if _storage(t) not in inputs or func in _LIFT_FRESH:
                 st.produced.add_tensor(t)
-        if _is_random(func) or any(s in st.random_derived for s in inputs):
+        if random or any(s in st.random_derived for s in inputs):
             for t in _tensors(out) + writes.in_place:
                 st.random_derived.add_tensor(t)
         st.entries[sac_storage_key(func, args)].append(entry)
@@ -147,10 +151,17 @@ class _CachingMode(TorchDispatchMode):
         return out
 
 
-def _shrinking_read(st: _State, func: Any, inputs: tuple[int, ...], out: Any, writes: _Writes) -> int | None:
+def _shrinking_read(
+    st: _State, func: Any, args: tuple, kwargs: dict, inputs: tuple[int, ...], out: Any, writes: _Writes
+) -> int | None:
     """The cached matmul output ``func`` reads and is at most half the size of, if it is a
     cheap, deterministic, non-writing, non-view op with floating-point outputs."""
-    if getattr(func, "is_view", False) or is_costly(func) or _is_random(func) or is_collective(func):
+    if (
+        getattr(func, "is_view", False)
+        or is_costly(func)
+        or _is_random(func, args, kwargs)
+        or is_collective(func)
+    ):
         return None
     if writes.in_place or writes.out or not _all_float_tensors(out):
         return None

@@ -142,8 +142,19 @@ def _wait_functional(func: Any, out: Any) -> None:
             torch.ops._c10d_functional.wait_tensor.default(t)
 
 
-def _is_random(func: Any) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+def _is_random(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """Draws from the RNG: tagged ``nondeterministic_seeded``, except an attention kernel
+    called with ``dropout_p=0`` (the CPU flash kernel carries the tag whatever its dropout;
+    torch 2.15's partitioner, ``is_rng_op``, makes the same exception)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    schema = getattr(func, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    p = args[i] if i < len(args) else (kwargs or {}).get("dropout_p", schema.arguments[i].default_value)
+    return not (isinstance(p, (int, float)) and p == 0)
 
 
 def _rng_state(tree: Any) -> tuple:

@@ -427,6 +427,8 @@ def _decide(n: fx.Node, open_names: tuple[str, ...], scope: _Scope) -> Checkpoin
         return None
     if target in seed_ops():
         return CheckpointPolicy.MUST_SAVE
+    if aot.is_with_effects(n):
+        return None  # the partitioner saves an effectful op's outputs: it must run once
     if op_types.is_view_op(target):
         return CheckpointPolicy.MUST_RECOMPUTE
     return checked_decision(scope.policy, target, open_names, scope.keep)
