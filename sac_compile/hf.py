@@ -5,17 +5,25 @@
 >>> model = tiny_qwen3_moe()                       # random weights, no download
 >>> config_for(model, keep={"attn", "experts"}, compile=True).apply(model)  # doctest: +SKIP
 
-Regions declared for the supported families (module paths as ``named_modules()``
-reports them on ``*ForCausalLM``):
+:func:`regions_for` reads each decoder layer's children by type and structure (not by
+fixed paths), so mixed layers are declared layer by layer: dense first layers of
+DeepSeek-V3, Qwen3-MoE's ``mlp_only_layers``, hybrid Jamba / Granite-MoE-hybrid layers.
+One vocabulary of region names (:data:`REGION_NAMES`):
 
-============  =====================================  ==========================================
-region        Llama / Mistral-style dense            Qwen3-MoE / Mixtral (transformers 5.x)
-============  =====================================  ==========================================
-``attn``      ``model.layers.*.self_attn``           ``model.layers.*.self_attn``
-``mlp``       ``model.layers.*.mlp``                 --
-``router``    --                                     ``model.layers.*.mlp.gate``
-``experts``   --                                     ``model.layers.*.mlp.experts``
-============  =====================================  ==========================================
+==================  ============================================================
+region              what it declares in a decoder layer
+==================  ============================================================
+``attn``            the self-attention module (``*Attention``: ``self_attn``,
+                    ``attn``, ``attention``, ``self_attention``)
+``cross_attn``      a cross-attention module
+``mixer``           a state-space mixer (``*Mamba*`` / ``*Mixer*``)
+``mlp``             a dense feed-forward module (``*MLP`` / ``*FeedForward``,
+                    ``mlp``, ``feed_forward``, ``ffn``)
+``router``          an MoE block's router (``*Router`` / ``gate``)
+``experts``         an MoE block's routed experts (``experts``)
+``shared_experts``  an MoE block's shared expert(s), or a dense MLP beside the MoE
+                    block in the same layer
+==================  ============================================================
 
 MoE experts in transformers 5.x run through a selectable implementation
 (``config._experts_implementation``): ``"grouped_mm"`` (the default; one
@@ -34,12 +42,15 @@ import torch.nn as nn
 
 from ._compat.dynamo import unwrap_compiled
 from .config import SacConfig
+from .keep import ALL_REGIONS, normalize_keep
 
 __all__ = [
     "LAYERS",
+    "REGION_NAMES",
     "LayerCall",
     "batch",
     "config_for",
+    "decoder_layers",
     "layer_call",
     "layer_inputs",
     "regions_for",
@@ -47,35 +58,146 @@ __all__ = [
     "tiny_qwen3_moe",
 ]
 
-#: The decoder layers of every ``*ForCausalLM`` supported here.
+#: The decoder layers of Llama-style ``*ForCausalLM`` models (:func:`decoder_layers` finds
+#: any family's).
 LAYERS = "model.layers.*"
 
-_DENSE = {"model.layers.*.self_attn": "attn", "model.layers.*.mlp": "mlp"}
-_MOE = {
-    "model.layers.*.self_attn": "attn",
-    "model.layers.*.mlp.gate": "router",
-    "model.layers.*.mlp.experts": "experts",
-}
+#: The region names :func:`regions_for` declares.
+REGION_NAMES = ("attn", "cross_attn", "mixer", "mlp", "router", "experts", "shared_experts")
+
+_MLP_NAMES = ("mlp", "feed_forward", "ffn", "shared_mlp")
+
+
+def _cls(module: nn.Module) -> str:
+    return type(module).__name__.lower()
+
+
+def _is_attention(name: str, module: nn.Module) -> bool:
+    return _cls(module).endswith(("attention", "attn")) and "norm" not in _cls(module)
+
+
+def _is_mixer(name: str, module: nn.Module) -> bool:
+    return any(k in _cls(module) for k in ("mamba", "mixer")) or name in ("mamba", "mixer")
+
+
+def _is_mlp(name: str, module: nn.Module) -> bool:
+    return _cls(module).endswith(("mlp", "feedforward")) or name in _MLP_NAMES
+
+
+def _moe_parts(module: nn.Module) -> dict[str, str] | None:
+    """``{child name: region}`` of an MoE block (a module with an ``experts`` child), else None."""
+    children = dict(module.named_children())
+    experts = next((n for n, c in children.items() if n == "experts" or "experts" in _cls(c)), None)
+    if experts is None:
+        return None
+    parts = {experts: "experts"}
+    for n, c in children.items():
+        if n == experts:
+            continue
+        if "router" in _cls(c) or n in ("gate", "router"):
+            parts[n] = "router"
+        elif (n.startswith("shared_expert") and not n.endswith("_gate")) or _is_mlp(n, c):
+            parts[n] = "shared_experts"
+    return parts
+
+
+def _layer_regions(layer: nn.Module) -> tuple[dict[str, str], list[str]]:
+    """``({path relative to the layer: region}, [children not recognised])``."""
+    found: dict[str, str] = {}
+    dense: list[str] = []
+    moe = False
+    unknown = []
+    for name, child in layer.named_children():
+        if _is_attention(name, child):
+            found[name] = "cross_attn" if "cross" in name or "cross" in _cls(child) else "attn"
+        elif _is_mixer(name, child):
+            found[name] = "mixer"
+        elif (parts := _moe_parts(child)) is not None:
+            moe = True
+            found.update({f"{name}.{n}": region for n, region in parts.items()})
+        elif _is_mlp(name, child):
+            dense.append(name)
+        elif any(True for _ in child.parameters()) and "norm" not in _cls(child) and "norm" not in name:
+            unknown.append(f"{name} ({type(child).__name__})")
+    for name in dense:
+        found[name] = "shared_experts" if moe else "mlp"
+    return found, unknown
+
+
+def decoder_layers(model: nn.Module) -> str:
+    """The module path pattern of ``model``'s decoder layers (``"model.layers.*"``,
+    ``"transformer.h.*"``, ...): the largest ``ModuleList`` whose every entry holds an
+    attention module or a state-space mixer."""
+    path, _ = _decoder_list(model)
+    return f"{path}.*"
+
+
+def _decoder_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    root = unwrap_compiled(model)
+    best: tuple[str, nn.ModuleList] | None = None
+    for path, m in root.named_modules():
+        if not isinstance(m, nn.ModuleList) or not len(m):
+            continue
+        if all(any(_is_attention(n, c) or _is_mixer(n, c) for n, c in layer.named_children()) for layer in m):
+            if best is None or len(m) > len(best[1]):
+                best = (path, m)
+    if best is None:
+        raise ValueError(
+            f"{type(root).__name__}: regions_for found no list of decoder layers (an nn.ModuleList whose "
+            "every entry holds an attention module or a state-space mixer). Write the configuration by hand: "
+            "sac_compile.SacConfig(layers='<path of the layers>.*', keep=..., "
+            "regions={'<path of the layers>.*.<attention child>': 'attn', ...})"
+        )
+    return best
 
 
 def regions_for(model: nn.Module) -> dict[str, str]:
-    """The region declarations for a supported decoder model (see the module docstring)."""
-    root = unwrap_compiled(model)
-    paths = {p for p, _ in root.named_modules()}
-    if "model.layers.0.mlp.experts" in paths:
-        return dict(_MOE)
-    if "model.layers.0.self_attn" in paths and "model.layers.0.mlp" in paths:
-        return dict(_DENSE)
-    raise ValueError(
-        f"{type(root).__name__} does not have the module layout regions_for knows "
-        "(model.layers.N.self_attn and model.layers.N.mlp[.experts]); declare its regions with "
-        "sac_compile.declare_regions(model, {pattern: name})"
-    )
+    """The region declarations of a transformers decoder model, read layer by layer.
+
+    Returns ``{module path pattern: region name}`` for :func:`sac_compile.declare_regions` /
+    ``SacConfig(regions=...)``: a ``*`` pattern where every layer has the child, explicit
+    layer paths where layers differ (dense and MoE layers, hybrid attention / mixer layers).
+    Raises ``ValueError`` naming the layer when a layer holds neither attention nor a mixer,
+    or holds a module with parameters it does not recognise.
+    """
+    path, layers = _decoder_list(model)
+    per_layer = []
+    for i, layer in enumerate(layers):
+        found, unknown = _layer_regions(layer)
+        if unknown:
+            raise ValueError(
+                f"{type(unwrap_compiled(model)).__name__}: layer {path}.{i} ({type(layer).__name__}) holds "
+                f"{', '.join(unknown)}, which regions_for does not recognise (it knows {', '.join(REGION_NAMES)}). "
+                f"Write the configuration by hand: sac_compile.SacConfig(layers='{path}.*', keep=..., "
+                f"regions={{'{path}.*.<child>': '<region>', ...}})"
+            )
+        per_layer.append(found)
+    out: dict[str, str] = {}
+    for rel, region in dict.fromkeys((r, n) for found in per_layer for r, n in found.items()):
+        where = [i for i, found in enumerate(per_layer) if found.get(rel) == region]
+        if len(where) == len(per_layer):
+            out[f"{path}.*.{rel}"] = region
+        else:
+            out.update({f"{path}.{i}.{rel}": region for i in where})
+    return out
 
 
 def config_for(model: nn.Module, keep: Any = (), **options: Any) -> SacConfig:
-    """A :class:`SacConfig` checkpointing every decoder layer of ``model`` with its regions declared."""
-    return SacConfig(layers=LAYERS, keep=keep, regions=regions_for(model), **options)
+    """A :class:`SacConfig` checkpointing every decoder layer of ``model`` with its regions
+    declared (:func:`regions_for`). A ``keep`` name that no layer of this model has is a
+    ``ValueError`` here, at configuration time."""
+    regions = regions_for(model)
+    keep_set = normalize_keep(keep)
+    if keep_set is not ALL_REGIONS:
+        have = set(regions.values())
+        missing = sorted(set(keep_set) - have)
+        if missing:
+            raise ValueError(
+                f"keep={sorted(keep_set)}: {type(unwrap_compiled(model)).__name__} has no region "
+                f"{', '.join(repr(m) for m in missing)}; its layers have {', '.join(sorted(have))} "
+                f"(sac_compile.hf.regions_for(model) lists where)"
+            )
+    return SacConfig(layers=decoder_layers(model), keep=keep_set, regions=regions, **options)
 
 
 _COMMON = dict(

@@ -164,8 +164,3 @@ def test_eager_experts_under_compile_are_reported_not_silently_uncompiled(caplog
     msgs = [r.getMessage() for r in caplog.records if r.name == "sac_compile"]
     assert any("[graph-break] region 'experts'" in m for m in msgs), msgs
     assert not any("[unbalanced]" in m for m in msgs), msgs
-
-
-def test_regions_for_rejects_an_unknown_layout():
-    with pytest.raises(ValueError, match="declare its regions"):
-        hf.regions_for(nn.Linear(2, 2))

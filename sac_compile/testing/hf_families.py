@@ -1,0 +1,132 @@
+"""Tiny random-weight models of transformers 5.x decoder families (CPU, no download).
+
+Each entry builds a 2-layer ``*ForCausalLM`` whose layers differ where the family lets
+them (dense first layer of DeepSeek-V3 and Llama-4, Qwen3-MoE's ``mlp_only_layers``,
+Jamba's and Granite-MoE-hybrid's state-space / attention layers), so per-layer region
+reading is exercised. Used by ``tests/test_hf_families.py`` and
+``benchmarks/hf_families.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["FAMILIES", "build"]
+
+_COMMON: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    intermediate_size=64,
+    use_cache=False,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+
+#: family -> (config class, model class, config overrides)
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(_MOE, num_experts=4, shared_expert_intermediate_size=32),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(_MOE, num_experts=4, mlp_only_layers=[0], head_dim=8),
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _MOE,
+            n_routed_experts=4,
+            num_key_value_heads=4,  # MLA: no grouped KV heads
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+    ),
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=64,
+            interleave_moe_layer_step=2,
+            head_dim=8,
+        ),
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=8)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=8)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "granite-moe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+    "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "falcon": ("FalconConfig", "FalconForCausalLM", {}),
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+        ),
+    ),
+    "granite-moe-hybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["mamba", "attention"],
+            mamba_d_state=8,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            shared_intermediate_size=32,
+        ),
+    ),
+}
+
+
+def build(name: str, *, seed: int = 0) -> nn.Module:
+    """The family's tiny model in training mode (dropout as the family's config sets it)."""
+    import transformers
+
+    config_cls, model_cls, extra = FAMILIES[name]
+    cfg = getattr(transformers, config_cls)(**{**_COMMON, **extra})
+    torch.manual_seed(seed)
+    # Gemma-2's soft-capped attention has no SDPA path; every other family runs SDPA
+    attn = "eager" if name == "gemma2" else "sdpa"
+    return getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn).train()

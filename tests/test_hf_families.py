@@ -1,0 +1,162 @@
+"""transformers decoder families out of the box: regions read layer by layer, eager SAC
+bit-identical to the unwrapped model (``sac_compile.testing.hf_families``: tiny random
+2-layer models whose layers differ where the family lets them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("transformers")
+
+import sac_compile as sc  # noqa: E402
+from sac_compile import hf  # noqa: E402
+from sac_compile.testing.hf_families import FAMILIES, build  # noqa: E402
+
+_L = "model.layers"
+_DENSE = {f"{_L}.*.self_attn": "attn", f"{_L}.*.mlp": "mlp"}
+_ROUTED = {f"{_L}.*.self_attn": "attn", f"{_L}.*.mlp.experts": "experts", f"{_L}.*.mlp.gate": "router"}
+
+EXPECTED: dict[str, dict[str, str]] = {
+    **{
+        f: _DENSE
+        for f in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2")
+    },
+    "qwen2-moe": {**_ROUTED, f"{_L}.*.mlp.shared_expert": "shared_experts"},
+    "qwen3-moe": {  # mlp_only_layers=[0]
+        f"{_L}.*.self_attn": "attn",
+        f"{_L}.0.mlp": "mlp",
+        f"{_L}.1.mlp.experts": "experts",
+        f"{_L}.1.mlp.gate": "router",
+    },
+    "mixtral": _ROUTED,
+    "olmoe": _ROUTED,
+    "deepseek-v3": {  # first_k_dense_replace=1
+        f"{_L}.*.self_attn": "attn",
+        f"{_L}.0.mlp": "mlp",
+        f"{_L}.1.mlp.experts": "experts",
+        f"{_L}.1.mlp.gate": "router",
+        f"{_L}.1.mlp.shared_experts": "shared_experts",
+    },
+    "llama4": {  # interleave_moe_layer_step=2
+        f"{_L}.*.self_attn": "attn",
+        f"{_L}.0.feed_forward": "mlp",
+        f"{_L}.1.feed_forward.experts": "experts",
+        f"{_L}.1.feed_forward.router": "router",
+        f"{_L}.1.feed_forward.shared_expert": "shared_experts",
+    },
+    "granite-moe": {
+        f"{_L}.*.self_attn": "attn",
+        f"{_L}.*.block_sparse_moe.experts": "experts",
+        f"{_L}.*.block_sparse_moe.router": "router",
+    },
+    "gpt2": {"transformer.h.*.attn": "attn", "transformer.h.*.mlp": "mlp"},
+    "gpt-neox": {"gpt_neox.layers.*.attention": "attn", "gpt_neox.layers.*.mlp": "mlp"},
+    "falcon": {"transformer.h.*.self_attention": "attn", "transformer.h.*.mlp": "mlp"},
+    "jamba": {  # a Mamba layer with a dense MLP, then an attention layer with an MoE block
+        f"{_L}.0.mamba": "mixer",
+        f"{_L}.0.feed_forward": "mlp",
+        f"{_L}.1.self_attn": "attn",
+        f"{_L}.1.feed_forward.experts": "experts",
+        f"{_L}.1.feed_forward.router": "router",
+    },
+    "granite-moe-hybrid": {  # a Mamba layer, then an attention layer; MoE + shared MLP in both
+        f"{_L}.*.block_sparse_moe.experts": "experts",
+        f"{_L}.*.block_sparse_moe.router": "router",
+        f"{_L}.0.mamba": "mixer",
+        f"{_L}.*.shared_mlp": "shared_experts",
+        f"{_L}.1.self_attn": "attn",
+    },
+}
+
+
+def test_the_matrix_covers_every_family():
+    assert set(EXPECTED) == set(FAMILIES) and len(FAMILIES) >= 15
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, nn.Module]:
+    return {name: build(name) for name in FAMILIES}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_regions_are_read_layer_by_layer(family, models):
+    model = models[family]
+    assert hf.regions_for(model) == EXPECTED[family]
+    layers = hf.decoder_layers(model)
+    assert layers == {
+        "gpt2": "transformer.h.*",
+        "falcon": "transformer.h.*",
+        "gpt-neox": "gpt_neox.layers.*",
+    }.get(family, "model.layers.*")
+    # every declaration matches a module (declare_regions raises on a pattern matching none)
+    handle = sc.declare_regions(model, hf.regions_for(model))
+    assert len(handle.modules) >= len(model.get_submodule(layers[:-2]))
+    handle.remove()
+
+
+def test_config_for_takes_only_regions_the_model_has(models):
+    with pytest.raises(
+        ValueError, match=r"LlamaForCausalLM has no region 'experts'; its layers have attn, mlp"
+    ):
+        hf.config_for(models["llama"], keep={"experts"})
+    # mixed layers: a dense first layer's mlp and a later layer's experts are both keepable
+    cfg = hf.config_for(models["deepseek-v3"], keep={"mlp", "experts", "shared_experts"})
+    assert cfg.layers == "model.layers.*"
+    assert hf.config_for(models["jamba"], keep={"mixer"}).keep == frozenset({"mixer"})
+    assert hf.config_for(models["gpt2"], keep=sc.ALL_REGIONS).layers == "transformer.h.*"
+
+
+class _Odd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(8, 2)
+        self.mystery = nn.Linear(8, 8)
+
+
+def test_a_layer_it_cannot_read_is_named_with_the_config_to_write():
+    model = nn.Module()
+    model.blocks = nn.ModuleList([_Odd(), _Odd()])
+    with pytest.raises(
+        ValueError, match=r"layer blocks\.0 \(_Odd\) holds mystery \(Linear\).*SacConfig\(layers='blocks\.\*'"
+    ):
+        hf.regions_for(model)
+    with pytest.raises(ValueError, match=r"found no list of decoder layers.*SacConfig"):
+        hf.regions_for(nn.Sequential(nn.Linear(2, 2)))
+
+
+def _step(model: nn.Module, ids: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)  # dropout (GPT-2, Falcon, ...) draws the same masks in both runs
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_eager_sac_keeping_every_region_is_bit_identical(family, monkeypatch):
+    from sac_compile import seam
+
+    engine_calls: list[list] = []
+    real = seam.checkpoint_with_regions
+
+    def spy(fn, *args, stats_out=None, **kwargs):
+        engine_calls.append([] if stats_out is None else stats_out)
+        return real(fn, *args, stats_out=engine_calls[-1], **kwargs)
+
+    monkeypatch.setattr(seam, "checkpoint_with_regions", spy)
+    ref, model = build(family), build(family)
+    hf.config_for(model, keep=sc.ALL_REGIONS).apply(model)
+    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss_ref, g_ref = _step(ref, ids)
+    loss, g = _step(model, ids)
+    assert torch.equal(loss, loss_ref)
+    assert g.keys() == g_ref.keys()
+    for n in g_ref:
+        assert torch.equal(g[n], g_ref[n]), n
+    # every layer ran under the engine, entering the regions read for it, and kept something
+    assert len(engine_calls) == 2 and all(stats for stats in engine_calls), engine_calls
+    entered = set().union(*(stats[0].regions_entered for stats in engine_calls))
+    assert entered == set(EXPECTED[family].values())
+    assert all(stats[0].cached_ops > 0 for stats in engine_calls)
