@@ -177,5 +177,7 @@ def test_compiled_per_layer_sac_keeps_every_region_read(family):
     assert g.keys() == g_ref.keys()
     for n in g_ref:
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-5, atol=1e-6)
-    kept = {name for rec in records for name, stats in rec.regions.items() if stats.kept and stats.saved_nodes}
+    kept = {
+        name for rec in records for name, stats in rec.regions.items() if stats.kept and stats.saved_nodes
+    }
     assert kept == set(EXPECTED[family].values())
