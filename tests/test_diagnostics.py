@@ -222,6 +222,34 @@ def test_markers_compiled_by_a_plain_backend_are_reported_at_compile_time(report
     assert all("backend 'aot_eager'" in m and "(layers.*" in m for m in got)
 
 
+def _decorated(fn):
+    """A decorator as transformers applies them to forward (``wrapped_func``: no ``self``)."""
+
+    def wrapped_func(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapped_func
+
+
+class DecoratedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    @_decorated
+    def forward(self, x):
+        with sc.region("a"):
+            return torch.tanh(self.lin(x))
+
+
+def test_no_pass_names_the_module_behind_a_decorated_forward(reports):
+    # Red before: "region 'a' in wrapped_func()" (the frame Dynamo compiles has no self).
+    compiled = torch.compile(DecoratedForward(), backend="aot_eager")
+    compiled(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    got = reports("no-pass")
+    assert len(got) == 1 and "region 'a' in DecoratedForward:" in got[0], got
+
+
 def test_a_custom_backend_that_delegates_to_the_sac_backend_is_not_reported(reports):
     # Not guessed: the verdict comes from AOTAutograd tracing the markers for a backend
     # call that is not a sac backend's; here the sac backend is the one compiling.

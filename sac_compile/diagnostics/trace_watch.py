@@ -179,6 +179,11 @@ def _where_in_trace(tx, module_stack: list) -> str:
     obj, function = dynamo.tx_where(tx)
     if isinstance(obj, nn.Module):
         return describe_module(obj)
+    # a decorator's wrapper or a resume function after a graph break: the module whose
+    # call is running below the frame Dynamo compiles (its _call_impl is on the stack)
+    module = frames.innermost_module()
+    if module is not None:
+        return describe_module(module)
     return f"{function}()"
 
 
