@@ -250,6 +250,17 @@ def test_no_pass_names_the_module_behind_a_decorated_forward(reports):
     assert len(got) == 1 and "region 'a' in DecoratedForward:" in got[0], got
 
 
+@pytest.mark.parametrize("keep", [{"attn"}, set()], ids=["attn", "nothing"])
+def test_wrapped_layers_compiled_by_a_plain_backend_are_reported_as_layers(reports, keep):
+    # Red before: one report per region, kept or not ("region 'mlp' ... keeps nothing" for a
+    # region nobody asked to keep), none naming the layer's lost checkpointing.
+    _steps(torch.compile(_stack(n=2, keep=keep), backend="aot_eager"), 2)
+    got = reports("no-pass")
+    want = "{'attn'}" if keep else "{}"
+    assert len(got) == 1 and "region '-'" in got[0] and f"(keep={want})" in got[0], got
+    assert "not checkpointed at all" in got[0] and " in Block (layers.*):" in got[0], got
+
+
 def test_a_custom_backend_that_delegates_to_the_sac_backend_is_not_reported(reports):
     # Not guessed: the verdict comes from AOTAutograd tracing the markers for a backend
     # call that is not a sac backend's; here the sac backend is the one compiling.

@@ -172,6 +172,19 @@ def no_pass(region: str, where: str, backend_name: str, note: str = "") -> Diagn
     )
 
 
+def no_pass_layer(keep_text: str, where: str, backend_name: str, note: str = "") -> Diagnosis:
+    keep = "ALL_REGIONS" if keep_text == "*" else "{" + ", ".join(repr(k) for k in keep_text.split(",") if k) + "}"
+    return Diagnosis(
+        NO_PASS,
+        "-",
+        where,
+        f"a layer wrapped for selective checkpointing (keep={keep}) was compiled by torch.compile "
+        f"with backend {backend_name}, which does not run sac_compile's tagging pass: the layer is not "
+        f"checkpointed at all, every activation it makes is saved{note}. Compile with "
+        "backend=sac_compile.sac_backend or make_sac_backend(keep=...).",
+    )
+
+
 def compiled_in_eager(where: str, compiled: list[str]) -> Diagnosis:
     return Diagnosis(
         COMPILED_IN_EAGER,

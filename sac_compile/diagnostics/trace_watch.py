@@ -39,6 +39,7 @@ __all__ = ["claim_trace", "marker_traced"]
 log = logging.getLogger("sac_compile")
 
 Key = tuple[str, str]  # (diagnosis kind, region)
+_SCOPE = "<scope keep="  # the "region" of a wrapped layer's scope markers: "<scope keep=attn,mlp>"
 
 
 @dataclass
@@ -46,6 +47,7 @@ class _Trace:
     """One Dynamo trace attempt (its ``OutputGraph``; an abandoned attempt's is dropped with it)."""
 
     seen: dict[Key, str] = field(default_factory=dict)  # sighted by Dynamo -> where
+    scopes: list[str] = field(default_factory=list)  # keep sets of the scopes open, as traced
     done: set[Key] = field(default_factory=set)  # already reported
     claimed: bool = False  # a sac backend compiles this trace's graph
 
@@ -105,16 +107,25 @@ def _marker_traced(kind: str, payload: tuple) -> None:
     if tx is None:
         return
     trace = dynamo.tx_trace(tx)
-    region_name = str(payload[0]) if kind.startswith("region") else f"<scope keep={payload[1]!r}>"
+    region_name = str(payload[0]) if kind.startswith("region") else f"{_SCOPE}{payload[1]}>"
     cid = dynamo.current_compile_id()
     backend = _backend_name(dynamo.tx_backend(tx))
     if not frames.inside_backend_call():
         # Dynamo's sighting: remember where the marker is
         module_stack = dynamo.tx_module_stack(tx)
         found = []
+        with _lock:
+            scopes = _trace_state(trace).scopes
+            inside_scope = bool(scopes)
+            if kind == "scope_enter":
+                scopes.append(str(payload[1]))
+            elif kind == "scope_exit" and scopes:
+                scopes.pop()
         if kind == "scope_enter" and payload[0] == 1 and module_stack:
             found.append(((COMPILE_SWALLOWED, "-"), _where_in_trace(tx, module_stack)))
-        if kind.startswith("region"):
+        if kind == "scope_enter" or (kind.startswith("region") and not inside_scope):
+            # a wrapped layer is reported once, as a layer (its regions, kept or not, are
+            # all left unchecked with it); a region outside every wrapped layer, as a region
             found.append(((NO_PASS, region_name), _where_in_trace(tx, module_stack)))
         for key, where in found:
             with _lock:
@@ -143,6 +154,8 @@ def _trace_diagnosis(key: Key, where: str, backend: str, note: str = "") -> Diag
     kind, region = key
     if kind == COMPILE_SWALLOWED:
         return messages.compile_swallowed(where, backend)
+    if region.startswith(_SCOPE):
+        return messages.no_pass_layer(region[len(_SCOPE) : -1], where, backend, note)
     return messages.no_pass(region, where, backend, note)
 
 
