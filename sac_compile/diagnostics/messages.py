@@ -173,7 +173,11 @@ def no_pass(region: str, where: str, backend_name: str, note: str = "") -> Diagn
 
 
 def no_pass_layer(keep_text: str, where: str, backend_name: str, note: str = "") -> Diagnosis:
-    keep = "ALL_REGIONS" if keep_text == "*" else "{" + ", ".join(repr(k) for k in keep_text.split(",") if k) + "}"
+    keep = (
+        "ALL_REGIONS"
+        if keep_text == "*"
+        else "{" + ", ".join(repr(k) for k in keep_text.split(",") if k) + "}"
+    )
     return Diagnosis(
         NO_PASS,
         "-",
