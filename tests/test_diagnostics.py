@@ -261,6 +261,16 @@ def test_wrapped_layers_compiled_by_a_plain_backend_are_reported_as_layers(repor
     assert "not checkpointed at all" in got[0] and " in Block (layers.*):" in got[0], got
 
 
+def test_a_plain_compiled_layer_with_a_policy_and_budget_names_its_keep_set_alone(reports):
+    # Red before: the scope marker's text was shown as the keep set: {'attn;policy=save_all;budget=0.5'}
+    model = Stack(n=2, d=16)
+    for layer in model.layers:
+        sc.apply_selective_checkpointing(layer, keep={"attn"}, policy=sc.SAVE_ALL, budget=0.5)
+    _steps(torch.compile(model, backend="aot_eager"), 1)
+    got = reports("no-pass")
+    assert len(got) == 1 and "(keep={'attn'})" in got[0], got
+
+
 def test_a_custom_backend_that_delegates_to_the_sac_backend_is_not_reported(reports):
     # Not guessed: the verdict comes from AOTAutograd tracing the markers for a backend
     # call that is not a sac backend's; here the sac backend is the one compiling.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..keep import ALL_REGIONS, KeepSet
 from .core import (
     COLLECTIVE_RECOMPUTED,
     COMPILE_FALLBACK,
@@ -172,17 +173,13 @@ def no_pass(region: str, where: str, backend_name: str, note: str = "") -> Diagn
     )
 
 
-def no_pass_layer(keep_text: str, where: str, backend_name: str, note: str = "") -> Diagnosis:
-    keep = (
-        "ALL_REGIONS"
-        if keep_text == "*"
-        else "{" + ", ".join(repr(k) for k in keep_text.split(",") if k) + "}"
-    )
+def no_pass_layer(keep: KeepSet, where: str, backend_name: str, note: str = "") -> Diagnosis:
+    keep_repr = "ALL_REGIONS" if keep is ALL_REGIONS else "{" + ", ".join(map(repr, sorted(keep))) + "}"
     return Diagnosis(
         NO_PASS,
         "-",
         where,
-        f"a layer wrapped for selective checkpointing (keep={keep}) was compiled by torch.compile "
+        f"a layer wrapped for selective checkpointing (keep={keep_repr}) was compiled by torch.compile "
         f"with backend {backend_name}, which does not run sac_compile's tagging pass: the layer is not "
         f"checkpointed at all, every activation it makes is saved{note}. Compile with "
         "backend=sac_compile.sac_backend or make_sac_backend(keep=...).",

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from .._compat import TorchApiMoved, dynamo, frames
+from ..keep import parse_keep
+from ..policy import parse_scope
 from ..records import describe_stack_entry
 from . import messages
 from .core import COMPILE_SWALLOWED, NO_PASS, Diagnosis, SacDiagnosticError, describe_module, owner, report
@@ -47,7 +49,7 @@ class _Trace:
     """One Dynamo trace attempt (its ``OutputGraph``; an abandoned attempt's is dropped with it)."""
 
     seen: dict[Key, str] = field(default_factory=dict)  # sighted by Dynamo -> where
-    scopes: list[str] = field(default_factory=list)  # keep sets of the scopes open, as traced
+    open_scopes: int = 0  # scope markers entered and not yet exited, as traced
     done: set[Key] = field(default_factory=set)  # already reported
     claimed: bool = False  # a sac backend compiles this trace's graph
 
@@ -115,12 +117,12 @@ def _marker_traced(kind: str, payload: tuple) -> None:
         module_stack = dynamo.tx_module_stack(tx)
         found = []
         with _lock:
-            scopes = _trace_state(trace).scopes
-            inside_scope = bool(scopes)
+            state = _trace_state(trace)
+            inside_scope = state.open_scopes > 0
             if kind == "scope_enter":
-                scopes.append(str(payload[1]))
-            elif kind == "scope_exit" and scopes:
-                scopes.pop()
+                state.open_scopes += 1
+            elif kind == "scope_exit" and inside_scope:
+                state.open_scopes -= 1
         if kind == "scope_enter" and payload[0] == 1 and module_stack:
             found.append(((COMPILE_SWALLOWED, "-"), _where_in_trace(tx, module_stack)))
         if kind == "scope_enter" or (kind.startswith("region") and not inside_scope):
@@ -155,7 +157,8 @@ def _trace_diagnosis(key: Key, where: str, backend: str, note: str = "") -> Diag
     if kind == COMPILE_SWALLOWED:
         return messages.compile_swallowed(where, backend)
     if region.startswith(_SCOPE):
-        return messages.no_pass_layer(region[len(_SCOPE) : -1], where, backend, note)
+        keep_text, _, _ = parse_scope(region[len(_SCOPE) : -1])  # "attn;policy=..." -> "attn"
+        return messages.no_pass_layer(parse_keep(keep_text), where, backend, note)
     return messages.no_pass(region, where, backend, note)
 
 
