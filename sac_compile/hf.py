@@ -117,7 +117,7 @@ def _layer_regions(layer: nn.Module) -> tuple[dict[str, str], list[str]]:
             found.update({f"{name}.{n}": region for n, region in parts.items()})
         elif _is_mlp(name, child):
             dense.append(name)
-        elif any(True for _ in child.parameters()) and "norm" not in _cls(child) and "norm" not in name:
+        elif next(child.parameters(), None) is not None and "norm" not in _cls(child) and "norm" not in name:
             unknown.append(f"{name} ({type(child).__name__})")
     for name in dense:
         found[name] = "shared_experts" if moe else "mlp"
@@ -160,6 +160,11 @@ def regions_for(model: nn.Module) -> dict[str, str]:
     Raises ``ValueError`` naming the layer when a layer holds neither attention nor a mixer,
     or holds a module with parameters it does not recognise.
     """
+    return _read(model)[1]
+
+
+def _read(model: nn.Module) -> tuple[str, dict[str, str]]:
+    """``(path of the decoder layers' list, regions_for(model))``."""
     path, layers = _decoder_list(model)
     per_layer = []
     for i, layer in enumerate(layers):
@@ -179,14 +184,14 @@ def regions_for(model: nn.Module) -> dict[str, str]:
             out[f"{path}.*.{rel}"] = region
         else:
             out.update({f"{path}.{i}.{rel}": region for i in where})
-    return out
+    return path, out
 
 
 def config_for(model: nn.Module, keep: Any = (), **options: Any) -> SacConfig:
     """A :class:`SacConfig` checkpointing every decoder layer of ``model`` with its regions
     declared (:func:`regions_for`). A ``keep`` name that no layer of this model has is a
     ``ValueError`` here, at configuration time."""
-    regions = regions_for(model)
+    path, regions = _read(model)  # the layer list is found once
     keep_set = normalize_keep(keep)
     if keep_set is not ALL_REGIONS:
         have = set(regions.values())
@@ -197,7 +202,7 @@ def config_for(model: nn.Module, keep: Any = (), **options: Any) -> SacConfig:
                 f"{', '.join(repr(m) for m in missing)}; its layers have {', '.join(sorted(have))} "
                 f"(sac_compile.hf.regions_for(model) lists where)"
             )
-    return SacConfig(layers=decoder_layers(model), keep=keep_set, regions=regions, **options)
+    return SacConfig(layers=f"{path}.*", keep=keep_set, regions=regions, **options)
 
 
 _COMMON = dict(

@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import re
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -101,9 +101,6 @@ class GraphRecord:
     def summary(self) -> dict:
         """What the pass decided, per scope and region, as JSON-ready data (the structured
         trace artifact ``sac_compile_regions``)."""
-        policies: dict[str, int] = {}
-        for decision in self.node_policy.values():
-            policies[decision] = policies.get(decision, 0) + 1
         return {
             "graph_index": self.graph_index,
             "is_training": self.is_training,
@@ -127,7 +124,7 @@ class GraphRecord:
                 }
                 for name, r in sorted(self.regions.items())
             },
-            "tags": policies,
+            "tags": dict(Counter(self.node_policy.values())),
             "starts_inside": list(self.starts_inside),
             "unbalanced": [list(u) for u in self.unbalanced],
             "outside_every_scope": self.outside_every_scope,

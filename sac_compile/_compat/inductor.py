@@ -65,6 +65,7 @@ def custom_graph_passes(value: Any) -> tuple:
     return private("torch._inductor.custom_graph_pass", "get_custom_graph_passes")(value)
 
 
+@functools.cache
 def seed_creation_ops() -> frozenset:
     """The ops that draw seeds from the RNG in Inductor's joint graph: ``inductor_seed`` (one
     per random op, from ``replace_random_passes``) and ``inductor_seeds`` (one per device,
@@ -81,8 +82,7 @@ def seed_ops() -> frozenset:
     own rng functionalization wraps random ops in run_and_save_rng_state. We list
     them so that a graph that already carries them is handled too.
     """
-    prims = private("torch._inductor", "inductor_prims")
-    found = {prims.seed, prims.seeds, prims.lookup_seed}
+    found = set(seed_creation_ops()) | {private("torch._inductor", "inductor_prims").lookup_seed}
     hops = torch.ops.higher_order
     for name in ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state"):
         op = getattr(hops, name, None)

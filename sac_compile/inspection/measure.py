@@ -67,7 +67,8 @@ def autograd_saved_bytes(fn, *args: Any, exclude: Any = (), warmup: bool = True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(*args)
     made = {c: v for c, v in _live_storages().items() if c not in before or before[c][0].expired()}
-    skip |= {s[0] for t in [out] if (s := _storage(t)) is not None}
+    if (s := _storage(out)) is not None:
+        skip.add(s[0])  # the output is fn's, not held for the backward
     held = {c: n for c, (ref, n) in {**made, **packed}.items() if c not in skip and not ref.expired()}
     out.sum().backward()
     return sum(held.values())
