@@ -13,17 +13,25 @@ One vocabulary of region names (:data:`REGION_NAMES`):
 ==================  ============================================================
 region              what it declares in a decoder layer
 ==================  ============================================================
-``attn``            the self-attention module (``*Attention``: ``self_attn``,
+``attn``            the self-attention module (``*Attention*``: ``self_attn``,
                     ``attn``, ``attention``, ``self_attention``)
-``cross_attn``      a cross-attention module
-``mixer``           a state-space mixer (``*Mamba*`` / ``*Mixer*``)
-``mlp``             a dense feed-forward module (``*MLP`` / ``*FeedForward``,
-                    ``mlp``, ``feed_forward``, ``ffn``)
-``router``          an MoE block's router (``*Router`` / ``gate``)
-``experts``         an MoE block's routed experts (``experts``)
+``cross_attn``      a cross-attention module (``encoder_attn``, ``crossattention``)
+``mixer``           a token mixer that is not softmax attention: state-space
+                    (``*Mamba*``, ``*Mixer``), recurrent (RG-LRU, xLSTM), linear
+                    attention (``linear_attn``, gated DeltaNet), short convolution
+``mlp``             a dense feed-forward module (``*MLP`` / ``*FeedForward`` /
+                    ``*FFN*``: ``mlp``, ``feed_forward``, ``ffn``), or a pair of
+                    sibling modules (``fc1`` + ``fc2``; BERT-style
+                    ``intermediate`` + ``output``)
+``router``          an MoE block's router (``*Router`` / ``*Gating``, ``gate``)
+``experts``         an MoE block's routed experts (``experts``, every
+                    ``*Experts`` child)
 ``shared_experts``  an MoE block's shared expert(s), or a dense MLP beside the MoE
                     block in the same layer
 ==================  ============================================================
+
+A layer child with parameters that fits none of these (other than norms) is an
+error naming it, never silently left out.
 
 MoE experts in transformers 5.x run through a selectable implementation
 (``config._experts_implementation``): ``"grouped_mm"`` (the default; one
@@ -65,40 +73,92 @@ LAYERS = "model.layers.*"
 #: The region names :func:`regions_for` declares.
 REGION_NAMES = ("attn", "cross_attn", "mixer", "mlp", "router", "experts", "shared_experts")
 
-_MLP_NAMES = ("mlp", "feed_forward", "ffn", "shared_mlp")
+_MLP_NAMES = ("mlp", "feed_forward", "ffn", "mlp_block", "shared_mlp")
+_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention", "self_att")
+_CROSS_NAMES = ("cross_attn", "crossattention", "encoder_attn", "cross_attention")
+#: class-name parts of token mixers that are not softmax attention: state-space
+#: (Mamba), recurrent (RG-LRU, xLSTM), linear attention (gated DeltaNet), short convolution
+_MIXER_PARTS = ("mamba", "mixer", "deltanet", "recurrent", "lstm", "shortconv")
+_MIXER_NAMES = ("mamba", "mixer", "linear_attn", "conv", "temporal_block")
+#: a dense feed-forward made of two sibling modules in the layer (the activation
+#: between them runs in the layer's own forward, outside the region)
+_MLP_PAIRS = (("fc1", "fc2"), ("intermediate", "output"))
+#: layer glue that belongs to no region and runs with the layer (recomputed by a
+#: checkpoint): norms, residual scaling / gating, hyper-connections, per-layer input gates
+_GLUE_PARTS = ("norm", "residual", "scaling", "scale", "hyperconnection", "per_layer")
 
 
-def _cls(module: nn.Module) -> str:
-    return type(module).__name__.lower()
+def _component(module: nn.Module, parent: nn.Module) -> str:
+    """The lower-cased class name of ``module`` less the family prefix it shares with
+    ``parent``'s (``RecurrentGemmaMlp`` in ``RecurrentGemmaDecoderLayer`` -> ``mlp``), so a
+    family name (RecurrentGemma, FalconMamba, Mixtral) is not read as a component."""
+    cls, outer = type(module).__name__, type(parent).__name__
+    n = 0
+    while n < min(len(cls), len(outer)) and cls[n] == outer[n]:
+        n += 1
+    while 0 < n < len(cls) and not cls[n].isupper():
+        n -= 1  # back to the start of a CamelCase word
+    return cls[n:].lower() if n < len(cls) else cls.lower()
 
 
-def _is_attention(name: str, module: nn.Module) -> bool:
-    return _cls(module).endswith(("attention", "attn")) and "norm" not in _cls(module)
+def _has_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
-def _is_mixer(name: str, module: nn.Module) -> bool:
-    return any(k in _cls(module) for k in ("mamba", "mixer")) or name in ("mamba", "mixer")
+def _is_glue(name: str, module: nn.Module, parent: nn.Module) -> bool:
+    part = _component(module, parent)
+    return any(k in part or k in name for k in _GLUE_PARTS) or not _has_parameters(module)
 
 
-def _is_mlp(name: str, module: nn.Module) -> bool:
-    return _cls(module).endswith(("mlp", "feedforward")) or name in _MLP_NAMES
+def _kind(name: str, module: nn.Module, parent: nn.Module) -> str | None:
+    """What a child of a decoder layer is: ``attn``, ``cross_attn``, ``mixer``, ``moe``,
+    ``mlp``, ``list``, ``glue`` or None (not recognised). The class name decides before the
+    attribute name (NemotronH calls every layer's one block ``mixer``: Mamba, attention,
+    MoE or MLP)."""
+    part = _component(module, parent)
+    if isinstance(module, nn.ModuleList):
+        return "list"
+    cross = name in _CROSS_NAMES or "cross" in name or "cross" in part
+    if any(k in part for k in _MIXER_PARTS):
+        return "mixer"
+    if ("attention" in part or part.endswith("attn") or part == "mla") and not part.endswith("norm"):
+        return "cross_attn" if cross else "attn"
+    if _moe_parts(module) is not None:
+        return "moe"
+    if part.endswith(("mlp", "feedforward")) or "ffn" in part:
+        return "mlp"
+    if _is_glue(name, module, parent):
+        return "glue"
+    if name in _MIXER_NAMES or any(k in name for k in ("lstm",)):
+        return "mixer"
+    if name in _ATTENTION_NAMES or name in _CROSS_NAMES:
+        return "cross_attn" if cross else "attn"
+    if name in _MLP_NAMES:
+        return "mlp"
+    return None
 
 
-def _moe_parts(module: nn.Module) -> dict[str, str] | None:
-    """``{child name: region}`` of an MoE block (a module with an ``experts`` child), else None."""
+def _moe_parts(module: nn.Module) -> tuple[dict[str, str], list[str]] | None:
+    """``({child name: region}, [children not recognised])`` of an MoE block (a module
+    with an ``experts`` child, or children whose class holds "experts": JetMoE's
+    ``input_linear`` / ``output_linear``), else None."""
     children = dict(module.named_children())
-    experts = next((n for n, c in children.items() if n == "experts" or "experts" in _cls(c)), None)
-    if experts is None:
+    experts = [n for n, c in children.items() if n == "experts" or "experts" in type(c).__name__.lower()]
+    if not experts:
         return None
-    parts = {experts: "experts"}
+    parts = dict.fromkeys(experts, "experts")
+    unknown = []
     for n, c in children.items():
-        if n == experts:
+        if n in parts:
             continue
-        if "router" in _cls(c) or n in ("gate", "router"):
+        part = _component(c, module)
+        if "router" in part or "gating" in part or n in ("gate", "router"):
             parts[n] = "router"
-        elif (n.startswith("shared_expert") and not n.endswith("_gate")) or _is_mlp(n, c):
+        elif (n.startswith("shared_expert") and not n.endswith("_gate")) or _kind(n, c, module) == "mlp":
             parts[n] = "shared_experts"
-    return parts
+        elif not (_is_glue(n, c, module) or n.endswith("_gate")):
+            unknown.append(f"{n} ({type(c).__name__})")
+    return parts, unknown
 
 
 def _layer_regions(layer: nn.Module) -> tuple[dict[str, str], list[str]]:
@@ -107,27 +167,53 @@ def _layer_regions(layer: nn.Module) -> tuple[dict[str, str], list[str]]:
     dense: list[str] = []
     moe = False
     unknown = []
-    for name, child in layer.named_children():
-        if _is_attention(name, child):
-            found[name] = "cross_attn" if "cross" in name or "cross" in _cls(child) else "attn"
-        elif _is_mixer(name, child):
-            found[name] = "mixer"
-        elif (parts := _moe_parts(child)) is not None:
+    children = dict(layer.named_children())
+    paired = {n for pair in _MLP_PAIRS if all(n in children for n in pair) for n in pair}
+    entries: list[tuple[str, nn.Module]] = []
+    for name, child in children.items():
+        if isinstance(child, nn.ModuleList):  # LongCat-Flash: two attentions, two MLPs
+            entries += [(f"{name}.{i}", c) for i, c in enumerate(child)]
+        else:
+            entries.append((name, child))
+    for name, child in entries:
+        kind = "mlp" if name in paired else _kind(name.split(".")[0], child, layer)
+        if kind in ("attn", "cross_attn", "mixer"):
+            found[name] = kind
+        elif kind == "moe":
             moe = True
+            parts, not_read = _moe_parts(child)  # type: ignore[misc]
             found.update({f"{name}.{n}": region for n, region in parts.items()})
-        elif _is_mlp(name, child):
+            unknown += [f"{name}.{n}" for n in not_read]
+        elif kind == "mlp":
             dense.append(name)
-        elif next(child.parameters(), None) is not None and "norm" not in _cls(child) and "norm" not in name:
+        elif kind is None:
             unknown.append(f"{name} ({type(child).__name__})")
     for name in dense:
         found[name] = "shared_experts" if moe else "mlp"
     return found, unknown
 
 
+def _kinds(layer: nn.Module) -> set[str | None]:
+    kinds: set[str | None] = set()
+    for name, child in layer.named_children():
+        for c in child if isinstance(child, nn.ModuleList) else [child]:
+            kinds.add(_kind(name, c, layer))
+    return kinds
+
+
+def _is_decoder_list(layers: nn.ModuleList) -> bool:
+    """Every entry holds a region (attention, mixer, MoE or MLP: NemotronH has MLP-only and
+    MoE-only layers) and some entry holds a token mixer (attention or a state-space mixer)."""
+    kinds = [_kinds(layer) for layer in layers]
+    regions = {"attn", "cross_attn", "mixer", "moe", "mlp"}
+    return all(k & regions for k in kinds) and any(k & {"attn", "mixer"} for k in kinds)
+
+
 def decoder_layers(model: nn.Module) -> str:
     """The module path pattern of ``model``'s decoder layers (``"model.layers.*"``,
-    ``"transformer.h.*"``, ...): the largest ``ModuleList`` whose every entry holds an
-    attention module or a state-space mixer."""
+    ``"transformer.h.*"``, ...): the largest ``ModuleList`` whose every entry holds a
+    region (attention, a state-space mixer, an MoE block or an MLP) and some entry a
+    token mixer (attention or a state-space mixer)."""
     path, _ = _decoder_list(model)
     return f"{path}.*"
 
@@ -138,13 +224,13 @@ def _decoder_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
     for path, m in root.named_modules():
         if not isinstance(m, nn.ModuleList) or not len(m):
             continue
-        if all(any(_is_attention(n, c) or _is_mixer(n, c) for n, c in layer.named_children()) for layer in m):
+        if _is_decoder_list(m):
             if best is None or len(m) > len(best[1]):
                 best = (path, m)
     if best is None:
         raise ValueError(
             f"{type(root).__name__}: regions_for found no list of decoder layers (an nn.ModuleList whose "
-            "every entry holds an attention module or a state-space mixer). Write the configuration by hand: "
+            "every entry holds attention, a state-space mixer, an MoE block or an MLP). Write the configuration by hand: "
             "sac_compile.SacConfig(layers='<path of the layers>.*', keep=..., "
             "regions={'<path of the layers>.*.<attention child>': 'attn', ...})"
         )

@@ -61,6 +61,33 @@ EXPECTED: dict[str, dict[str, str]] = {
         f"{_L}.1.feed_forward.experts": "experts",
         f"{_L}.1.feed_forward.router": "router",
     },
+    "jetmoe": {
+        f"{_L}.*.self_attention": "attn",
+        f"{_L}.*.mlp.input_linear": "experts",
+        f"{_L}.*.mlp.output_linear": "experts",
+        f"{_L}.*.mlp.router": "router",
+    },
+    "opt": {
+        f"model.decoder.layers.*.{n}": r for n, r in (("self_attn", "attn"), ("fc1", "mlp"), ("fc2", "mlp"))
+    },
+    "roberta": {
+        f"roberta.encoder.layer.*.{n}": r
+        for n, r in (("attention", "attn"), ("intermediate", "mlp"), ("output", "mlp"))
+    },
+    "recurrent-gemma": {  # the family name holds "Recurrent": RecurrentGemmaMlp is an MLP
+        f"{_L}.0.temporal_block": "mixer",
+        f"{_L}.*.mlp_block": "mlp",
+        f"{_L}.1.temporal_block": "attn",
+    },
+    "olmo-hybrid": {f"{_L}.0.linear_attn": "mixer", f"{_L}.*.mlp": "mlp", f"{_L}.1.self_attn": "attn"},
+    "nemotron-h": {  # read by class, not by the child's name
+        f"{_L}.0.mixer": "mixer",
+        f"{_L}.1.mixer.experts": "experts",
+        f"{_L}.1.mixer.gate": "router",
+        f"{_L}.1.mixer.shared_experts": "shared_experts",
+        f"{_L}.2.mixer": "attn",
+        f"{_L}.3.mixer": "mlp",
+    },
     "granite-moe-hybrid": {  # a Mamba layer, then an attention layer; MoE + shared MLP in both
         f"{_L}.*.block_sparse_moe.experts": "experts",
         f"{_L}.*.block_sparse_moe.router": "router",
@@ -89,6 +116,8 @@ def test_regions_are_read_layer_by_layer(family, models):
         "gpt2": "transformer.h.*",
         "falcon": "transformer.h.*",
         "gpt-neox": "gpt_neox.layers.*",
+        "opt": "model.decoder.layers.*",
+        "roberta": "roberta.encoder.layer.*",
     }.get(family, "model.layers.*")
     # every declaration matches a module (declare_regions raises on a pattern matching none)
     handle = sc.declare_regions(model, hf.regions_for(model))
@@ -126,6 +155,59 @@ def test_a_layer_it_cannot_read_is_named_with_the_config_to_write():
         hf.regions_for(nn.Sequential(nn.Linear(2, 2)))
 
 
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(8))
+
+
+class _TwinMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2, 8, 8))
+
+
+class _Moe(nn.Module):
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.experts, self.gate = _Experts(), nn.Linear(8, 2)
+        self.post_norm = nn.LayerNorm(8)  # a norm inside the block is glue, not an error
+        if extra:
+            self.mystery = nn.Linear(8, 8)
+
+
+class _TwinLayer(nn.Module):  # LongCat-Flash-like: lists of attentions and MLPs beside an MoE block
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.self_attn = nn.ModuleList([nn.MultiheadAttention(8, 2), nn.MultiheadAttention(8, 2)])
+        self.mlps = nn.ModuleList([_TwinMLP(), _TwinMLP()])
+        self.norms = nn.ModuleList([nn.LayerNorm(8), nn.LayerNorm(8)])
+        self.residual_scale = _Scale()  # glue: runs with the layer, in no region
+        self.moe = _Moe(extra)
+
+
+def test_lists_glue_and_an_unknown_child_of_an_moe_block():
+    model = nn.Module()
+    model.layers = nn.ModuleList([_TwinLayer(), _TwinLayer()])
+    assert hf.regions_for(model) == {
+        "layers.*.self_attn.0": "attn",
+        "layers.*.self_attn.1": "attn",
+        "layers.*.moe.experts": "experts",
+        "layers.*.moe.gate": "router",
+        "layers.*.mlps.0": "shared_experts",
+        "layers.*.mlps.1": "shared_experts",
+    }
+    model.layers = nn.ModuleList([_TwinLayer(), _TwinLayer(extra=True)])
+    with pytest.raises(ValueError, match=r"layer layers\.1 \(_TwinLayer\) holds moe\.mystery \(Linear\)"):
+        hf.regions_for(model)
+
+
 def _step(model: nn.Module, ids: torch.Tensor):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(3)  # dropout (GPT-2, Falcon, ...) draws the same masks in both runs
@@ -156,7 +238,8 @@ def test_eager_sac_keeping_every_region_is_bit_identical(family, monkeypatch):
     for n in g_ref:
         assert torch.equal(g[n], g_ref[n]), n
     # every layer ran under the engine, entering the regions read for it, and kept something
-    assert len(engine_calls) == 2 and all(stats for stats in engine_calls), engine_calls
+    n_layers = len(model.get_submodule(hf.decoder_layers(model)[:-2]))
+    assert len(engine_calls) == n_layers and all(stats for stats in engine_calls), engine_calls
     entered = set().union(*(stats[0].regions_entered for stats in engine_calls))
     assert entered == set(EXPECTED[family].values())
     assert all(stats[0].cached_ops > 0 for stats in engine_calls)

@@ -1,8 +1,9 @@
 """Tiny random-weight models of transformers 5.x decoder families (CPU, no download).
 
-Each entry builds a 2-layer ``*ForCausalLM`` whose layers differ where the family lets
+Each entry builds a 2-layer (NemotronH: 4-layer) ``*ForCausalLM`` whose layers differ where the family lets
 them (dense first layer of DeepSeek-V3 and Llama-4, Qwen3-MoE's ``mlp_only_layers``,
-Jamba's and Granite-MoE-hybrid's state-space / attention layers), so per-layer region
+the state-space / recurrent / linear-attention and attention layers of Jamba,
+Granite-MoE-hybrid, RecurrentGemma, OLMo-hybrid and NemotronH), so per-layer region
 reading is exercised. Used by ``tests/test_hf_families.py`` and
 ``benchmarks/hf_families.py``.
 """
@@ -102,6 +103,40 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             expert_layer_offset=1,
             mamba_d_state=8,
             mamba_dt_rank=4,
+        ),
+    ),
+    "jetmoe": (  # the router of transformers 4.x MoE (expert_size.tolist()), two *Experts children
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=8),
+    ),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=32)),  # fc1 + fc2
+    "roberta": ("RobertaConfig", "RobertaForCausalLM", dict(is_decoder=True, type_vocab_size=1)),
+    "recurrent-gemma": (  # an RG-LRU layer, then a local-attention layer, both called temporal_block
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        dict(block_types=["recurrent", "attention"], lru_width=32, head_dim=8, attention_window_size=16),
+    ),
+    "olmo-hybrid": (  # a gated-DeltaNet linear-attention layer, then a softmax-attention layer
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(layer_types=["linear_attention", "full_attention"]),
+    ),
+    "nemotron-h": (  # one block per layer, always called mixer: Mamba-2, MoE, attention, MLP
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            layers_block_type=["mamba", "moe", "attention", "mlp"],
+            num_hidden_layers=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=1,
+            head_dim=8,
         ),
     ),
     "granite-moe-hybrid": (
