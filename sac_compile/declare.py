@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ._compat.dynamo import skip_frame, unwrap_compiled
+from ._compat.dynamo import guard_module_hooks, skip_frame, unwrap_compiled
 from .keep import validate_region_name
 from .markers import DECLARED_ATTR as _ATTR
 from .markers import declared_names
@@ -155,6 +155,8 @@ def _skip_hook_frames() -> None:
     # on the first declaration, not at import: marking code skipped imports Dynamo
     skip_frame(_enter_hook)
     skip_frame(_exit_hook)
+    # modules of one class declared differently must not share compiled code
+    guard_module_hooks()
 
 
 def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHandle]:

@@ -262,3 +262,26 @@ def test_strict_config_raises_for_its_model_only():
         model(x)
     lenient = dataclasses.replace(cfg, strict=False).apply(ViewsOnly())
     lenient(x).sum().backward()  # logged, not raised
+
+
+@pytest.mark.parametrize("declared", [0, 1])
+def test_layers_of_one_class_declared_differently_compile_apart(declared):
+    """Dynamo does not guard on module hooks by default (skip_nnmodule_hook_guards): the
+    code compiled for the first layer was reused for the other, so a region declared on
+    one layer only was dropped (declared on layer 1) or kept in both (declared on layer 0).
+    Red before: one graph for both layers."""
+    torch._dynamo.reset()
+    _, model = _pair(2)
+    cfg = sc.SacConfig(
+        layers="layers.*",
+        keep={"mlp"},
+        regions={f"layers.{declared}.mlp": "mlp"},
+        compile={"inner": "aot_eager"},
+    )
+    with sc.collect_records() as records:
+        cfg.apply(model)
+        run_step(model, model, torch.randn(*X_SHAPE, requires_grad=True))
+    training = [rec for rec in records if rec.is_training]
+    assert len(training) == 2, [rec.summary() for rec in training]
+    kept = [bool(rec.regions.get("mlp") and rec.regions["mlp"].saved_nodes) for rec in training]
+    assert sorted(kept) == [False, True], [rec.summary() for rec in training]

@@ -292,3 +292,57 @@ def test_a_declared_region_split_by_a_break_is_reported_once_at_its_module(caplo
     msgs = [r.getMessage() for r in caplog.records if "[graph-break] region 'mlp'" in r.getMessage()]
     assert len(msgs) == 1 and "in MLP (layer.mlp)" in msgs[0], msgs
     assert not [r.getMessage() for r in caplog.records if "[unbalanced]" in r.getMessage()]
+
+
+class _Gate(nn.Module):
+    """A router whose forward graph-breaks (``.tolist()``, as transformers 4.x MoE routers did)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, 2)
+
+    def forward(self, x):
+        logits = self.proj(x)
+        sizes = (logits > 0).sum().tolist()  # a graph break: Dynamo compiles this frame on its own
+        return torch.softmax(logits, -1) * (1 + sizes * 0)
+
+
+class _AttnWithGate(nn.Module):  # JetMoE's attention: a gate of the same class inside it
+    def __init__(self, d):
+        super().__init__()
+        self.gate, self.o = _Gate(d), nn.Linear(2, d)
+
+    def forward(self, x):
+        return self.o(self.gate(x))
+
+
+class _GatedLayer(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.attn, self.router, self.out = _AttnWithGate(d), _Gate(d), nn.Linear(2, d)
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        return x + self.out(self.router(x))
+
+
+def test_a_graph_compiled_in_one_region_and_run_in_another_is_reported(caplog):
+    """The gate inside attn and the router are one class whose forward graph-breaks: Dynamo
+    compiles that forward once (inside 'attn') and reuses it for the router, whose ops are then
+    tagged as in 'attn' (not kept). Red before: nothing said so but a keep-unused for 'router'."""
+    import logging
+
+    torch._dynamo.reset()
+    model = nn.Sequential(_GatedLayer())
+    sc.SacConfig(
+        layers="0",
+        keep={"router"},
+        regions={"0.attn": "attn", "0.router": "router"},
+        compile={"inner": INNER},
+    ).apply(model)
+    with caplog.at_level(logging.WARNING, logger="sac_compile"):
+        for _ in range(2):
+            model(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    msgs = [r.getMessage() for r in caplog.records if "[graph-reused]" in r.getMessage()]
+    assert msgs and all("in _Gate:" in m for m in msgs), [r.getMessage() for r in caplog.records]
+    assert any("compiled inside regions 'attn' but runs inside regions 'router'" in m for m in msgs), msgs

@@ -19,6 +19,7 @@ __all__ = [
     "current_compile_id",
     "current_dynamo_tx",
     "dynamo_config",
+    "guard_module_hooks",
     "node_module_stack",
     "has_compiled_call",
     "on_dynamo_compile_end",
@@ -161,6 +162,19 @@ def skip_frame(fn) -> None:
     which makes inlining it a graph break).
     """
     private("torch._dynamo.eval_frame", "skip_code")(fn.__code__)
+
+
+def guard_module_hooks() -> None:
+    """Make Dynamo guard on ``nn.Module`` hooks, process-wide.
+
+    Relies on ``torch._dynamo.config.skip_nnmodule_hook_guards`` (True by default: "if
+    your model actually has hooks and you remove them, or doesn't and you add them,
+    dynamo will not notice and will execute whichever version you first compiled").
+    Region declarations are hooks, so with the default, code compiled for one module is
+    run for another of the same class declared differently (a region declared on one
+    layer only was dropped or copied to the others, silently).
+    """
+    dynamo_config().skip_nnmodule_hook_guards = False
 
 
 def aot_cache_hits() -> int:

@@ -25,6 +25,7 @@ __all__ = [
     "frame_self",
     "fresh_function",
     "frames",
+    "frames_above_running_graph",
     "inside_backend_call",
     "innermost_module",
     "is_compile_entry",
@@ -36,6 +37,10 @@ __all__ = [
     "user_call_site",
 ]
 
+_TORCH_RUNTIME = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), d) + os.sep
+    for d in ("_dynamo", "_functorch", "_inductor", "autograd")
+)
 _MODULE_FILE = os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))
 _EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")
 _OUTPUT_GRAPH = os.path.join("_dynamo", "output_graph.py")
@@ -55,6 +60,29 @@ def frames() -> Iterator[Any]:
     while frame is not None:
         yield frame
         frame = frame.f_back
+
+
+def frames_above_running_graph() -> Iterator[Any]:
+    """Called while a compiled graph runs (from a wrapper around it): the frames of its
+    callers, innermost first, without the frame whose compiled code called the graph.
+
+    Relies on Dynamo running a compiled frame's graph from that frame itself (its
+    transformed code keeps the function's name and file) through its runtime wrappers in
+    ``torch/_dynamo`` / ``torch/_functorch`` (``eval_frame._fn``, AOT runtime wrappers):
+    the first frame past those and our own (the reporter's) is the compiled one. While Dynamo compiled it,
+    that frame was not on the stack, so these are the frames its compile-time context
+    (``markers.context.enclosing_context``) was read from.
+    """
+    # our frames are the reporter's and backend's, except the two that Dynamo can compile
+    # as frames of their own: a decorated region's wrapper and the seam's call
+    user_frames = {os.path.join(_OUR_PACKAGE, f) for f in (os.path.join("markers", "regions.py"), "seam.py")}
+    it = frames()
+    for frame in it:
+        file = os.path.abspath(frame.f_code.co_filename)
+        ours = file.startswith(_OUR_PACKAGE) and file not in user_frames
+        if not ours and not file.startswith(_TORCH_RUNTIME):
+            break  # the compiled frame
+    yield from it
 
 
 _OUR_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

@@ -33,7 +33,7 @@ from ..diagnostics import compiled as diagnosed
 from ..diagnostics import describe_module, side_file, trace_watch
 from ..keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from ..markers import marker_kind
-from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, with_block_fallbacks
+from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, running_regions, with_block_fallbacks
 from ..policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_budget, validate_policy
 from . import session
 from .session import CompileUnit
@@ -262,9 +262,15 @@ def _graph_reporter(
                     unit.module,
                     side_file.side_path(key),
                 )
-            return diagnosed.GraphReporter([], set(), unit.module)
+            return diagnosed.GraphReporter([], set(), unit.module, **_context_check(unit))
         found, regions, keep_names = side
-    return diagnosed.GraphReporter(found, set(keep_names), unit.module, set(regions))
+    return diagnosed.GraphReporter(found, set(keep_names), unit.module, set(regions), **_context_check(unit))
+
+
+def _context_check(unit: CompileUnit) -> dict[str, Any]:
+    """The regions the graph was compiled in, and how to read them when it runs (a graph
+    compiled for one module can run for another: the ``graph-reused`` diagnosis)."""
+    return {"context": unit.context.regions, "read_context": running_regions}
 
 
 def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:

@@ -27,6 +27,9 @@ kind                        situation
 - ``legacy-keep-ignored``   a layer opted into reentrant checkpointing with a non-empty keep
 - ``collective-recomputed`` the eager engine ran a collective inside a kept region: it is
                             recomputed (communicates again) in the backward all the same
+- ``graph-reused``          a graph compiled inside some regions runs inside others: a graph
+                            break compiled a module's code as a frame of its own, and Dynamo
+                            reuses it for another module of the class in other regions
 ==========================  ==================================================================
 
 Deduplication is on the whole diagnosis per root model (:mod:`.core`), so a repeated
@@ -66,6 +69,7 @@ from .core import (
     COMPILED_IN_EAGER,
     EAGER_FALLBACK,
     GRAPH_BREAK,
+    GRAPH_REUSED,
     KEEP_UNUSED,
     KEPT_NOTHING,
     KINDS,
@@ -85,6 +89,7 @@ from .core import (
 
 __all__ = [
     "COLLECTIVE_RECOMPUTED",
+    "GRAPH_REUSED",
     "COMPILED_IN_EAGER",
     "COMPILE_FALLBACK",
     "COMPILE_SWALLOWED",

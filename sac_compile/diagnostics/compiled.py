@@ -10,7 +10,7 @@ import torch.nn as nn
 from .._compat.frames import innermost_module
 from ..records import GraphRecord, describe_modules
 from . import messages
-from .core import PROCESS, Diagnosis, note_regions, owner
+from .core import PROCESS, Diagnosis, describe_module, note_regions, owner
 from .judge import RepeatJudge
 
 __all__ = ["GraphReporter", "graph_diagnoses", "with_reporter"]
@@ -86,19 +86,29 @@ class GraphReporter:
     """
 
     def __init__(
-        self, diagnoses: list[Diagnosis], keep_names: set[str], where: str, regions: set[str] = frozenset()
+        self,
+        diagnoses: list[Diagnosis],
+        keep_names: set[str],
+        where: str,
+        regions: set[str] = frozenset(),
+        context: tuple[str, ...] = (),
+        read_context: Callable[[], tuple[str, ...]] | None = None,
     ) -> None:
         self.diagnoses = tuple(diagnoses)
         self.regions = tuple(sorted(regions))  # what the graph records when it runs
         self.where = where
         self.judge = RepeatJudge(keep_names)
+        # the regions open at the graph's start when it was compiled (from the stack), and
+        # how to read them again while it runs (markers.context.running_regions)
+        self.context = context
+        self.read_context = read_context
 
     @property
     def keep_names(self) -> tuple[str, ...]:
         return self.judge.keep_names
 
     def needed(self) -> bool:
-        return bool(self.diagnoses or self.keep_names or self.regions)
+        return bool(self.diagnoses or self.keep_names or self.regions or self.context)
 
     def on_call(self) -> None:
         inner = innermost_module() or PROCESS
@@ -107,7 +117,16 @@ class GraphReporter:
         root = owner()
         # regions are recorded per root model: a graph records them for each model it runs in
         note_regions(self.regions, root, inner if isinstance(inner, nn.Module) else None)
-        self.judge.on_call(inner, root, self.where, lambda: self.diagnoses)
+        self.judge.on_call(inner, root, self.where, lambda: (*self.diagnoses, *self._reused(inner)))
+
+    def _reused(self, inner: object) -> list[Diagnosis]:
+        """``graph-reused`` when the regions open above the graph now differ from those it
+        was compiled in (checked on the first call under each module)."""
+        now = self.context if self.read_context is None else self.read_context()
+        if now == self.context:
+            return []
+        where = describe_module(inner) if isinstance(inner, nn.Module) else self.where
+        return [messages.graph_reused(where, self.context, now)]
 
 
 def with_reporter(compiled: Callable, reporter: GraphReporter) -> Callable:

@@ -52,6 +52,7 @@ COMPILE_SWALLOWED = "compile-swallowed"
 COMPILE_FALLBACK = "compile-fallback"
 LEGACY_KEEP_IGNORED = "legacy-keep-ignored"
 COLLECTIVE_RECOMPUTED = "collective-recomputed"
+GRAPH_REUSED = "graph-reused"
 KINDS = (
     KEEP_UNUSED,
     KEPT_NOTHING,
@@ -65,6 +66,7 @@ KINDS = (
     COMPILE_FALLBACK,
     LEGACY_KEEP_IGNORED,
     COLLECTIVE_RECOMPUTED,
+    GRAPH_REUSED,
 )
 
 

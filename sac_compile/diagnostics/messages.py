@@ -10,6 +10,7 @@ from .core import (
     COMPILED_IN_EAGER,
     EAGER_FALLBACK,
     GRAPH_BREAK,
+    GRAPH_REUSED,
     KEEP_UNUSED,
     KEPT_NOTHING,
     LEGACY_KEEP_IGNORED,
@@ -26,6 +27,7 @@ __all__ = [
     "compiled_in_eager",
     "eager_fallback",
     "graph_break",
+    "graph_reused",
     "keep_unused",
     "kept_nothing",
     "legacy_keep_ignored",
@@ -227,4 +229,21 @@ def collective_recomputed(name: str, where: str, listed: str) -> Diagnosis:
         "so the backward communicates again: their output buffers may be written outside the "
         "region, so eager mode never serves them from a cache. A compiled layer "
         "(compile=True, or a sac backend) saves kept functional collectives instead.",
+    )
+
+
+def graph_reused(where: str, compiled_in: tuple[str, ...], runs_in: tuple[str, ...]) -> Diagnosis:
+    def regions(names: tuple[str, ...]) -> str:
+        return "regions " + ", ".join(map(repr, names)) if names else "no region"
+
+    return Diagnosis(
+        GRAPH_REUSED,
+        ",".join(sorted(set(compiled_in) | set(runs_in))),
+        where,
+        f"this graph was compiled inside {regions(compiled_in)} but runs inside {regions(runs_in)}: a graph "
+        "break made Dynamo compile this code as a frame of its own, and it reuses that compiled code "
+        "for every module of the class, whatever regions enclose it, so its ops are kept or recomputed "
+        "as in the first. Declare the same regions around every module of this class (or declare "
+        "this module itself), remove the graph break (TORCH_LOGS=graph_breaks), or checkpoint the "
+        "layer eagerly (compile=False).",
     )

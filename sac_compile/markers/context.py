@@ -3,9 +3,11 @@
 When a graph break splits a module call, Dynamo compiles the frames below it one by
 one while the callers' frames wait on the stack: the wrapped layer's seam call (its
 checkpoint scope), a declared module's call (its forward hooks opened its regions) and
-a decorated function's wrapper (its region). (Dynamo does not guard on this context: a
+a decorated function's wrapper (its region). Dynamo does not guard on this context: a
 function whose body is compiled as separate frames keeps the context of its first
-compile.)
+compile, also when it later runs for another module of the same class in other regions;
+:func:`running_regions` reads the context again when the graph runs, so that the
+diagnostics can report that (``graph-reused``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .regions import (
     seam_scope_args,
 )
 
-__all__ = ["NO_CONTEXT", "Enclosing", "enclosing_context", "with_block_fallbacks"]
+__all__ = ["NO_CONTEXT", "Enclosing", "enclosing_context", "running_regions", "with_block_fallbacks"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,24 @@ def enclosing_context(compiled_self: object = None) -> Enclosing:
         wrapped_inside,
         region_owners,
     )
+
+
+def running_regions() -> tuple[str, ...]:
+    """The regions open above the compiled graph running now (outermost first), read from
+    the same frames as :func:`enclosing_context` read them when the graph was compiled:
+    decorated wrappers and declared modules' calls."""
+    found: list[str] = []
+    last_module = None
+    for frame in frames.frames_above_running_graph():
+        name = frames.own_frame_local(frame, WRAPPER_NAME, _regions.__file__, "name")
+        if isinstance(name, str):
+            found.append(name)
+            continue
+        module = frames.module_call_self(frame)
+        if module is not None and module is not last_module:  # _call_impl and its inner
+            last_module = module
+            found.extend(declared_names(module))
+    return tuple(reversed(found))
 
 
 def with_block_fallbacks(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]:
