@@ -30,7 +30,8 @@ class _Entry:
     skippable: bool = False
     dead: bool = False  # skipped in the recompute (see _State.finalize)
     shrink_of: int | None = None  # cached as a small read of this cached matmul output
-    rng_state: Any = None
+    rng_state: Any = None  # the RNG state before a random op, to replay it (see _drop_in_sync_rng)
+    random: bool = False
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
 
 
@@ -152,6 +153,7 @@ class _State:
                 continue
             e.skippable, e.value = False, None
             self.mark_needed(e.inputs)
+        self._drop_in_sync_rng()
         seen: set[int] = set()
         for entries in self.entries.values():
             for e in entries:
@@ -180,6 +182,28 @@ class _State:
                         self.stats.held_bytes += nbytes
                         key = "+".join(e.regions) or "-"
                         self.stats.held_by_region[key] += nbytes
+
+    def _drop_in_sync_rng(self) -> None:
+        """Drop the RNG states the recompute reaches by itself.
+
+        The checkpoint restores the forward's starting RNG state before the recompute
+        (``preserve_rng_state``), and the recompute runs the ops in the forward's order; so
+        a replayed random op with no random op served from the cache or skipped before it
+        (since the start, or since the last replayed one) finds the generator exactly where
+        the forward left it. Only the first replayed random op after a served or skipped one
+        needs its state set (a CPU generator's state is 5,056 B, held per op until the
+        backward).
+        """
+        in_sync = True
+        for e in self.order:
+            if not e.random:
+                continue
+            if e.cached or e.dead or e.served_write is not None:
+                in_sync = False  # its draw is not replayed: the stream is behind from here
+            elif e.rng_state is not None:
+                if in_sync:
+                    e.rng_state = None
+                in_sync = True
 
 
 def _cached_bytes(e: _Entry) -> int:
