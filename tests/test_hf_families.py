@@ -286,11 +286,24 @@ def test_eager_keep_sets_are_ordered(family):
     assert held["full"] < held[first] < held["all"] <= held["none"], held
 
 
-@pytest.mark.parametrize("family", ["deepseek-v3", "granite-moe", "jamba"])
+# every layout but JetMoE, whose router class also runs inside attention and graph-breaks
+# (graph-reused: tests/test_graph_breaks.py); dense families that differ only in names are
+# compiled once (llama), the rest of the dense ones are eager-checked above
+# PyTorch's own aot_eager fails OLMo-hybrid's backward with no checkpointing at all (gated
+# DeltaNet's torch path: "view size is not compatible with input tensor's size and stride");
+# under Inductor this test passes for it, in 115 s, too slow for the suite
+COMPILED = [
+    f
+    for f in FAMILIES
+    if f not in ("jetmoe", "olmo-hybrid", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2")
+]
+
+
+@pytest.mark.parametrize("family", COMPILED)
 def test_compiled_per_layer_sac_keeps_every_region_read(family):
-    """Per-layer compile (aot_eager) of families whose layers differ (dense + MoE with shared
-    experts; block_sparse_moe; Mamba + attention, the mixer graph-breaking): loss and gradients
-    match the unwrapped model, and every region read for a layer is kept with values saved."""
+    """Per-layer compile (aot_eager): loss and gradients match the unwrapped model, and every
+    region read for a layer is kept with values saved (Mamba, RG-LRU and gated-DeltaNet mixers
+    graph-break: their regions are kept in pieces)."""
     ref, model = build(family), build(family)
     with sc.collect_records() as records:
         hf.config_for(model, keep=sc.ALL_REGIONS, compile={"inner": "aot_eager"}).apply(model)
