@@ -111,7 +111,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         dict(num_local_experts=4, num_experts_per_tok=2, kv_channels=8),
     ),
     "opt": ("OPTConfig", "OPTForCausalLM", dict(ffn_dim=64, word_embed_proj_dim=32)),  # fc1 + fc2
-    "roberta": ("RobertaConfig", "RobertaForCausalLM", dict(is_decoder=True, type_vocab_size=1)),
+    "roberta": (  # positions start past the padding index: room for seq 64
+        "RobertaConfig",
+        "RobertaForCausalLM",
+        dict(is_decoder=True, type_vocab_size=1, max_position_embeddings=80),
+    ),
     "recurrent-gemma": (  # an RG-LRU layer, then a local-attention layer, both called temporal_block
         "RecurrentGemmaConfig",
         "RecurrentGemmaForCausalLM",
