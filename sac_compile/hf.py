@@ -30,8 +30,9 @@ region              what it declares in a decoder layer
                     block in the same layer
 ==================  ============================================================
 
-A layer child with parameters that fits none of these (other than norms) is an
-error naming it, never silently left out.
+Layer glue (norms, residual scaling, hyper-connections, per-layer input gates) is in
+no region; any other child with parameters that fits none of these, in the layer or
+in its MoE block, is an error naming it, never silently left out.
 
 MoE experts in transformers 5.x run through a selectable implementation
 (``config._experts_implementation``): ``"grouped_mm"`` (the default; one
@@ -129,7 +130,7 @@ def _kind(name: str, module: nn.Module, parent: nn.Module) -> str | None:
         return "mlp"
     if _is_glue(name, module, parent):
         return "glue"
-    if name in _MIXER_NAMES or any(k in name for k in ("lstm",)):
+    if name in _MIXER_NAMES or "lstm" in name:
         return "mixer"
     if name in _ATTENTION_NAMES or name in _CROSS_NAMES:
         return "cross_attn" if cross else "attn"

@@ -69,9 +69,9 @@ def frames_above_running_graph() -> Iterator[Any]:
     Relies on Dynamo running a compiled frame's graph from that frame itself (its
     transformed code keeps the function's name and file) through its runtime wrappers in
     ``torch/_dynamo`` / ``torch/_functorch`` (``eval_frame._fn``, AOT runtime wrappers):
-    the first frame past those and our own (the reporter's) is the compiled one. While Dynamo compiled it,
-    that frame was not on the stack, so these are the frames its compile-time context
-    (``markers.context.enclosing_context``) was read from.
+    the first frame past those and our own (the reporter's) is the compiled one. While
+    Dynamo compiled it, that frame was not on the stack, so these are the frames its
+    compile-time context (``markers.context.enclosing_context``) was read from.
     """
     # our frames are the reporter's and backend's, except the two that Dynamo can compile
     # as frames of their own: a decorated region's wrapper and the seam's call

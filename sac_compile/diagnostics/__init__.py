@@ -89,12 +89,12 @@ from .core import (
 
 __all__ = [
     "COLLECTIVE_RECOMPUTED",
-    "GRAPH_REUSED",
     "COMPILED_IN_EAGER",
     "COMPILE_FALLBACK",
     "COMPILE_SWALLOWED",
     "EAGER_FALLBACK",
     "GRAPH_BREAK",
+    "GRAPH_REUSED",
     "KEEP_UNUSED",
     "KEPT_NOTHING",
     "KINDS",
