@@ -31,28 +31,7 @@ import torch
 
 import sac_compile as sc
 from sac_compile import hf
-from sac_compile.compiler.backend import baseline_backend
-from sac_compile.testing.hf_families import FAMILIES, build
-
-
-def held_bytes(family: str, keep, mode: str, ids: torch.Tensor) -> int:
-    """Bytes one forward of ``family`` holds for the backward; ``keep`` None = no checkpoint."""
-    torch._dynamo.reset()
-    model = build(family)
-    if keep is not None:
-        hf.config_for(
-            model, keep=keep, compile={"inner": "aot_eager"} if mode == "compiled" else False
-        ).apply(model)
-    elif mode == "compiled":
-        layers = model.get_submodule(hf.decoder_layers(model)[:-2])
-        for layer in layers:
-            layer.compile(backend=baseline_backend("aot_eager"))
-
-    def logits(ids, model=model):
-        torch.manual_seed(0)  # the same dropout masks in every configuration
-        return model(input_ids=ids).logits
-
-    return sc.autograd_saved_bytes(logits, ids, exclude=model.parameters())
+from sac_compile.testing.hf_families import FAMILIES, build, held_bytes
 
 
 def main() -> int:
@@ -78,14 +57,15 @@ def main() -> int:
     for family in args.families.split(","):
         regions = sorted(set(hf.regions_for(build(family)).values()))
         for mode in modes:
+            compiled = mode == "compiled"
             try:
-                none = held_bytes(family, None, mode, ids)
+                none = held_bytes(family, None, ids, compiled=compiled)
             except Exception as e:  # noqa: BLE001 (a family PyTorch cannot compile: say so, go on)
                 print(f"{family:<19} {mode:<8} failed without checkpointing: {str(e).splitlines()[0][:90]}")
                 continue
-            full = held_bytes(family, (), mode, ids)
-            every = held_bytes(family, sc.ALL_REGIONS, mode, ids)
-            each = {r: held_bytes(family, {r}, mode, ids) for r in regions}
+            full = held_bytes(family, (), ids, compiled=compiled)
+            every = held_bytes(family, sc.ALL_REGIONS, ids, compiled=compiled)
+            each = {r: held_bytes(family, {r}, ids, compiled=compiled) for r in regions}
             ok = full < min(each.values()) and max(each.values()) <= every <= none
             flag = "" if ok else " !"
             if not ok:

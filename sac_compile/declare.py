@@ -151,7 +151,7 @@ def _exit_hook(name: str, _module, _args, _output) -> None:
 
 
 @functools.cache
-def _skip_hook_frames() -> None:
+def _prepare_dynamo() -> None:
     # on the first declaration, not at import: marking code skipped imports Dynamo
     skip_frame(_enter_hook)
     skip_frame(_exit_hook)
@@ -160,7 +160,7 @@ def _skip_hook_frames() -> None:
 
 
 def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHandle]:
-    _skip_hook_frames()
+    _prepare_dynamo()
     # prepend: the region encloses hooks registered earlier (e.g. by fully_shard)
     pre = module.register_forward_pre_hook(functools.partial(_enter_hook, name), prepend=True)
     post = module.register_forward_hook(functools.partial(_exit_hook, name), always_call=True)

@@ -162,6 +162,18 @@ def _moe_parts(module: nn.Module) -> tuple[dict[str, str], list[str]] | None:
     return parts, unknown
 
 
+def _entries(layer: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``(path, attribute name, module)`` of a layer's children, a ``ModuleList`` child read
+    entry by entry (LongCat-Flash: two attentions, two MLPs)."""
+    found = []
+    for name, child in layer.named_children():
+        if isinstance(child, nn.ModuleList):
+            found += [(f"{name}.{i}", name, c) for i, c in enumerate(child)]
+        else:
+            found.append((name, name, child))
+    return found
+
+
 def _layer_regions(layer: nn.Module) -> tuple[dict[str, str], list[str]]:
     """``({path relative to the layer: region}, [children not recognised])``."""
     found: dict[str, str] = {}
@@ -170,42 +182,28 @@ def _layer_regions(layer: nn.Module) -> tuple[dict[str, str], list[str]]:
     unknown = []
     children = dict(layer.named_children())
     paired = {n for pair in _MLP_PAIRS if all(n in children for n in pair) for n in pair}
-    entries: list[tuple[str, nn.Module]] = []
-    for name, child in children.items():
-        if isinstance(child, nn.ModuleList):  # LongCat-Flash: two attentions, two MLPs
-            entries += [(f"{name}.{i}", c) for i, c in enumerate(child)]
-        else:
-            entries.append((name, child))
-    for name, child in entries:
-        kind = "mlp" if name in paired else _kind(name.split(".")[0], child, layer)
+    for path, name, child in _entries(layer):
+        kind = "mlp" if path in paired else _kind(name, child, layer)
         if kind in ("attn", "cross_attn", "mixer"):
-            found[name] = kind
+            found[path] = kind
         elif kind == "moe":
             moe = True
             parts, not_read = _moe_parts(child)  # type: ignore[misc]
-            found.update({f"{name}.{n}": region for n, region in parts.items()})
-            unknown += [f"{name}.{n}" for n in not_read]
+            found.update({f"{path}.{n}": region for n, region in parts.items()})
+            unknown += [f"{path}.{n}" for n in not_read]
         elif kind == "mlp":
-            dense.append(name)
+            dense.append(path)
         elif kind is None:
-            unknown.append(f"{name} ({type(child).__name__})")
-    for name in dense:
-        found[name] = "shared_experts" if moe else "mlp"
+            unknown.append(f"{path} ({type(child).__name__})")
+    for path in dense:
+        found[path] = "shared_experts" if moe else "mlp"
     return found, unknown
-
-
-def _kinds(layer: nn.Module) -> set[str | None]:
-    kinds: set[str | None] = set()
-    for name, child in layer.named_children():
-        for c in child if isinstance(child, nn.ModuleList) else [child]:
-            kinds.add(_kind(name, c, layer))
-    return kinds
 
 
 def _is_decoder_list(layers: nn.ModuleList) -> bool:
     """Every entry holds a region (attention, mixer, MoE or MLP: NemotronH has MLP-only and
     MoE-only layers) and some entry holds a token mixer (attention or a state-space mixer)."""
-    kinds = [_kinds(layer) for layer in layers]
+    kinds = [{_kind(name, c, layer) for _, name, c in _entries(layer)} for layer in layers]
     regions = {"attn", "cross_attn", "mixer", "moe", "mlp"}
     return all(k & regions for k in kinds) and any(k & {"attn", "mixer"} for k in kinds)
 

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 import sac_compile as sc  # noqa: E402
 from sac_compile import hf  # noqa: E402
-from sac_compile.testing.hf_families import FAMILIES, build  # noqa: E402
+from sac_compile.testing.hf_families import FAMILIES, build, held_bytes  # noqa: E402
 
 _L = "model.layers"
 _DENSE = {f"{_L}.*.self_attn": "attn", f"{_L}.*.mlp": "mlp"}
@@ -272,17 +272,8 @@ def test_eager_keep_sets_are_ordered(family):
     dropout)."""
     ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     first = next(r for r in ("attn", "mixer") if r in EXPECTED[family].values())
-    held = {}
-    for name, keep in (("none", None), ("full", ()), (first, {first}), ("all", sc.ALL_REGIONS)):
-        model = build(family)
-        if keep is not None:
-            hf.config_for(model, keep=keep).apply(model)
-
-        def logits(ids, model=model):
-            torch.manual_seed(0)
-            return model(input_ids=ids).logits
-
-        held[name] = sc.autograd_saved_bytes(logits, ids, exclude=model.parameters())
+    keeps = {"none": None, "full": (), first: {first}, "all": sc.ALL_REGIONS}
+    held = {name: held_bytes(family, keep, ids) for name, keep in keeps.items()}
     assert held["full"] < held[first] < held["all"] <= held["none"], held
 
 

@@ -131,10 +131,11 @@ def test_sdpa_with_dropout_in_a_recomputed_region_replays_its_mask(p):
 
 
 def test_the_seed_post_pass_untags_seed_draws_only():
+    from torch._inductor import inductor_prims as prims  # a submodule: not loaded by `import torch`
+
     from sac_compile._compat.inductor import seed_creation_ops
     from sac_compile.passes.untag_seeds import UNTAG_SEEDS
 
-    prims = torch._inductor.inductor_prims
     graph = fx.Graph()
     seeds = graph.call_function(prims.seeds, (2, torch.device("cpu")))
     lookup = graph.call_function(prims.lookup_seed, (seeds, 0))

@@ -115,6 +115,13 @@ def unwrap_dynamo_backend(fn: Any) -> Any:
     return fn
 
 
+def reset_compile_caches() -> None:
+    """Forget every compiled frame (``torch._dynamo.reset``): a fresh start for a
+    measurement that builds and compiles a new model, so that the recompile limit is not
+    reached across models and nothing compiled for the last one runs for the next."""
+    private("torch._dynamo", "reset")()
+
+
 _end_callbacks: dict = {}
 
 

@@ -73,19 +73,21 @@ def frames_above_running_graph() -> Iterator[Any]:
     Dynamo compiled it, that frame was not on the stack, so these are the frames its
     compile-time context (``markers.context.enclosing_context``) was read from.
     """
-    # our frames are the reporter's and backend's, except the two that Dynamo can compile
-    # as frames of their own: a decorated region's wrapper and the seam's call
-    user_frames = {os.path.join(_OUR_PACKAGE, f) for f in (os.path.join("markers", "regions.py"), "seam.py")}
     it = frames()
     for frame in it:
         file = os.path.abspath(frame.f_code.co_filename)
-        ours = file.startswith(_OUR_PACKAGE) and file not in user_frames
+        ours = file.startswith(_OUR_PACKAGE) and file not in _OUR_COMPILABLE
         if not ours and not file.startswith(_TORCH_RUNTIME):
             break  # the compiled frame
     yield from it
 
 
 _OUR_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: our files whose functions Dynamo can compile as frames of their own (a decorated
+#: region's wrapper, the seam's call); our other frames are the reporter's and backend's
+_OUR_COMPILABLE = frozenset(
+    os.path.join(_OUR_PACKAGE, f) for f in (os.path.join("markers", "regions.py"), "seam.py")
+)
 
 #: The seam's generated ``_call_impl`` functions are named ``<prefix><Class>``
 #: (sac_compile/seam.py): such a frame is the wrapped module's call.

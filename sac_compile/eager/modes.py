@@ -115,9 +115,7 @@ class _CachingMode(TorchDispatchMode):
             # Whatever the policy: a kept region's write into a tensor from outside
             # the scope (a buffer, an input) happens once, in the forward.
             cached = True
-        entry = _Entry(
-            func, regions, cached, inputs=inputs, rng_state=rng, random=random, shrink_of=shrink_of
-        )
+        entry = _Entry(func, regions, cached, inputs=inputs, rng_state=rng, shrink_of=shrink_of)
         if external_writes and cached:
             entry.served_write = _kept_external_write(st, func, regions, external_writes)
             cached = entry.cached = entry.served_write is None and cached

@@ -31,7 +31,6 @@ class _Entry:
     dead: bool = False  # skipped in the recompute (see _State.finalize)
     shrink_of: int | None = None  # cached as a small read of this cached matmul output
     rng_state: Any = None  # the RNG state before a random op, to replay it (see _drop_in_sync_rng)
-    random: bool = False
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
 
 
@@ -147,8 +146,7 @@ class _State:
             if e.cached or e.served_write is not None:
                 continue  # served in the recompute: it reads nothing
             if e.skippable and not any(s in self.needed_storages for s in e.storages):
-                e.dead = True
-                e.rng_state = None  # never replayed
+                e.dead = True  # (its RNG state is dropped by _drop_in_sync_rng: never replayed)
                 self.stats.skipped_ops += 1
                 continue
             e.skippable, e.value = False, None
@@ -196,11 +194,13 @@ class _State:
         """
         in_sync = True
         for e in self.order:
-            if not e.random:
-                continue
+            if e.rng_state is None:
+                continue  # not a random op (or RNG state is not preserved: nothing is replayed)
             if e.cached or e.dead or e.served_write is not None:
                 in_sync = False  # its draw is not replayed: the stream is behind from here
-            elif e.rng_state is not None:
+                if e.dead:
+                    e.rng_state = None  # skipped in the recompute
+            else:
                 if in_sync:
                     e.rng_state = None
                 in_sync = True

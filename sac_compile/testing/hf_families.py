@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["FAMILIES", "build"]
+__all__ = ["FAMILIES", "build", "held_bytes"]
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=128,
@@ -169,3 +169,29 @@ def build(name: str, *, seed: int = 0) -> nn.Module:
     # Gemma-2's soft-capped attention has no SDPA path; every other family runs SDPA
     attn = "eager" if name == "gemma2" else "sdpa"
     return getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn).train()
+
+
+def held_bytes(family: str, keep: Any, ids: torch.Tensor, *, compiled: bool = False) -> int:
+    """Bytes one forward of ``family`` holds for the backward (``autograd_saved_bytes``,
+    parameters excluded), every decoder layer wrapped by ``hf.config_for(keep=...)``;
+    ``keep`` None: no checkpoint. ``compiled``: each layer compiled with ``aot_eager`` (no
+    checkpoint: the same compile without the tagging pass)."""
+    import sac_compile as sc
+    from sac_compile import hf
+    from sac_compile._compat.dynamo import reset_compile_caches
+    from sac_compile.compiler.backend import baseline_backend
+
+    if compiled:
+        reset_compile_caches()
+    model = build(family)
+    if keep is not None:
+        hf.config_for(model, keep=keep, compile={"inner": "aot_eager"} if compiled else False).apply(model)
+    elif compiled:
+        for layer in model.get_submodule(hf.decoder_layers(model)[:-2]):
+            layer.compile(backend=baseline_backend("aot_eager"))
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(0)  # the same dropout masks in every configuration
+        return model(input_ids=ids).logits
+
+    return sc.autograd_saved_bytes(logits, ids, exclude=model.parameters())
