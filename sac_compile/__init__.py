@@ -29,7 +29,7 @@ from .keep import ALL_REGIONS
 from .markers import region
 from .policy import SAVE_ALL, SAVE_COSTLY, is_costly
 from .records import collect_records, recent_records
-from .seam import LEGACY_ATTR, apply_selective_checkpointing
+from .seam import LEGACY_ATTR, apply_selective_checkpointing, remove_selective_checkpointing
 
 __all__ = [
     # Marking regions
@@ -49,6 +49,7 @@ __all__ = [
     "is_costly",  # what SAVE_COSTLY calls costly
     # Wrapping layers (eager, per-layer compile, whole-model compile)
     "apply_selective_checkpointing",  # one call per wrap site; see its decision table
+    "remove_selective_checkpointing",  # undo it (and declare_regions) on a module tree
     "LEGACY_ATTR",  # module attribute opting into reentrant checkpointing
     "SacConfig",  # one frozen config applied to a whole model
     # Diagnostics (logger "sac_compile", WARNING)

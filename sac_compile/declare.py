@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from ._compat.dynamo import guard_module_hooks, skip_frame, unwrap_compiled
 from .keep import validate_region_name
 from .markers import DECLARED_ATTR as _ATTR
-from .markers import declared_names
+from .markers import declared_names, exporting
 from .records import generic_path
 
 __all__ = ["RegionDeclarations", "declare_regions", "declared_names", "undeclare_regions"]
@@ -52,6 +52,8 @@ class RegionDeclarations:
             if handles is not None:
                 for h in handles:
                     h.remove()
+            if not declared:
+                module.__dict__.pop(_SCRIPT_HOOK, None)
         self._handles.clear()
         self.modules.clear()
 
@@ -122,6 +124,7 @@ def undeclare_regions(model: nn.Module) -> int:
             for h in handles:
                 h.remove()
             removed += 1
+        module.__dict__.pop(_SCRIPT_HOOK, None)
     return removed
 
 
@@ -136,11 +139,13 @@ def declared_regions(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def _enter_hook(name: str, _module, _args) -> None:
-    torch.ops.sac_compile.region_enter(name)
+    if not exporting():  # See Note [markers export as nothing] in sac_compile/markers/regions.py.
+        torch.ops.sac_compile.region_enter(name)
 
 
 def _exit_hook(name: str, _module, _args, _output) -> None:
-    torch.ops.sac_compile.region_exit(name)
+    if not exporting():
+        torch.ops.sac_compile.region_exit(name)
 
 
 # Traced inline with the module call, the hooks put their markers in its graph. Run as
@@ -164,7 +169,26 @@ def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHa
     # prepend: the region encloses hooks registered earlier (e.g. by fully_shard)
     pre = module.register_forward_pre_hook(functools.partial(_enter_hook, name), prepend=True)
     post = module.register_forward_hook(functools.partial(_exit_hook, name), always_call=True)
+    module.__dict__[_SCRIPT_HOOK] = functools.partial(_refuse_script, type(module).__name__)
     return pre, post
+
+
+# torch.jit.script compiles a module's forward hooks too, and ours (functools.partial
+# objects) are not TorchScript: it fails with "'functools.partial' object has no attribute
+# '__name__'". TorchScript calls __prepare_scriptable__ on each module before scripting it
+# (torch/jit/_script.py, call_prepare_scriptable_func_impl), which is where we say so.
+# Returning a copy without the hooks is not an option: TorchScript stores what it returns
+# into the parent's _modules, so the user's model would silently lose its regions.
+_SCRIPT_HOOK = "__prepare_scriptable__"
+
+
+def _refuse_script(cls_name: str) -> None:
+    raise TypeError(
+        f"torch.jit.script cannot compile the forward hooks that sac_compile.declare_regions put on "
+        f"{cls_name} (regions mark nothing in TorchScript anyway). Script the model without them: "
+        "sac_compile.undeclare_regions(model) before torch.jit.script (declare again afterwards), or use "
+        "torch.jit.trace / torch.export, which drop the markers."
+    )
 
 
 def match_path(pattern: str, path: str) -> bool:

@@ -11,10 +11,31 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 
-__all__ = ["ALL_REGIONS", "KeepSet", "normalize_keep", "validate_region_name"]
+__all__ = [
+    "ALL_REGIONS",
+    "INPUT",
+    "NO_REGION",
+    "PARAM",
+    "RNG",
+    "KeepSet",
+    "normalize_keep",
+    "validate_region_name",
+]
 
-# Characters the marker-op schema and the report table cannot carry unambiguously.
-_FORBIDDEN = (",", "\n", "\r", "\t")
+# Characters a region name may not hold: "," separates names in keep texts (scope
+# markers, cache keys), ";" separates a scope marker's fields (";policy=", ";budget="),
+# "+" joins the regions open at once in reports ("attn+mlp"), and whitespace controls
+# break the report tables.
+_FORBIDDEN = (",", ";", "+", "\n", "\r", "\t")
+
+# Keys that reports use next to region names, for values no region owns: the partition
+# report (inspection.report) and the eager engine's held bytes (eager.state). A region
+# of that name would be merged with them, so these words are reserved.
+NO_REGION = "-"  # computed outside every region
+INPUT = "input"  # a graph input (an activation entering the scope)
+PARAM = "param"  # a parameter or buffer
+RNG = "rng"  # RNG state saved to replay random ops
+_RESERVED = (NO_REGION, INPUT, PARAM, RNG)
 
 
 class _AllRegions:
@@ -60,12 +81,19 @@ def validate_region_name(name: object, *, what: str = "region name") -> str:
             f'{what} "*" is reserved (it spells ALL_REGIONS in scope markers); '
             "choose another name, or pass keep=sac_compile.ALL_REGIONS"
         )
+    if name in _RESERVED:
+        raise ValueError(
+            f"{what} {name!r} is reserved: reports use {', '.join(map(repr, _RESERVED))} for values no "
+            f"region owns, so a region of that name would be merged with them; choose another name "
+            f"(e.g. {name.strip('-') or 'glue'}_region)"
+        )
     bad = [c for c in _FORBIDDEN if c in name]
     if bad:
         raise ValueError(
             f"{what} {name!r} contains {bad[0]!r}; region names may not contain "
-            "commas, tabs or newlines (they separate names in the scope markers "
-            "and the partition report)"
+            "',' or ';' (they separate names and fields in the scope markers), '+' "
+            "(reports join overlapping regions with it: 'attn+mlp'), tabs or newlines; "
+            f"use '_' instead, e.g. {name.replace(bad[0], '_')!r}"
         )
     return name
 

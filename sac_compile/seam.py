@@ -23,6 +23,15 @@ eager, non-empty ``keep``                              the eager engine (:mod:`s
 =====================================================  =========================================
 
 ``fully_shard`` goes outside: ``fully_shard(apply_selective_checkpointing(layer, keep))``.
+
+While a program is exported or traced for inference (``torch.export``, ONNX,
+``torch.jit.trace``) a wrapped module runs its plain call: no checkpoint, no scope
+markers (Note [markers export as nothing] in :mod:`sac_compile.markers.regions`).
+
+A wrapped module pickles (``torch.save`` / ``torch.load(weights_only=False)``) and
+deep-copies with its wrapping: the generated class is rebuilt from the original class and
+the configuration, and a ``compile=True`` module is compiled again. :func:`remove_selective_checkpointing`
+undoes the wrapping.
 """
 
 from __future__ import annotations
@@ -37,20 +46,28 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ._compat import frames
-from ._compat.dynamo import has_compiled_call
+from ._compat.dynamo import drop_compiled_call, has_compiled_call, unwrap_compiled
 from ._compat.nn import CALL_IMPL, next_call_impl
 from .compiler.backend import make_sac_backend
+from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
-from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, seam_scope_args
+from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, exporting, seam_scope_args
 from .policy import SAVE_COSTLY, RegionPolicy, format_scope, policy_key, validate_budget, validate_policy
 from .records import SEAM_PREFIX
 
-__all__ = ["LEGACY_ATTR", "SeamConfig", "apply_selective_checkpointing", "is_container"]
+__all__ = [
+    "LEGACY_ATTR",
+    "SeamConfig",
+    "apply_selective_checkpointing",
+    "is_container",
+    "remove_selective_checkpointing",
+]
 
 
-_COMPILE_KEYS = {"fullgraph", "dynamic"}
+# torch.compile's arguments; "mode" and "options" reach the backend, which forwards them to Inductor
+_COMPILE_KEYS = {"fullgraph", "dynamic", "mode", "options"}
 _BACKEND_KEYS = {"inner", "inductor_config"}
 
 
@@ -98,8 +115,8 @@ def apply_selective_checkpointing(
             fill after the kept values (compiled code only: with ``compile=True`` or
             under an outer ``torch.compile``; the eager engine raises).
         preserve_rng_state: replay the RNG in the recompute (eager modes).
-        compile: ``True`` or a dict with any of ``fullgraph``, ``dynamic`` (for
-            ``torch.compile``) and ``inner``, ``inductor_config`` (for
+        compile: ``True`` or a dict with any of ``fullgraph``, ``dynamic``, ``mode``,
+            ``options`` (for ``torch.compile``) and ``inner``, ``inductor_config`` (for
             ``make_sac_backend``): compile the module as one checkpoint scope.
 
     Wrapping an already wrapped module with the same arguments returns it unchanged;
@@ -124,6 +141,8 @@ def apply_selective_checkpointing(
     existing = getattr(module, "_sac_seam", None)
     if existing is not None:
         if existing == config:
+            if not has_compiled_call(module):
+                _compile(module, config)  # a copy that lost its compiled call (see compile-fallback)
             return module
         raise ValueError(
             f"{type(module).__name__} is already wrapped by apply_selective_checkpointing with "
@@ -138,18 +157,68 @@ def apply_selective_checkpointing(
             f"{type(module).__name__} was already compiled with module.compile(); apply "
             "apply_selective_checkpointing first (or pass compile=True to it)"
         )
+    if options is not None:
+        _backend_and_compile_kwargs(config)  # bad mode / options fail here, not at the first call
     module._sac_seam = config
     module.__class__ = _subclass_for(type(module), config)
-    if options is not None:
-        opts = dict(options)
-        backend = make_sac_backend(
-            keep_set,
-            policy=config.policy,
-            budget=config.budget,
-            **{k: v for k, v in opts.items() if k in _BACKEND_KEYS},
-        )
-        module.compile(backend=backend, **{k: v for k, v in opts.items() if k in _COMPILE_KEYS})
+    _compile(module, config)
     return module
+
+
+def remove_selective_checkpointing(module: nn.Module) -> nn.Module:
+    """Undo :func:`apply_selective_checkpointing` and :func:`~sac_compile.declare_regions`
+    on ``module`` and every module under it; returns ``module``.
+
+    Each wrapped module gets its original class back (and loses the compile that
+    ``compile=True`` added); every declared region is removed. ``state_dict`` keys and
+    parameters are untouched. Markers written in the model's code (``region``) stay:
+    outside a checkpoint they do nothing. A model wrapped by ``torch.compile`` is undone
+    through the module it wraps (the outer compile stays).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"remove_selective_checkpointing takes an nn.Module, got {type(module).__name__}")
+    root = unwrap_compiled(module)
+    for sub in root.modules():
+        config = sub.__dict__.get("_sac_seam")
+        if config is None:
+            continue
+        if type(sub).__dict__.get("_sac_seam_class") is not True:
+            raise ValueError(
+                f"{type(sub).__name__} was wrapped again after apply_selective_checkpointing (its class is "
+                f"{type(sub).__qualname__}, e.g. by fully_shard), so the checkpointing cannot be taken out "
+                "from under it; remove the outer wrapping first"
+            )
+        sub.__class__ = type(sub).__mro__[1]
+        del sub._sac_seam
+        if config.compile_options is not None:
+            drop_compiled_call(sub)
+    undeclare_regions(root)
+    return module
+
+
+def _backend_and_compile_kwargs(config: SeamConfig) -> tuple[Any, dict[str, Any]]:
+    """The backend and the ``torch.compile`` arguments of a ``compile=...`` wrap."""
+    opts = {k: dict(v) if k in _DICT_KEYS else v for k, v in (config.compile_options or ())}
+    backend = make_sac_backend(
+        config.keep,
+        policy=config.policy,
+        budget=config.budget,
+        **{k: v for k, v in opts.items() if k in _BACKEND_KEYS},
+    )
+    backend.compile_patches(opts.get("mode"), opts.get("options"))  # raises for bad ones
+    return backend, {k: v for k, v in opts.items() if k in _COMPILE_KEYS}
+
+
+def _compile(module: nn.Module, config: SeamConfig) -> None:
+    """Compile a ``compile=...`` wrap (at wrapping, and again when it is unpickled or copied:
+    ``nn.Module.__getstate__`` drops the compiled call)."""
+    if config.compile_options is not None:
+        backend, kwargs = _backend_and_compile_kwargs(config)
+        module.compile(backend=backend, **kwargs)
+
+
+# compile options whose values are dicts (kept as sorted item tuples in SeamConfig)
+_DICT_KEYS = ("inductor_config", "options")
 
 
 def _compile_options(compile: object) -> tuple[tuple[str, Any], ...] | None:
@@ -166,7 +235,7 @@ def _compile_options(compile: object) -> tuple[tuple[str, Any], ...] | None:
             )
         items = []
         for k, v in compile.items():
-            if k == "inductor_config":
+            if k in _DICT_KEYS:
                 v = tuple(sorted(dict(v).items()))
             items.append((k, v))
         return tuple(sorted(items))
@@ -192,9 +261,43 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
         _SUBCLASSES[key] = type(
             f"{SEAM_PREFIX}{cls.__name__}",
             (cls,),
-            {CALL_IMPL: call_impl, "__module__": cls.__module__, "_sac_seam_class": True},
+            {
+                CALL_IMPL: call_impl,
+                "__module__": cls.__module__,
+                "_sac_seam_class": True,
+                "__reduce_ex__": _seam_reduce_ex,
+                "__setstate__": _seam_setstate,
+            },
         )
     return _SUBCLASSES[key]
+
+
+# Pickling and deep copies. The generated class cannot be found by name in its module, so a
+# wrapped module pickles as "the original class, wrapped with this config": _rewrapped makes
+# the instance of the generated class, pickle (or copy) restores its state, _seam_setstate
+# compiles it again. Module.__getstate__ drops the compiled call, which is why a plain
+# deepcopy of a compile=True module ran eagerly.
+
+
+def _seam_reduce_ex(self, protocol):
+    klass = type(self)
+    if klass.__dict__.get("_sac_seam_class") is not True:  # a class made from ours (fully_shard): its own way
+        return object.__reduce_ex__(self, protocol)
+    return _rewrapped, (klass.__mro__[1], self._sac_seam), self.__getstate__()
+
+
+def _rewrapped(cls: type, config: SeamConfig) -> nn.Module:
+    validate_policy(config.policy)  # a user's policy is registered in this process too
+    klass = _subclass_for(cls, config)
+    return klass.__new__(klass)
+
+
+def _seam_setstate(self, state: dict) -> None:
+    for klass in type(self).__mro__:
+        if "_sac_seam_class" in klass.__dict__:
+            break
+    super(klass, self).__setstate__(state)
+    _compile(self, self._sac_seam)
 
 
 def _seam_call_impl(self, *args, **kwargs):
@@ -205,6 +308,8 @@ def _seam_call_impl(self, *args, **kwargs):
         if "_sac_seam_class" in klass.__dict__:
             break
     call = next_call_impl(klass, self)
+    if exporting():  # See Note [markers export as nothing] in sac_compile/markers/regions.py.
+        return call(*args, **kwargs)
     legacy = getattr(self, LEGACY_ATTR, False) is True
     if torch.compiler.is_compiling():
         # See Note [straight-line under compile] in sac_compile/markers/regions.py.

@@ -70,6 +70,14 @@ def _kinds(caplog) -> set[tuple[str, str]]:
         (" attn", ValueError, "without leading or trailing whitespace"),
         ("a,b", ValueError, "may not contain"),
         ("*", ValueError, "reserved"),
+        # reports join overlapping regions with "+" and use these keys for values no region
+        # owns: such a name was split (a false kept-nothing) or merged with them
+        ("a+b", ValueError, "may not contain"),
+        ("a;b", ValueError, "may not contain"),  # separates a scope marker's fields
+        ("-", ValueError, "reserved"),
+        ("input", ValueError, "reserved"),
+        ("param", ValueError, "reserved"),
+        ("rng", ValueError, "reserved"),
     ],
 )
 def test_bad_region_names_are_rejected_everywhere_they_can_be_given(bad, error, words):

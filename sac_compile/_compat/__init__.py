@@ -15,6 +15,7 @@ module              what it wraps
                     conventions of partitioned graphs
 ``inductor``        Inductor's entry points, config, custom-pass hook, lowerings, caches
 ``nn``              ``nn.Module``'s call machinery the seam overrides (``_call_impl``)
+``jit``             TorchScript's method modifiers (a method left out of a scripted class)
 ``logs``            PyTorch's structured trace (``TORCH_TRACE``, read by ``tlparse``)
 ``frames``          reading the Python stack: torch's own frames (``nn.Module`` calls,
                     ``torch.compile``'s entry) and ours (decorated regions, seam calls)

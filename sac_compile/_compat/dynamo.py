@@ -41,6 +41,11 @@ def has_compiled_call(module: torch.nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
+def drop_compiled_call(module: torch.nn.Module) -> None:
+    """Undo ``module.compile()``: its calls run ``_call_impl`` again."""
+    module.__dict__.pop("_compiled_call_impl", None)
+
+
 def dynamo_config():
     return private("torch._dynamo", "config")
 

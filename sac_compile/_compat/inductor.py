@@ -58,6 +58,14 @@ def inductor_config():
     return private("torch._inductor", "config")
 
 
+def compile_mode_config(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The Inductor config entries ``torch.compile(mode=..., options=...)`` stand for, checked
+    as ``torch.compile`` checks them for its own Inductor backend (``_TorchCompileInductorWrapper``
+    in ``torch/__init__.py``: unknown modes, keys and value types raise ``RuntimeError``).
+    A custom backend receives ``mode`` and ``options`` as keyword arguments instead."""
+    return dict(private("torch", "_TorchCompileInductorWrapper")(mode, options, None).config)
+
+
 def custom_graph_passes(value: Any) -> tuple:
     """A ``joint_custom_*_pass`` config value as a tuple of passes: ``None``, one pass, or a
     list / tuple of them (``custom_graph_pass.get_custom_graph_passes``; a tuple is also what

@@ -158,22 +158,45 @@ class SacBackend:
             )
         return self._passes[context]
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def compile_patches(self, mode: str | None = None, options: Mapping[str, Any] | None = None) -> dict:
+        """The Inductor config this backend compiles with when ``torch.compile`` passes it
+        ``mode`` / ``options``: its ``inductor_config``, then theirs (they win). With
+        ``inner="aot_eager"`` there is no Inductor to configure: a ``ValueError``."""
+        if not mode and not options:
+            return dict(self.inductor_config)
+        if self.inner != "inductor":
+            raise ValueError(
+                f"torch.compile(mode={mode!r}, options={options!r}) configures Inductor, but {self!r} compiles "
+                f"with inner={self.inner!r}, where they would do nothing; drop them, or use "
+                "make_sac_backend(..., inner='inductor') (mode and options are then forwarded to Inductor, "
+                "as is make_sac_backend(inductor_config={...}))"
+            )
+        extra = inductor.compile_mode_config(mode, dict(options) if options else None)
+        _check_inductor_keys(extra, "torch.compile options")
+        return {**dict(self.inductor_config), **extra}
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: list[Any], **compile_kwargs: Any
+    ) -> Callable:
+        # torch.compile(backend=..., mode=..., options=...) passes these two on to a custom backend
+        unknown = set(compile_kwargs) - {"mode", "options"}
+        if unknown:
+            raise TypeError(f"{self!r} got unexpected keyword arguments {sorted(unknown)}")
+        patches = self.compile_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
         unit = _new_unit(gm, example_inputs)
         capturing = session.capturing()
         pass_ = self.tagging_pass(unit.context) if self.checkpoint else None
         trace_watch.claim_trace()  # this graph is ours: its markers are not "no-pass"
         with session.compiling(unit):
             if self.inner == "inductor":
-                compiled = self._compile_inductor(gm, example_inputs, pass_, unit, capturing)
+                compiled = self._compile_inductor(gm, example_inputs, pass_, unit, capturing, patches)
             else:
                 compiled = self._compile_aot_eager(gm, example_inputs, pass_, unit)
         if pass_ is None:
             return compiled
         return diagnosed.with_reporter(compiled, _graph_reporter(self, unit, gm, example_inputs, pass_))
 
-    def _compile_inductor(self, gm, example_inputs, pass_, unit, capturing):
-        patches = dict(self.inductor_config)
+    def _compile_inductor(self, gm, example_inputs, pass_, unit, capturing, patches):
         if pass_ is not None:
             from ..passes.untag_seeds import UNTAG_SEEDS  # loads Inductor, as the pass does
 
@@ -336,17 +359,19 @@ def make_sac_backend(
             )
         if not isinstance(inductor_config, Mapping):
             raise TypeError(f"inductor_config must be a mapping, got {type(inductor_config).__name__}")
-        known = inductor.inductor_config()
-        for key in inductor_config:
-            if key == "joint_custom_pre_pass":
-                raise ValueError(
-                    "inductor_config may not set joint_custom_pre_pass: the backend installs its own"
-                )
-            if not hasattr(known, key):
-                raise ValueError(f"inductor_config key {key!r} is not a torch._inductor.config option")
+        _check_inductor_keys(inductor_config, "inductor_config")
         config_items = tuple(sorted((str(k), v) for k, v in inductor_config.items()))
     key = (format_keep(keep_set), policy_key(policy_fn), budget, inner, repr(config_items))
     return _memoised(key, lambda: SacBackend(keep_set, inner, config_items, policy=policy_fn, budget=budget))
+
+
+def _check_inductor_keys(config: Mapping[str, Any], what: str) -> None:
+    known = inductor.inductor_config()
+    for key in config:
+        if key == "joint_custom_pre_pass":
+            raise ValueError(f"{what} may not set joint_custom_pre_pass: the backend installs its own")
+        if not hasattr(known, key):
+            raise ValueError(f"{what} key {key!r} is not a torch._inductor.config option")
 
 
 def _memoised(key: tuple, make: Callable[[], SacBackend]) -> SacBackend:

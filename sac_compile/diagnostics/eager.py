@@ -100,7 +100,7 @@ def report_compile_fallback(module: nn.Module) -> None:
         return
     _fallback_checked.add(module)
     root = owner()
-    report(messages.compile_fallback(where_in(module, root)), root)
+    report(messages.compile_fallback(where_in(module, root), has_compiled_call(module)), root)
 
 
 def report_legacy(module: nn.Module, keep: KeepSet, attr: str) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.checkpoint import tree_leaves, tree_map
+from ..keep import NO_REGION, RNG
 from .op_facts import _Geometry, _storage, _StorageSet
 
 __all__ = ["EngineStats"]
@@ -160,7 +161,7 @@ class _State:
                 elif e.rng_state is not None:
                     nbytes = sum(t.numel() * t.element_size() for _, t in e.rng_state)
                     self.stats.held_bytes += nbytes
-                    self.stats.held_by_region["rng"] += nbytes
+                    self.stats.held_by_region[RNG] += nbytes
                 if not e.cached:
                     continue
                 # Per output: a value is dropped when nothing reads it. Only
@@ -178,7 +179,7 @@ class _State:
                         seen.add(s)
                         nbytes = t.untyped_storage().nbytes()
                         self.stats.held_bytes += nbytes
-                        key = "+".join(e.regions) or "-"
+                        key = "+".join(e.regions) or NO_REGION
                         self.stats.held_by_region[key] += nbytes
 
     def _drop_in_sync_rng(self) -> None:

@@ -16,15 +16,10 @@ import torch
 
 from .._compat import aot
 from ..compiler.session import CompileUnit
-from ..keep import ALL_REGIONS
+from ..keep import ALL_REGIONS, INPUT, NO_REGION, PARAM, RNG
 from ..records import GraphRecord
 
 __all__ = ["INPUT", "GraphPartition", "PartitionReport", "SavedValue", "build_partition"]
-
-INPUT = "input"
-PARAM = "param"
-RNG = "rng"
-NO_REGION = "-"
 
 
 @dataclass(frozen=True)

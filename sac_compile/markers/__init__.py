@@ -12,6 +12,7 @@ from .regions import (
     WRAPPER_NAME,
     checkpoint_scope,
     declared_names,
+    exporting,
     region,
     seam_scope_args,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "checkpoint_scope",
     "declared_names",
     "enclosing_context",
+    "exporting",
     "marker_kind",
     "region",
     "seam_scope_args",

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._compat import frames
+from .._compat.jit import script_drop
 from ..keep import format_keep, normalize_keep, validate_region_name
 from ..records import SEAM_PREFIX
 from . import ops  # noqa: F401  (registers the marker ops)
@@ -41,6 +42,7 @@ __all__ = [
     "WRAPPER_NAME",
     "checkpoint_scope",
     "declared_names",
+    "exporting",
     "region",
     "seam_scope_args",
 ]
@@ -51,6 +53,21 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 WRAPPER_NAME = "_region_wrapper"
 
 
+# Note [markers export as nothing]
+# Checkpointing is a training concern; a program exported for inference (torch.export,
+# torch.onnx.export, which exports through it, torch.jit.trace, the legacy ONNX path) has
+# no use for it. So while one of them traces, no marker op is emitted (region, the
+# decorator, declared modules' hooks) and a wrapped layer runs its plain call: the program
+# holds no sac_compile::* node and loads where sac_compile is not installed. Dynamo reads
+# torch.compiler.is_exporting() as the live flag and torch.jit.is_tracing() as False, so
+# the check costs nothing in compiled code.
+
+
+def exporting() -> bool:
+    """Whether a program is being exported or traced for inference (see the Note above)."""
+    return torch.compiler.is_exporting() or torch.jit.is_tracing()
+
+
 class region:
     """Mark the forward ops run inside as the region ``name``.
 
@@ -58,24 +75,37 @@ class region:
     function or a ``forward`` method. Regions nest and overlap; the same name may
     be open more than once (entries are counted). Outside any checkpoint scope a
     marker is a no-op; in compiled code the markers are erased by the tagging
-    pass and cost nothing at run time.
+    pass and cost nothing at run time. Exported and traced programs hold no
+    marker (Note [markers export as nothing]); ``torch.jit.script`` compiles a
+    ``with region(...)`` block to nothing.
     """
 
+    # TorchScript compiles this class when a scripted forward holds a ``with region(...)``
+    # block: __init__, __enter__ and __exit__ are written so that it can (the
+    # is_scripting() branches are resolved at compile time), the rest is dropped.
     __slots__ = ("name",)
 
     def __init__(self, name: str) -> None:
-        self.name = validate_region_name(name)
+        if not torch.jit.is_scripting():
+            name = validate_region_name(name)
+        self.name = name
 
+    @script_drop
     def __repr__(self) -> str:
         return f"region({self.name!r})"
 
     def __enter__(self) -> region:
-        torch.ops.sac_compile.region_enter(self.name)
+        if not torch.jit.is_scripting():
+            if not exporting():
+                torch.ops.sac_compile.region_enter(self.name)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        torch.ops.sac_compile.region_exit(self.name)
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not torch.jit.is_scripting():
+            if not exporting():
+                torch.ops.sac_compile.region_exit(self.name)
 
+    @script_drop
     def __call__(self, fn: _F) -> _F:
         if not callable(fn):
             raise TypeError(
@@ -108,11 +138,13 @@ class checkpoint_scope:
         self.keep_text = format_keep(normalize_keep(keep))
 
     def __enter__(self) -> checkpoint_scope:
-        torch.ops.sac_compile.scope_enter(self.scope_id, self.keep_text)
+        if not exporting():
+            torch.ops.sac_compile.scope_enter(self.scope_id, self.keep_text)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        torch.ops.sac_compile.scope_exit(self.scope_id, self.keep_text)
+        if not exporting():
+            torch.ops.sac_compile.scope_exit(self.scope_id, self.keep_text)
 
 
 # Note [straight-line under compile]
@@ -129,6 +161,8 @@ def _make_wrapper(name: str, fn: _F) -> _F:
     # on the stack by it, and the tagging pass finds it in Dynamo's recorded stack traces.
     @functools.wraps(fn)
     def _region_wrapper(*args: Any, **kwargs: Any) -> Any:
+        if exporting():  # See Note [markers export as nothing].
+            return fn(*args, **kwargs)
         if torch.compiler.is_compiling():
             # See Note [straight-line under compile].
             torch.ops.sac_compile.region_enter(name)

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 from ..compiler.backend import make_sac_backend
 from ..eager import checkpoint_with_regions
-from ..inspection import INPUT, capture_partition
-from ..keep import KeepSet, format_keep, normalize_keep
+from ..inspection import capture_partition
+from ..keep import INPUT, NO_REGION, PARAM, RNG, KeepSet, format_keep, normalize_keep
 
 __all__ = ["ParityReport", "parity_report"]
 
@@ -40,7 +40,9 @@ class ParityReport:
     def saved_regions(self, side: str) -> set[str]:
         """Region names owning saved activations (inputs and "-" left out)."""
         held = self.eager if side == "eager" else self.compiled
-        return {n for key, b in held.items() if b and key not in (INPUT, "-", "rng") for n in key.split("+")}
+        return {
+            n for key, b in held.items() if b and key not in (INPUT, NO_REGION, RNG) for n in key.split("+")
+        }
 
     def format(self) -> str:
         keys = sorted(set(self.eager) | set(self.compiled))
@@ -71,5 +73,5 @@ def parity_report(module: nn.Module, *args: Any, keep: object, inner: str = "ind
         eager[INPUT] = sum(inputs.values())
     out.sum().backward()
     report = capture_partition(module, *args, backend=make_sac_backend(keep_set, inner=inner))
-    compiled = {k: v for k, v in report.bytes_by_region().items() if k != "param" and v}
+    compiled = {k: v for k, v in report.bytes_by_region().items() if k != PARAM and v}
     return ParityReport(keep_set, {k: v for k, v in eager.items() if v}, compiled)
