@@ -279,6 +279,14 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
 # deepcopy of a compile=True module ran eagerly.
 
 
+def _seam_class(module: nn.Module) -> type:
+    """The generated class in ``module``'s MRO (``fully_shard`` may have put a subclass on top)."""
+    for klass in type(module).__mro__:
+        if "_sac_seam_class" in klass.__dict__:
+            return klass
+    raise TypeError(f"{type(module).__name__} is not wrapped by apply_selective_checkpointing")
+
+
 def _seam_reduce_ex(self, protocol):
     klass = type(self)
     if klass.__dict__.get("_sac_seam_class") is not True:  # a class made from ours (fully_shard): its own way
@@ -293,10 +301,7 @@ def _rewrapped(cls: type, config: SeamConfig) -> nn.Module:
 
 
 def _seam_setstate(self, state: dict) -> None:
-    for klass in type(self).__mro__:
-        if "_sac_seam_class" in klass.__dict__:
-            break
-    super(klass, self).__setstate__(state)
+    super(_seam_class(self), self).__setstate__(state)
     _compile(self, self._sac_seam)
 
 
@@ -304,10 +309,7 @@ def _seam_call_impl(self, *args, **kwargs):
     config: SeamConfig = self._sac_seam
     # The original class's call (hooks included) is the next one after the
     # generated class in the MRO; fully_shard may have swapped in a subclass.
-    for klass in type(self).__mro__:
-        if "_sac_seam_class" in klass.__dict__:
-            break
-    call = next_call_impl(klass, self)
+    call = next_call_impl(_seam_class(self), self)
     if exporting():  # See Note [markers export as nothing] in sac_compile/markers/regions.py.
         return call(*args, **kwargs)
     legacy = getattr(self, LEGACY_ATTR, False) is True

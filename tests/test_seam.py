@@ -186,7 +186,9 @@ class TestIdentity:
         with pytest.raises(TypeError, match="compile must be a bool or a dict"):
             sc.apply_selective_checkpointing(Block(16), (), compile="yes")
         with pytest.raises(ValueError, match=r"compile options \['backend'\] are not understood"):
-            sc.apply_selective_checkpointing(Block(16), (), compile={"backend": "inductor"})  # make_sac_backend's choice
+            sc.apply_selective_checkpointing(
+                Block(16), (), compile={"backend": "inductor"}
+            )  # make_sac_backend's choice
         with pytest.raises(TypeError, match="keep=None is ambiguous"):
             sc.apply_selective_checkpointing(Block(16), None)
 

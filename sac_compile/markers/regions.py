@@ -100,7 +100,7 @@ class region:
                 torch.ops.sac_compile.region_enter(self.name)
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> None:
         if not torch.jit.is_scripting():
             if not exporting():
                 torch.ops.sac_compile.region_exit(self.name)
