@@ -8,6 +8,10 @@ no-checkpoint. ``torch SAC attn`` is ``create_selective_checkpoint_contexts`` wi
 an op list (SDPA) that makes exactly the decisions of ``keep={"attn"}`` on this
 model, so its row against ``eager SAC attn`` is the engine's overhead.
 
+Then the ops the eager engine's dispatch modes intercept in one layer's step
+(forward and recompute, inside kept regions and outside them) against the ops the
+layer runs in a plain forward: issue #17 wants none intercepted outside kept regions.
+
     python benchmarks/eager_vs_compiled.py [--layers 4 --d-model 128 --seq 256 --batch 4 --iters 15]
 """
 
@@ -19,9 +23,11 @@ import functools
 
 import torch
 from _timing import interleaved_medians
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import sac_compile as sc
+from sac_compile.eager import checkpoint_with_regions
 from sac_compile.testing.models import Stack
 
 SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -48,7 +54,7 @@ def build(base: Stack, how: str) -> Stack:
             model.layers[i] = TorchSAC(layer, [SDPA])
         elif keep_set is None:
             if kind == "compiled":
-                layer.compile(backend=sc.backend.baseline_backend())
+                layer.compile(backend=sc.baseline_backend())
         else:
             sc.apply_selective_checkpointing(layer, keep_set, compile=(kind == "compiled"))
     return model
@@ -119,7 +125,38 @@ def main(argv: list[str] | None = None) -> dict:
         )
     overhead = rows["eager SAC attn"]["step_ms"] / rows["torch SAC attn"]["step_ms"]
     print(f"eager engine overhead vs torch SAC (same decisions): {overhead:.2f}x step time")
+    rows["intercepted"] = intercepted_ops(base.layers[0], x)
     return rows
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def intercepted_ops(layer: torch.nn.Module, x: torch.Tensor) -> dict:
+    """Ops the eager engine intercepts in one forward+backward of ``layer``, by pass and region."""
+    with torch.no_grad(), _CountOps() as plain:
+        layer(x)
+    print(f"\nops intercepted by the eager engine in one layer step (the layer's forward runs {plain.n} ops)")
+    print(f"{'keep':<8} {'fwd kept':>9} {'fwd outside':>12} {'rec kept':>9} {'rec outside':>12}")
+    found = {}
+    for name, keep in (("attn", {"attn"}), ("all", sc.ALL_REGIONS)):
+        stats: list = []
+        checkpoint_with_regions(layer, x, keep=keep, stats_out=stats).sum().backward()
+        n = stats[0].intercepted
+        found[name] = dict(n)
+        print(
+            f"{name:<8} {n['forward', 'kept']:>9} {n['forward', 'outside']:>12} "
+            f"{n['recompute', 'kept']:>9} {n['recompute', 'outside']:>12}"
+        )
+    print("(PyTorch's SAC intercepts every op of the layer in both passes, like this engine today)")
+    return {"plain_forward_ops": plain.n, **found}
 
 
 if __name__ == "__main__":

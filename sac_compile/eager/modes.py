@@ -65,11 +65,12 @@ class _CachingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _IGNORED or _autocast_weight_cast(func, args):
-            return func(*args, **kwargs)
         st = self.state
         session = _SESSION.get()
         kept = session is not None and session.kept()
+        st.stats.intercepted["forward", "kept" if kept else "outside"] += 1
+        if func in _IGNORED or _autocast_weight_cast(func, args):
+            return func(*args, **kwargs)
         regions = session.open_names() if session is not None else ()
         save = session is not None and session.saves(func, regions)
         inputs = _tensor_storages((args, kwargs))
@@ -183,9 +184,12 @@ class _CachedMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        st = self.state
+        session = _SESSION.get()
+        kept = session is not None and session.kept()
+        st.stats.intercepted["recompute", "kept" if kept else "outside"] += 1
         if func in _IGNORED or _autocast_weight_cast(func, args):
             return func(*args, **kwargs)
-        st = self.state
         key = sac_storage_key(func, args)  # the op; per compiled region for Inductor's code
         idx = self.counter[key]
         self.counter[key] += 1

@@ -51,6 +51,10 @@ class EngineStats:
     held_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     regions_entered: Counter = field(default_factory=Counter)
     unbalanced: list = field(default_factory=list)  # (region, "enter without exit" | "exit without enter")
+    # ops the engine's dispatch modes intercepted, by (pass, where): pass "forward" or
+    # "recompute", where "kept" (a kept region was open) or "outside"; the recompute's
+    # counts grow when the backward runs. What issue #17 wants at 0: ("*", "outside").
+    intercepted: Counter = field(default_factory=Counter)
 
     @property
     def forced_collectives(self) -> int:
