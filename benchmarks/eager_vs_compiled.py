@@ -23,11 +23,11 @@ import functools
 
 import torch
 from _timing import interleaved_medians
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import sac_compile as sc
 from sac_compile.eager import checkpoint_with_regions
+from sac_compile.testing.counting import CountOps
 from sac_compile.testing.models import Stack
 
 SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -129,19 +129,9 @@ def main(argv: list[str] | None = None) -> dict:
     return rows
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def intercepted_ops(layer: torch.nn.Module, x: torch.Tensor) -> dict:
     """Ops the eager engine intercepts in one forward+backward of ``layer``, by pass and region."""
-    with torch.no_grad(), _CountOps() as plain:
+    with torch.no_grad(), CountOps() as plain:
         layer(x)
     print(f"\nops intercepted by the eager engine in one layer step (the layer's forward runs {plain.n} ops)")
     print(f"{'keep':<8} {'fwd kept':>9} {'fwd outside':>12} {'rec kept':>9} {'rec outside':>12}")

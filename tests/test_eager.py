@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 import sac_compile as sc
 from sac_compile.eager import checkpoint_with_regions
 from sac_compile.policy import SAVE_ALL, SAVE_COSTLY
+from sac_compile.testing.counting import CountOps
 from sac_compile.testing.models import Block, MoEBlock
 
 # Mechanism tests (in-place writes, dropping, RNG) run under both built-in policies:
@@ -439,22 +440,12 @@ def test_unread_outputs_of_a_multi_output_op_are_dropped():
     assert stats[0].held_by_region["r"] == 64 * 64 * 4
 
 
-class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_engine_counts_the_ops_it_intercepts_by_pass_and_region():
     # the measure issue #17 drives to 0 outside kept regions (benchmarks/eager_vs_compiled.py)
     torch.manual_seed(0)
     block = Block(16)
     x = torch.randn(2, 8, 16, requires_grad=True)
-    with torch.no_grad(), _CountOps() as plain:
+    with torch.no_grad(), CountOps() as plain:
         block(x)
     seen = {}
     for keep in (frozenset({"attn"}), sc.ALL_REGIONS):
