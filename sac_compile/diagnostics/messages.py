@@ -200,24 +200,21 @@ def compiled_in_eager(where: str, compiled: list[str]) -> Diagnosis:
 
 
 def compile_fallback(where: str, compiled_call: bool = True) -> Diagnosis:
-    why = (
-        "Dynamo did not compile its call (recompile limit reached, the frame was skipped, or compiling "
-        "is disabled)"
-        if compiled_call
-        else "its compiled call is gone (module.compile()'s result was removed, e.g. by a copy made "
-        "from its __dict__; copy.deepcopy, pickle and torch.save keep it)"
-    )
+    if compiled_call:
+        why = "Dynamo did not compile its call (recompile limit reached, the frame was skipped, or compiling is disabled)"
+        hint = "See TORCH_LOGS=recompiles,graph_breaks."
+    else:
+        why = (
+            "its compiled call is gone (module.compile()'s result was removed, e.g. by a copy made "
+            "from its __dict__; copy.deepcopy, pickle and torch.save keep it)"
+        )
+        hint = "Wrap the copy again: apply_selective_checkpointing(..., compile=True)."
     return Diagnosis(
         COMPILE_FALLBACK,
         "-",
         where,
         f"it was wrapped with compile=True but runs eagerly: {why}, so the eager engine checkpoints "
-        "it instead (correct, slower). "
-        + (
-            "See TORCH_LOGS=recompiles,graph_breaks."
-            if compiled_call
-            else "Wrap the copy again: apply_selective_checkpointing(..., compile=True)."
-        ),
+        f"it instead (correct, slower). {hint}",
     )
 
 

@@ -22,15 +22,19 @@ class EagerSession:
         self.open: Counter[str] = Counter()
         self.entered: Counter[str] = Counter()
         self.unbalanced: list[tuple[str, str]] = []
+        # entries of kept regions open now: kept() is asked for every op the modes see
+        self._kept_open = 0
 
     def sink(self, kind: str, payload: tuple) -> None:
         if kind == "region_enter":
             self.open[payload[0]] += 1
             self.entered[payload[0]] += 1
+            self._kept_open += payload[0] in self.keep
         elif kind == "region_exit":
             # an exit without an enter is a no-op here (nothing was open)
             if self.open[payload[0]] > 0:
                 self.open[payload[0]] -= 1
+                self._kept_open -= payload[0] in self.keep
             else:
                 self.unbalanced.append((payload[0], "exit without enter"))
 
@@ -43,7 +47,7 @@ class EagerSession:
         return tuple(sorted(n for n, c in self.open.items() if c > 0))
 
     def kept(self) -> bool:
-        return any(n in self.keep for n, c in self.open.items() if c > 0)
+        return self._kept_open > 0
 
     def saves(self, func: Any, regions: tuple[str, ...]) -> bool:
         """Whether the region policy saves ``func`` run with ``regions`` (this session's
