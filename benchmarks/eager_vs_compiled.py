@@ -10,9 +10,14 @@ model, so its row against ``eager SAC attn`` is the engine's overhead.
 
 Then the ops the eager engine's dispatch modes intercept in one layer's step
 (forward and recompute, inside kept regions and outside them) against the ops the
-layer runs in a plain forward: issue #17 wants none intercepted outside kept regions.
+layer runs in a plain forward: none outside kept regions (issue #17).
+
+Then (``--models``) the eager engine on the demo model and transformers Llama and
+Qwen3-MoE against no checkpoint, full recompute and PyTorch's SAC making the same
+decisions (see ``_eager_models.py``).
 
     python benchmarks/eager_vs_compiled.py [--layers 4 --d-model 128 --seq 256 --batch 4 --iters 15]
+        [--models demo,llama,qwen3-moe] [--no-stack]
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import copy
 import functools
 
+import _eager_models
 import torch
 from _timing import interleaved_medians
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -77,7 +83,28 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument(
+        "--models",
+        default="demo,llama,qwen3-moe",
+        help="the eager engine's models (issue #17), of: demo, llama, qwen3-moe; '' for none",
+    )
+    parser.add_argument("--no-stack", action="store_true", help="skip the eager vs compiled stack")
+    parser.add_argument("--demo-d", type=int, default=128)
+    parser.add_argument("--demo-layers", type=int, default=4)
+    parser.add_argument("--demo-seq", type=int, default=128)
+    parser.add_argument("--demo-batch", type=int, default=8)
+    parser.add_argument("--hf-layers", type=int, default=4)
+    parser.add_argument("--hf-hidden", type=int, default=256)
+    parser.add_argument("--hf-seq", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=4)
     args = parser.parse_args(argv)
+    found = {} if args.no_stack else stack(args)
+    if args.models:
+        found["models"] = _eager_models.main(args)
+    return found
+
+
+def stack(args) -> dict:
 
     torch.manual_seed(0)
     base = Stack(args.layers, args.d_model, args.heads)
@@ -145,7 +172,7 @@ def intercepted_ops(layer: torch.nn.Module, x: torch.Tensor) -> dict:
             f"{name:<8} {n['forward', 'kept']:>9} {n['forward', 'outside']:>12} "
             f"{n['recompute', 'kept']:>9} {n['recompute', 'outside']:>12}"
         )
-    print("(PyTorch's SAC intercepts every op of the layer in both passes, like this engine today)")
+    print("(PyTorch's SAC intercepts every op of the layer in both passes)")
     return {"plain_forward_ops": plain.n, **found}
 
 

@@ -22,14 +22,13 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._compat.dynamo import guard_module_hooks, skip_frame, unwrap_compiled
 from .keep import validate_region_name
 from .markers import DECLARED_ATTR as _ATTR
-from .markers import declared_names, exporting
+from .markers import declared_names, exporting, ops
 from .records import generic_path
 
 __all__ = ["RegionDeclarations", "declare_regions", "declared_names", "undeclare_regions"]
@@ -140,12 +139,12 @@ def declared_regions(model: nn.Module) -> dict[str, tuple[str, ...]]:
 
 def _enter_hook(name: str, _module, _args) -> None:
     if not exporting():  # See Note [markers export as nothing] in sac_compile/markers/regions.py.
-        torch.ops.sac_compile.region_enter(name)
+        ops.enter_region(name)
 
 
 def _exit_hook(name: str, _module, _args, _output) -> None:
     if not exporting():
-        torch.ops.sac_compile.region_exit(name)
+        ops.exit_region(name)
 
 
 # Traced inline with the module call, the hooks put their markers in its graph. Run as

@@ -383,22 +383,26 @@ def test_review_cases_are_bit_identical(make_fn):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-def test_kept_write_into_an_outside_tensor_read_earlier_is_a_forward_error():
+def test_kept_write_into_an_outside_tensor_read_earlier_is_an_error():
+    """The buffer's kept write happens once, in the forward, so the recompute of the earlier
+    read (outside kept regions, where the engine intercepts nothing) sees the written value.
+    Red without the recompute's watch (silently wrong gradients, as under PyTorch's SAC)."""
+
     class M(nn.Module):
         def __init__(self):
             super().__init__()
             self.register_buffer("buf", torch.arange(4.0))
 
         def forward(self, x):
-            h = (x + self.buf).sin()  # recomputed: would read the written buffer
+            h = (x * self.buf).sin()  # recomputed: would read the written buffer
             with sc.region("r"):
                 self.buf.add_(1.0)
             return h
 
-    with pytest.raises(
-        RuntimeError, match=r"aten\.add_\.Tensor writes in place, in kept region\(s\) r.*read earlier"
-    ):
-        checkpoint_with_regions(M(), torch.randn(4, requires_grad=True), keep=frozenset({"r"}))
+    out = checkpoint_with_regions(M(), torch.randn(4, requires_grad=True), keep=frozenset({"r"}))
+    msg = r"aten\.add_\.Tensor writes in place, in kept region\(s\) r, .* that aten\.mul\.Tensor read earlier"
+    with pytest.raises(RuntimeError, match=msg):
+        out.sum().backward()
 
 
 def test_backward_twice_with_retain_graph():
@@ -419,7 +423,7 @@ def test_unread_outputs_of_a_multi_output_op_are_dropped():
 
     def fn(x):
         with sc.region("r"):
-            var, mean = torch.var_mean(x @ x.T, dim=1)
+            mean = torch.var_mean(x @ x.T, dim=1)[1]  # var: no tensor holds it after the region
         return (x * mean[:, None]).sin()
 
     torch.manual_seed(0)
@@ -440,26 +444,121 @@ def test_unread_outputs_of_a_multi_output_op_are_dropped():
     assert stats[0].held_by_region["r"] == 64 * 64 * 4
 
 
-def test_the_engine_counts_the_ops_it_intercepts_by_pass_and_region():
-    # the measure issue #17 drives to 0 outside kept regions (benchmarks/eager_vs_compiled.py)
+def test_the_engine_intercepts_ops_in_kept_regions_only():
+    """Issue #17: no Python dispatch mode outside kept regions, in the forward and in the
+    recompute (red before: every op of the layer was intercepted twice)."""
     torch.manual_seed(0)
     block = Block(16)
     x = torch.randn(2, 8, 16, requires_grad=True)
     with torch.no_grad(), CountOps() as plain:
         block(x)
-    seen = {}
-    for keep in (frozenset({"attn"}), sc.ALL_REGIONS):
+    for keep in (frozenset({"attn"}), sc.ALL_REGIONS, frozenset()):
         stats = []
         out = checkpoint_with_regions(block, x, keep=keep, stats_out=stats)
         forward = dict(stats[0].intercepted)
-        assert sum(forward.values()) >= plain.n  # every op of the layer (and autograd's detaches)
         assert not any(p == "recompute" for p, _ in forward)  # nothing recomputed yet
         out.sum().backward()
-        seen[keep] = stats[0].intercepted
-        assert seen[keep]["recompute", "kept"] > 0 and seen[keep]["forward", "kept"] > 0
-    # today every op is intercepted, kept or not: layer norms, projections and residuals
-    # run outside every region, and attn alone leaves the MLP outside too
-    attn, every = seen[frozenset({"attn"})], seen[sc.ALL_REGIONS]
-    assert every["forward", "outside"] > 0
-    assert attn["forward", "outside"] > every["forward", "outside"]
-    assert attn["forward", "kept"] < every["forward", "kept"]
+        seen = stats[0].intercepted
+        assert seen["forward", "outside"] == 0 and seen["recompute", "outside"] == 0, dict(seen)
+        assert seen["recompute", "watch"] == 0
+        if keep:
+            assert 0 < seen["forward", "kept"] < plain.n, (dict(seen), plain.n)
+            assert seen["recompute", "kept"] > 0
+        else:
+            assert sum(seen.values()) == 0 and stats[0].spans == 0
+    attn_only = checkpoint_with_regions(block, x, keep=frozenset({"attn"}), stats_out=(got := []))
+    attn_only.sum().backward()
+    assert got[0].spans == 1
+
+
+# --- Interception scoped to kept regions (issue #17): what the engine no longer sees -----
+
+
+@POLICIES
+def test_a_cached_value_written_outside_kept_regions_is_recomputed(policy):
+    """The write happens where no mode watches; the cached matmul's version counter tells.
+    Red without the end-of-forward version check: the recompute served the written value
+    (PyTorch's "Tensor cached during selective activation checkpoint has been mutated")."""
+
+    def fn(x, w):
+        with sc.region("r"):
+            y = x @ w
+        y.mul_(2)  # outside kept regions
+        return (y.sin() * x).sum(-1)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    ref = torch.autograd.grad(fn(x, w).sum(), [x, w])
+    stats = []
+    out = checkpoint_with_regions(fn, x, w, keep=frozenset({"r"}), stats_out=stats, policy=policy)
+    got = torch.autograd.grad(out.sum(), [x, w])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert stats[0].mutated_recomputes >= 1
+
+
+def test_a_kept_write_into_a_tensor_made_outside_kept_regions_is_redone_on_the_new_one():
+    """The buffer is made outside kept regions, so the recompute makes a new one: the kept
+    write (served once when its target is the forward's very tensor) is done again on it."""
+
+    def fn(x):
+        buf = torch.zeros(x.shape[0])
+        with sc.region("r"):
+            buf.add_(x.detach().exp())
+        return (x * buf).sin()
+
+    x = torch.randn(6, requires_grad=True)
+    ref = torch.autograd.grad(fn(x).sum(), x)[0]
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}))
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0], ref)
+
+
+def test_a_kept_regions_output_is_held_only_if_the_recompute_may_read_it():
+    """The region's output is read outside it by ops the engine does not see. With a save
+    after the region the recompute runs those ops, so the output is held; with none (and
+    the checkpoint's early stop) it never does, and the output is not held. Red without
+    the early-stop rule: the second case held it too."""
+
+    def fn(x, w, save_after):
+        with sc.region("r"):
+            y = x @ w
+        y = y + 1
+        return y.sin() if save_after else y * 2
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    held = {}
+    for save_after in (True, False):
+        for early_stop in (True, False):
+            ref = torch.autograd.grad(fn(x, w, save_after).sum(), [x, w])
+            stats = []
+            with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+                out = checkpoint_with_regions(fn, x, w, save_after, keep=frozenset({"r"}), stats_out=stats)
+                got = torch.autograd.grad(out.sum(), [x, w])
+            assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+            held[save_after, early_stop] = stats[0].held_bytes
+    assert held[True, True] == held[True, False] == held[False, False] == 4 * 8 * 4
+    assert held[False, True] == 0
+
+
+def test_a_dispatch_mode_left_open_across_a_kept_regions_end_is_an_error():
+    class Noop(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def fn(x):
+        region = sc.region("r")
+        region.__enter__()
+        mode = Noop()
+        mode.__enter__()
+        y = x.exp()
+        try:
+            region.__exit__()
+        finally:
+            mode.__exit__(None, None, None)
+        return y
+
+    with pytest.raises(RuntimeError, match="still active where the last kept region closes"):
+        checkpoint_with_regions(fn, torch.randn(3, requires_grad=True), keep=frozenset({"r"}))
+    from sac_compile._compat.checkpoint import _current_dispatch_mode
+
+    assert _current_dispatch_mode() is None  # nothing left pushed

@@ -10,11 +10,13 @@ we use upstream's, so fixes there reach us.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # Public: the partitioner's and SAC's tag values.
 from torch.utils.checkpoint import CheckpointPolicy
@@ -29,7 +31,13 @@ __all__ = [
     "sac_ignored_ops",
     "sac_storage_key",
     "top_saved_tensors_hooks",
+    "checkpoint_early_stop",
     "checkpoint_internal_hooks",
+    "dynamo_free",
+    "mark_dynamo_free",
+    "pop_dispatch_mode",
+    "push_dispatch_mode",
+    "storage_holders",
     "tree_leaves",
     "tree_map",
 ]
@@ -59,6 +67,13 @@ def sac_storage_key(func: Any, args: tuple) -> Any:
     own queue (upstream gh-175258: one shared queue served the wrong entry when a cached
     region was skipped in the recompute). Torch without it: the op."""
     return func if _STORAGE_KEY is None else _STORAGE_KEY(func, args)
+
+
+def checkpoint_early_stop() -> bool:
+    """Whether a non-reentrant checkpoint called now (with the default ``early_stop=True``)
+    stops its recompute once the last saved tensor is rebuilt: unless
+    ``set_checkpoint_early_stop(False)`` is in effect (``_enable_checkpoint_early_stop``)."""
+    return getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
 
 
 def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
@@ -94,3 +109,89 @@ def checkpoint_internal_hooks(pack: Callable, unpack: Callable) -> Iterator[None
 # torch.utils._pytree: flattening op arguments and outputs (no public equivalent in 2.13).
 tree_leaves = private("torch.utils._pytree", "tree_leaves")
 tree_map = private("torch.utils._pytree", "tree_map")
+
+
+# Note [a dispatch mode pushed per kept span]
+# The eager engine pushes its dispatch mode when a kept region opens and pops it when the
+# last one closes (eager/engine.py), outside any ``with`` block: entering and exiting the
+# mode object by hand. TorchDispatchMode.__exit__ pops the *top* of the mode stack, whatever
+# it is, so we pop only when the top is ours.
+_current_dispatch_mode = private("torch.utils._python_dispatch", "_get_current_dispatch_mode")
+
+
+def push_dispatch_mode(mode: Any) -> None:
+    """Push ``mode`` on the dispatch-mode stack (``mode.__enter__()``)."""
+    mode.__enter__()
+
+
+def pop_dispatch_mode(mode: Any) -> bool:
+    """Pop ``mode`` if it is on top of the dispatch-mode stack; whether it was."""
+    if _current_dispatch_mode() is not mode:
+        return False
+    mode.__exit__(None, None, None)
+    return True
+
+
+@functools.cache
+def _holders_base() -> int:
+    # A storage whose Python object was ever made (untyped_storage(), which is how we name
+    # storages) counts one more use than the tensors on it: probe how many.
+    t = torch.empty(1)
+    ref = StorageWeakRef(t.untyped_storage())
+    return torch._C._storage_Use_Count(ref.cdata) - 1
+
+
+def storage_holders(ref: Any) -> int:
+    """How many tensors (views and detached aliases included) hold the storage behind the
+    weak reference ``ref`` (a ``StorageWeakRef``); 0 once it is freed
+    (``torch._C._storage_Use_Count``, the count of the storage's strong references)."""
+    if ref.expired():
+        return 0
+    return torch._C._storage_Use_Count(ref.cdata) - _holders_base()
+
+
+# Note [our dispatch modes run outside Dynamo]
+# TorchDispatchMode.__init_subclass__ wraps every subclass's __torch_dispatch__ in
+# torch._disable_dynamo(recursive=True) (unless the class's _should_skip_dynamo() says
+# False): were a compiled function called under the mode, Dynamo would otherwise trace
+# the mode's frames. That wrapper costs a few microseconds on every op the mode sees, a
+# third of the eager engine's own cost per op. dynamo_free does the same job for less:
+# the wrapper's code is marked for Dynamo to skip (its frame is never traced) and it
+# clears the eval-frame callback around the body (so no frame below it is traced), with
+# torch._C._dynamo.eval_frame.set_eval_frame, the C call the disable wrapper makes.
+_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+
+
+def dynamo_free(cls: type) -> type:
+    """Class decorator for a ``TorchDispatchMode`` subclass: run its ``__torch_dispatch__``
+    with Dynamo off (Note [our dispatch modes run outside Dynamo]); the class must define
+    ``_should_skip_dynamo`` returning False, so that torch does not wrap it again."""
+    body = cls.__dict__["__torch_dispatch__"]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        prior = _set_eval_frame(None)
+        try:
+            return body(self, func, types, args, kwargs)
+        finally:
+            if prior is not None:
+                _set_eval_frame(prior)
+
+    __torch_dispatch__.__qualname__ = body.__qualname__
+    cls.__torch_dispatch__ = __torch_dispatch__
+    cls._dynamo_free_codes = (__torch_dispatch__.__code__,)
+    cls._dispatch_body = body
+    return cls
+
+
+_skipped: set = set()
+
+
+def mark_dynamo_free(mode: Any) -> None:
+    """On a mode's first construction: have Dynamo skip its dispatch frame (imports Dynamo,
+    which ``import sac_compile`` must not)."""
+    cls = type(mode)
+    if cls not in _skipped:
+        _skipped.add(cls)
+        skip = private("torch._dynamo.eval_frame", "skip_code")
+        for code in cls._dynamo_free_codes:
+            skip(code)

@@ -1,12 +1,15 @@
 """The eager engine: region-level selective checkpointing without compile.
 
-A non-reentrant ``torch.utils.checkpoint`` whose ``context_fn`` returns our own
-caching / cached dispatch-mode pair (modelled on PyTorch's
-``_CachingTorchDispatchMode`` / ``_CachedTorchDispatchMode``). A marker *session*
-lives in a ``ContextVar`` that is opened inside the checkpointed callable, so
-the recompute rebuilds its own region state; the marker ops update it.
+A non-reentrant ``torch.utils.checkpoint`` whose checkpointed function opens a marker
+*session* (a ``ContextVar``, rebuilt by the recompute), fed by the region markers. The
+engine's dispatch modes (modelled on PyTorch's ``_CachingTorchDispatchMode`` /
+``_CachedTorchDispatchMode``) are pushed only for *kept spans*: from the first kept
+region opening to the last one closing (the session's ``settle``, after each eager marker).
+Outside kept regions ops run with no Python dispatch mode, in the forward and in the
+recompute, exactly as under plain non-reentrant checkpointing: that is where the time goes
+(a Python mode costs every op it sees a round trip), and only kept regions need one.
 
-Forward (caching mode), per op, in program order:
+Forward (caching mode), per op of a kept span, in program order:
 
 * the scope's region policy (:mod:`sac_compile.policy`, the same function the
   compiled pass calls) decides: an op it saves has its output cached (a detached
@@ -17,10 +20,11 @@ Forward (caching mode), per op, in program order:
   serving it from the cache is what makes it run once per step;
 * ``c10d`` / ``_c10d_functional`` ops are always recomputed: their destination
   buffer may have been allocated outside the region. Each collective (not its
-  ``wait_tensor`` / wrapper companions) is counted, by region; one in a kept
-  region is a *forced* recompute (reported by the seam). A recomputed functional
-  collective is waited on at once: when only kept ops read it, nothing else
-  would, and the process group would hold the unwaited work (and its buffer);
+  ``wait_tensor`` / wrapper companions) is counted, by region, as a *forced*
+  recompute (reported by the seam). A recomputed functional collective is waited
+  on at once: when only kept ops read it, nothing else would, and the process
+  group would hold the unwaited work (and its buffer). Collectives outside kept
+  regions are recomputed like every op there, unseen;
 * autocast's casts of parameters are not part of the op sequence (autocast's
   cast cache decides whether they are dispatched at all);
 * ``out=`` variants, and ops run with grad disabled inside compiled code (whose
@@ -28,35 +32,39 @@ Forward (caching mode), per op, in program order:
   calls cheap, are re-run rather than served: their buffers may be new in the
   recompute;
 * an in-place write (``alias_info.is_write`` on a non-``out`` argument) into a
-  value produced in this scope marks every cached value on that storage for
-  recompute, with the write: the recompute then rebuilds the buffer and writes
-  into it again, bit for bit. A kept write into a tensor from outside the scope
-  (a buffer, an input) is served from the cache, so it happens once;
-* a random op that is recomputed remembers the RNG state it ran with, so the
-  recompute draws the same numbers even when earlier random ops are cached.
+  value a kept op made marks every cached value on that storage for recompute,
+  with the write: the recompute then rebuilds the buffer and writes into it again,
+  bit for bit. A write outside kept regions into a cached value is found at the end
+  of the forward by its version counter, with the same effect;
+* a kept write into a tensor no kept op made is served from the cache when, in the
+  recompute, its target is the forward's very tensor (from outside the checkpoint: a
+  buffer, an input), so it happens once; when the recompute made the target anew (an
+  op outside kept regions made it) it is written again. An op that reads such an
+  outside tensor before its served write would read the written value in the
+  recompute: a watch mode, pushed for such recomputes only until the writes are
+  served, raises then;
+* a random op remembers the RNG state after its draw; where the recompute skips the
+  draw (served from the cache, or dead) it sets the generator there, so what follows,
+  watched or not, draws what it drew in the forward.
 
-Memory: when the forward ends, a liveness walk (reverse program order) finds
-what the recompute must rebuild: a recomputed op is *live* when autograd saved
-one of its outputs or a live op reads one; otherwise it is *dead* and the
-recompute skips it, handing out uninitialised stand-ins of its outputs' geometry
-(only ops whose outputs are all floating-point tensors and that write nothing
-are ever skipped: Python may read integer results without an op). Cached
-floating-point values that neither autograd saved nor a live op reads are
-dropped (the recompute gets a stand-in, which nothing reads). Dropping is per
-output. What remains is what the backward or the live recompute reads; a kept
-value is held beyond what running without checkpointing holds only where a
-cheap op that autograd saves is recomputed from it (a cast of a kept matmul's
-output, say), the same trade the compiled partitioner makes.
-
-A kept in-place write into a tensor from outside the scope (a buffer, an
-input) happens once: the recompute hands back the written argument without
-writing again. If a recomputed op read that tensor earlier, the recompute would
-see the written value: that is a forward-time error.
+Memory: when a kept span ends, the storages it made that a tensor still holds are
+noted (*escaped*: ops outside kept regions, which the engine does not see, may read
+them). When the forward ends, a liveness walk (reverse program order) finds what the
+recompute must rebuild: a recomputed kept op is *live* when autograd saved one of its
+outputs, an output escaped its span, or a live op reads one; otherwise it is *dead* and
+the recompute skips it, handing out uninitialised stand-ins of its outputs' geometry
+(only ops whose outputs are all floating-point tensors and that write nothing are ever
+skipped: Python may read integer results without an op). Cached floating-point values
+that neither autograd saved, nor escaped, nor a live op reads are dropped (the recompute
+gets a stand-in, which nothing reads). Dropping is per output. What remains is what the
+backward or the live recompute may read: a region's output still held as it closes is
+held to the backward, as PyTorch's SAC holds every value its policy saves.
 
 Relies on ``torch.utils.checkpoint`` internals (through :mod:`sac_compile._compat.checkpoint`):
 version-checked detached aliases, PyTorch's SAC ignored-op set and per-op storage
-key, and the innermost saved-tensor hooks, to chain our pack hook in front of the
-checkpoint's own (so that we see what autograd saves).
+key, the innermost saved-tensor hooks, to chain our pack hook in front of the
+checkpoint's own (so that we see what autograd saves), pushing and popping a dispatch
+mode by hand, and a storage's use count (who still holds it as a span ends).
 """
 
 from __future__ import annotations
@@ -67,11 +75,17 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .._compat.checkpoint import checkpoint_internal_hooks, top_saved_tensors_hooks
+from .._compat.checkpoint import (
+    checkpoint_early_stop,
+    checkpoint_internal_hooks,
+    pop_dispatch_mode,
+    push_dispatch_mode,
+    top_saved_tensors_hooks,
+)
 from ..keep import KeepSet
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
-from .modes import _CachedMode, _CachingMode
+from .modes import _CachedMode, _CachingMode, _WatchMode
 from .session import _SESSION, EagerSession
 from .state import EngineStats, _State
 
@@ -89,10 +103,63 @@ def _chained_pack_hook(state: _State):
 
     def pack(t: torch.Tensor):
         state.saved_storages.add_tensor(t)
+        state.packed_after = state.spans_ended
         return outer_pack(t)
 
     with checkpoint_internal_hooks(pack, outer_unpack):
         yield
+
+
+class _Spans:
+    """Pushes one pass's dispatch mode while a kept region is open (the session's
+    ``settle``, after each region marker, starts and ends the spans), and in a recompute
+    that will serve kept writes into outside tensors, the watch below it."""
+
+    def __init__(self, state: _State, forward: bool) -> None:
+        self.state = state
+        self.forward = forward
+        self.mode = _CachingMode(state) if forward else _CachedMode(state)
+        self.watch: _WatchMode | None = None
+        self.pushed = False
+
+    def start(self) -> None:
+        if self.forward:
+            self.state.span_start()
+        push_dispatch_mode(self.mode)
+        self.pushed = True
+
+    def end(self, aborted: bool = False) -> None:
+        counts = self.state.stats.intercepted
+        name = "forward" if self.forward else "recompute"
+        counts[name, "kept"] += self.mode.kept
+        counts[name, "outside"] += self.mode.outside
+        self.mode.kept = self.mode.outside = 0
+        self.pushed = not pop_dispatch_mode(self.mode)
+        if self.pushed and not aborted:
+            raise RuntimeError(
+                "sac_compile: a dispatch mode (a TorchDispatchMode entered inside a kept region) "
+                "is still active where the last kept region closes; exit it inside the region, "
+                "or enter it outside the checkpointed function"
+            )
+        if self.forward and not aborted:
+            self.state.span_end()
+        self._pop_finished_watch()
+
+    def start_recompute(self) -> None:
+        if self.state.start_recompute():
+            self.watch = _WatchMode(self.state)
+            push_dispatch_mode(self.watch)
+
+    def _pop_finished_watch(self) -> None:
+        if self.watch is not None and not self.state.pending_writes and pop_dispatch_mode(self.watch):
+            self.watch = None
+
+    def close(self) -> None:
+        if self.pushed:  # a span ended in error: pop what is left (close runs on the way out)
+            self.pushed = not pop_dispatch_mode(self.mode)
+        if self.watch is not None:
+            pop_dispatch_mode(self.watch)
+            self.watch = None
 
 
 def checkpoint_with_regions(
@@ -108,24 +175,29 @@ def checkpoint_with_regions(
     as ``policy`` decides (see :mod:`sac_compile.policy`)."""
     state = _State(preserve_rng_state)
 
-    def context_fn():
-        return _CachingMode(state), _CachedMode(state)
-
     def run(*a: Any, **k: Any):
-        session = EagerSession(keep, policy)
+        forward = not state.forward_done
+        spans = _Spans(state, forward)
+        session = EagerSession(keep, policy, spans)
         s_token = _SESSION.set(session)
-        m_token = ops._MARKER_SINK.set(session.sink)
+        m_token = ops._MARKER_SINK.set(session)
         try:
-            if not state.forward_done:
+            if forward:
+                state.early_stop = checkpoint_early_stop()
                 with _chained_pack_hook(state):
                     out = fn(*a, **k)
+                session.end_span()  # a kept region left open ends with the function
                 state.stats.regions_entered = session.entered
                 state.stats.unbalanced = session.close()
                 state.finalize()
             else:
+                spans.start_recompute()
                 out = fn(*a, **k)
             return out
         finally:
+            # (the recompute stops early by raising once autograd has what it needs)
+            session.end_span(aborted=True)
+            spans.close()
             ops._MARKER_SINK.reset(m_token)
             _SESSION.reset(s_token)
 
@@ -133,7 +205,6 @@ def checkpoint_with_regions(
         run,
         *args,
         use_reentrant=False,
-        context_fn=context_fn,
         preserve_rng_state=preserve_rng_state,
         **kwargs,
     )

@@ -11,28 +11,34 @@ from .._compat.aot import running_compiled_code
 from .._compat.checkpoint import (
     TorchDispatchMode,
     detach_helper,
+    dynamo_free,
+    mark_dynamo_free,
     sac_ignored_ops,
     sac_storage_key,
-    tree_map,
 )
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
-from .._compat.ops import is_effectful
+from .._compat.ops import HigherOrderOperator, is_effectful
 from ..markers import ops
 from ..policy import MATMULS, communicates, is_collective, is_costly
 from .op_facts import (
     _all_float_tensors,
+    _arg_storages,
     _autocast_weight_cast,
     _Geometry,
     _is_random,
+    _map_leaves,
     _rng_state,
     _served_write,
     _set_rng_state,
     _storage,
+    _storage_objects,
     _tensor_storages,
     _tensors,
     _wait_functional,
     _Writes,
     _writes,
+    seeded,
+    written_args,
 )
 from .session import _SESSION
 from .state import _Entry, _State
@@ -43,62 +49,115 @@ _IGNORED = sac_ignored_ops() | ops.MARKER_OPS
 _LIFT_FRESH = {torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default}
 
 
-def _kept_external_write(st: _State, func: Any, regions: tuple[str, ...], writes: list) -> Any:
-    """Decide how the recompute treats a kept in-place write into a tensor from outside the scope."""
-    for s, t in writes:
-        if s in st.read_by_recomputed:
-            raise RuntimeError(
-                f"sac_compile: {func} writes in place, in kept region(s) {'+'.join(regions)}, into a tensor "
-                f"of shape {tuple(t.shape)} ({t.dtype}) from outside the checkpoint that a recomputed op read "
-                "earlier; the recompute would read the written value. Move the write out of the kept "
-                "region, or keep the earlier reader too."
-            )
-    return _served_write(func)
+class _OpInfo:
+    """What the modes ask of an op, looked up once per op (an op's hash is a Python call)."""
+
+    __slots__ = (
+        "collective",
+        "communicates",
+        "costly",
+        "effectful",
+        "func",
+        "ignored",
+        "keyed",
+        "lift_fresh",
+        "matmul",
+        "seeded",
+        "view",
+        "written",
+    )
+
+    def __init__(self, func: Any) -> None:
+        self.func = func  # (keeps the op alive: _INFO is keyed by its id)
+        self.ignored = func in _IGNORED
+        # the key of the op's FIFO of entries: the op's id, except for a higher-order op
+        # (an Inductor-compiled region has one FIFO per region: sac_storage_key)
+        self.keyed = isinstance(func, HigherOrderOperator)
+        self.written = written_args(func)
+        self.seeded = seeded(func)
+        self.view = bool(getattr(func, "is_view", False))
+        self.costly = is_costly(func)
+        self.collective = is_collective(func)
+        self.communicates = self.collective and communicates(func)
+        self.effectful = is_effectful(func)
+        self.matmul = getattr(func, "overloadpacket", None) in MATMULS
+        self.lift_fresh = func in _LIFT_FRESH
 
 
+_INFO: dict[int, _OpInfo] = {}  # by id(op): an op's own hash is a Python call
+
+
+def _info(func: Any) -> _OpInfo:
+    info = _INFO.get(id(func))
+    if info is None:
+        info = _INFO[id(func)] = _OpInfo(func)
+    return info
+
+
+def _key(info: _OpInfo, func: Any, args: tuple) -> Any:
+    return sac_storage_key(func, args) if info.keyed else id(func)
+
+
+def _cache_leaf(x: Any) -> Any:
+    return _VersionWrapper(detach_helper(x))
+
+
+def _geometry_leaf(x: Any) -> Any:
+    return _Geometry(x) if isinstance(x, torch.Tensor) else x
+
+
+@dynamo_free
 class _CachingMode(TorchDispatchMode):
     supports_higher_order_operators = True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # dynamo_free does it (Note [our dispatch modes run outside Dynamo])
+
     def __init__(self, state: _State) -> None:
         super().__init__()
+        mark_dynamo_free(self)
         self.state = state
+        self.kept = self.outside = 0  # ops intercepted (EngineStats.intercepted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
         session = _SESSION.get()
         kept = session is not None and session.kept()
-        st.stats.intercepted["forward", "kept" if kept else "outside"] += 1
-        if func in _IGNORED or _autocast_weight_cast(func, args):
+        if kept:
+            self.kept += 1
+        else:
+            self.outside += 1
+        info = _info(func)
+        if info.ignored or _autocast_weight_cast(func, args):
             return func(*args, **kwargs)
         regions = session.open_names() if session is not None else ()
         save = session is not None and session.saves(func, regions)
-        inputs = _tensor_storages((args, kwargs))
-        writes = _writes(func, args, kwargs)
-        rng = None
-        random = _is_random(func, args, kwargs)
-        if random and st.preserve_rng_state:
-            rng = _rng_state((args, kwargs))
+        inputs = _arg_storages(args) + _arg_storages(kwargs.values()) if kwargs else _arg_storages(args)
+        writes = _writes(func, args, kwargs, info.written)
+        random = info.seeded is not None and _is_random(func, args, kwargs, info.seeded)
         out = func(*args, **kwargs)
+        grad = torch.is_grad_enabled()
 
         # With grad disabled only costly ops are served (a custom op's or an
         # autograd.Function's kernel runs below autograd), and not inside compiled
         # code, which allocates, reuses and fills its own buffers with kernels this
         # mode never sees (an Inductor kernel may write into a fallback op's output).
         cached = save and not writes.has_out
-        if cached and not torch.is_grad_enabled():
-            cached = is_costly(func) and not running_compiled_code()
+        if cached and not grad:
+            cached = info.costly and not running_compiled_code()
         shrink_of = None
-        if not cached and st.matmul_bytes and torch.is_grad_enabled():
-            shrink_of = _shrinking_read(st, func, args, kwargs, inputs, out, writes)
+        if not cached and st.matmul_bytes and grad and any(s in st.matmul_bytes for s in inputs):
+            shrink_of = _shrinking_read(st, info, func, args, kwargs, inputs, out, writes)
             cached = shrink_of is not None
-        if is_collective(func):
-            if communicates(func):
+        if info.collective:
+            if info.communicates:
                 # (a functional collective's forward runs with grad disabled, under its
                 # autograd kernel: kept is what the region asked for)
                 st.stats.collectives.append((regions, str(func.overloadpacket), kept))
             cached = False
-        elif is_effectful(func) and not writes.has_out and not running_compiled_code():
+        elif info.effectful and not writes.has_out and not running_compiled_code():
             cached = True  # its effect happens once, in the forward (as compiled code does)
         external_writes = []
         for t in writes.in_place:
@@ -107,62 +166,75 @@ class _CachingMode(TorchDispatchMode):
                 st.mark_mutated(s, func, regions, t)
                 cached = False  # the write is redone on the rebuilt buffer
             elif s is not None:
-                external_writes.append((s, t))
+                # made outside kept regions: outside the checkpoint (a buffer, an input), or
+                # by an unwatched op of this scope; the recompute tells which (_CachedMode)
+                external_writes.append(t)
         for t in writes.out:
             s = _storage(t)
             if s is not None and s in st.produced:
                 st.mark_mutated(s, func, regions, t)
-        if external_writes and kept and torch.is_grad_enabled() and not writes.has_out:
+        if external_writes and kept and grad and not writes.has_out:
             # Whatever the policy: a kept region's write into a tensor from outside
             # the scope (a buffer, an input) happens once, in the forward.
             cached = True
-        entry = _Entry(func, regions, cached, inputs=inputs, rng_state=rng, shrink_of=shrink_of)
+        entry = _Entry(func, regions, cached, inputs=inputs, shrink_of=shrink_of, span=st.span)
+        if random and st.preserve_rng_state:
+            entry.rng_after = _rng_state((args, kwargs))  # set again if the recompute skips the draw
         if external_writes and cached:
-            entry.served_write = _kept_external_write(st, func, regions, external_writes)
+            entry.served_write = _served_write(func)
             cached = entry.cached = entry.served_write is None and cached
-        out_storages = _tensor_storages(out)
+            if entry.served_write is not None:
+                entry.write_refs = st.note_external_writes(external_writes)
+        out_tensors = [out] if isinstance(out, torch.Tensor) else _tensors(out)
+        objects = _storage_objects(out_tensors)
+        out_storages = entry.storages = tuple(o._cdata for o in objects if o is not None)
         if entry.served_write is not None:
             st.stats.cached_ops += 1
         elif cached:
-            entry.value = tree_map(lambda x: _VersionWrapper(detach_helper(x)), out)
-            entry.storages = out_storages
+            entry.value = _map_leaves(_cache_leaf, out)
             for s in out_storages:
                 st.by_storage[s].append(entry)
-            if getattr(func, "overloadpacket", None) in MATMULS and shrink_of is None:
-                for t in _tensors(out):
-                    st.matmul_bytes[_storage(t)] = t.untyped_storage().nbytes()
+            if info.matmul and shrink_of is None:
+                for o in objects:
+                    if o is not None:
+                        st.matmul_bytes[o._cdata] = o.nbytes()
             st.stats.cached_ops += 1
         else:
-            entry.storages = out_storages
-            if not (writes.in_place or writes.out or is_collective(func)) and _all_float_tensors(out):
-                entry.skippable = True
-                entry.value = tree_map(lambda x: _Geometry(x) if isinstance(x, torch.Tensor) else x, out)
-            for t in _tensors((args, kwargs)):
-                st.read_by_recomputed.add_tensor(t)
+            if not (writes.in_place or writes.out or info.collective):
+                if isinstance(out, torch.Tensor):
+                    if out.is_floating_point() or out.is_complex():
+                        entry.skippable = True
+                        entry.value = _Geometry(out)
+                elif _all_float_tensors(out):
+                    entry.skippable = True
+                    entry.value = _map_leaves(_geometry_leaf, out)
             st.stats.recomputed_ops += 1
-        for t in _tensors(out):
+        for o in objects:
             # lift_fresh returns its input: a torch.tensor(...) literal made in the scope
-            if _storage(t) not in inputs or func in _LIFT_FRESH:
-                st.produced.add_tensor(t)
-        if random or any(s in st.random_derived for s in inputs):
-            for t in _tensors(out) + writes.in_place:
+            if o is not None and (o._cdata not in inputs or info.lift_fresh):
+                st.add_produced(o)
+        if random or (st.random_derived and any(s in st.random_derived for s in inputs)):
+            for t in out_tensors + writes.in_place:
                 st.random_derived.add_tensor(t)
-        st.entries[sac_storage_key(func, args)].append(entry)
+        st.entries[_key(info, func, args)].append(entry)
         st.order.append(entry)
+        st.span_entries.append(entry)
         return out
 
 
 def _shrinking_read(
-    st: _State, func: Any, args: tuple, kwargs: dict, inputs: tuple[int, ...], out: Any, writes: _Writes
+    st: _State,
+    info: _OpInfo,
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    inputs: tuple[int, ...],
+    out: Any,
+    writes: _Writes,
 ) -> int | None:
     """The cached matmul output ``func`` reads and is at most half the size of, if it is a
     cheap, deterministic, non-writing, non-view op with floating-point outputs."""
-    if (
-        getattr(func, "is_view", False)
-        or is_costly(func)
-        or _is_random(func, args, kwargs)
-        or is_collective(func)
-    ):
+    if info.view or info.costly or info.collective or _is_random(func, args, kwargs, info.seeded):
         return None
     if writes.in_place or writes.out or not _all_float_tensors(out):
         return None
@@ -170,27 +242,34 @@ def _shrinking_read(
     return next((s for s in inputs if 2 * nbytes <= st.matmul_bytes.get(s, 0)), None)
 
 
+@dynamo_free
 class _CachedMode(TorchDispatchMode):
     supports_higher_order_operators = True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # dynamo_free does it (Note [our dispatch modes run outside Dynamo])
+
     def __init__(self, state: _State) -> None:
         super().__init__()
+        mark_dynamo_free(self)
         self.state = state
-        self.counter: Counter = Counter()
-
-    def __enter__(self):
-        self.counter.clear()
-        return super().__enter__()
+        self.counter: Counter = Counter()  # one mode per recompute, pushed for each kept span
+        self.kept = self.outside = 0  # ops intercepted (EngineStats.intercepted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
         session = _SESSION.get()
         kept = session is not None and session.kept()
-        st.stats.intercepted["recompute", "kept" if kept else "outside"] += 1
-        if func in _IGNORED or _autocast_weight_cast(func, args):
+        if kept:
+            self.kept += 1
+        else:
+            self.outside += 1
+        info = _info(func)
+        if info.ignored or _autocast_weight_cast(func, args):
             return func(*args, **kwargs)
-        key = sac_storage_key(func, args)  # the op; per compiled region for Inductor's code
+        key = _key(info, func, args)
         idx = self.counter[key]
         self.counter[key] += 1
         entries = st.entries.get(key, [])
@@ -200,27 +279,65 @@ class _CachedMode(TorchDispatchMode):
                 "(the checkpointed function is not deterministic in the ops it runs)"
             )
         e = entries[idx]
-        if e.served_write is not None:
-            # a kept write into a tensor from outside the scope: it happened once, in
-            # the forward; hand back the written argument without writing again
+        if e.served_write is not None and st.same_write_targets(
+            e, _writes(func, args, kwargs, info.written).in_place
+        ):
+            # a kept write into a tensor from outside the checkpoint: it happened once,
+            # in the forward; hand back the written argument without writing again.
+            # (Its target made anew by this recompute, it is written again below.)
+            st.served_external_write(e)
+            if e.rng_after is not None:
+                _set_rng_state(e.rng_after)
             return e.served_write(args, kwargs)
         if e.cached or e.dead:
             # a fresh alias per recompute (autograd attaches view metadata to what it
             # gets); a dropped output, or a dead op's, gets a stand-in of its geometry,
-            # which nothing reads
-            out = tree_map(lambda leaf: _serve_leaf(leaf, st), e.value)
+            # which nothing reads. A random op's draw is skipped: the generator is set to
+            # where the forward left it, so that what follows draws the same numbers
+            out = _map_leaves(lambda leaf: _serve_leaf(leaf, st), e.value)
+            if e.rng_after is not None:
+                _set_rng_state(e.rng_after)
             return out
-        if any(s in st.stand_ins for s in _tensor_storages((args, kwargs))):
+        if st.stand_ins and any(s in st.stand_ins for s in _tensor_storages((args, kwargs))):
             raise AssertionError(
                 f"sac_compile internal error: {func} would read a dropped cache entry during recompute; "
                 "please report this with the model"
             )
-        if e.rng_state is not None:
-            _set_rng_state(e.rng_state)
         out = func(*args, **kwargs)
-        if communicates(func):
+        if info.communicates:
             _wait_functional(func, out)
         return out
+
+
+@dynamo_free
+class _WatchMode(TorchDispatchMode):
+    """In a recompute that will serve kept writes into tensors from outside the checkpoint:
+    an op that reads one of those tensors before its write is served reads the written
+    value, not the one the forward read (``_State.read_before_served_write`` raises).
+    Pushed at the start of such a recompute only, below the kept spans' mode, and popped
+    once every such write is served."""
+
+    supports_higher_order_operators = True
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # dynamo_free does it (Note [our dispatch modes run outside Dynamo])
+
+    def __init__(self, state: _State) -> None:
+        super().__init__()
+        mark_dynamo_free(self)
+        self.state = state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = self.state
+        st.stats.intercepted["recompute", "watch"] += 1
+        info = _info(func)
+        if st.pending_writes and not info.ignored and not info.view:
+            for s in _tensor_storages((args, kwargs)):
+                if s in st.pending_writes:
+                    st.read_before_served_write(s, func)
+        return func(*args, **kwargs)
 
 
 def _serve_leaf(leaf: Any, st: _State) -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._compat.checkpoint import tree_leaves
+from .._compat.checkpoint import tree_leaves, tree_map
 
 
 def _storage(t: torch.Tensor) -> int | None:
@@ -37,6 +37,16 @@ class _StorageSet:
             return
         self._refs[ref.cdata] = ref
 
+    def add_storage(self, storage: Any) -> None:
+        ref = StorageWeakRef(storage)
+        self._refs[ref.cdata] = ref
+
+    def __bool__(self) -> bool:
+        return bool(self._refs)
+
+    def ref(self, cdata: object) -> StorageWeakRef | None:
+        return self._refs.get(cdata)  # type: ignore[arg-type]
+
     def __contains__(self, cdata: object) -> bool:
         ref = self._refs.get(cdata)  # type: ignore[arg-type]
         return ref is not None and not ref.expired()
@@ -49,18 +59,108 @@ class _StorageSet:
         return tuple(c for c, r in self._refs.items() if not r.expired())
 
 
+# Op arguments and outputs are flat: tensors, scalars, None, and lists or tuples of them
+# (a multi-output op returns a plain tuple). These walk those directly; anything else
+# (a dict, a nested container of another kind) goes through pytree. They run for every
+# op of a kept span, where pytree's generality cost more than the rest of the engine.
+
+
+_LEAF_TYPES = (
+    torch.Tensor,
+    int,
+    float,
+    bool,
+    complex,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Generator,
+)
+
+
+def _flatten(x: Any, out: list) -> None:
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            if isinstance(y, _LEAF_TYPES):
+                out.append(y)
+            else:
+                _flatten(y, out)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _flatten(y, out)
+    elif isinstance(x, _LEAF_TYPES):
+        out.append(x)
+    else:
+        out.extend(tree_leaves(x))
+
+
+def _leaves(tree: Any) -> list:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    out: list = []
+    _flatten(tree, out)
+    return out
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    return [t for t in _leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _tensor_storages(tree: Any) -> tuple[int, ...]:
     out = []
-    for t in tree_leaves(tree):
-        if isinstance(t, torch.Tensor):
-            s = _storage(t)
+    for t in _tensors(tree):
+        s = _storage(t)
+        if s is not None:
+            out.append(s)
+    return tuple(out)
+
+
+def _arg_storages(args: Any) -> tuple[int, ...]:
+    """:func:`_tensor_storages` of an op's flat arguments (a tuple, or a dict's values),
+    without pytree; nested containers take the general path."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            s = _storage(a)
             if s is not None:
                 out.append(s)
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    s = _storage(b)
+                    if s is not None:
+                        out.append(s)
+                elif isinstance(b, (tuple, list, dict)):
+                    return _tensor_storages(tuple(args))
+        elif isinstance(a, dict):
+            return _tensor_storages(tuple(args))
     return tuple(out)
+
+
+def _storage_objects(tensors: list[torch.Tensor]) -> list:
+    """The untyped storage of each tensor (None where it has none: sparse, ...)."""
+    out = []
+    for t in tensors:
+        try:
+            out.append(t.untyped_storage())
+        except (NotImplementedError, RuntimeError):
+            out.append(None)
+    return out
+
+
+def _map_leaves(fn: Any, tree: Any) -> Any:
+    """``tree_map`` for an op's output: a leaf, or a flat tuple / list of leaves."""
+    if isinstance(tree, (tuple, list)) and type(tree) in (tuple, list):
+        if not any(isinstance(x, (tuple, list, dict)) for x in tree):
+            return type(tree)(fn(x) for x in tree)
+    elif not isinstance(tree, dict):
+        return fn(tree)
+    return tree_map(fn, tree)
 
 
 @dataclass
@@ -75,19 +175,31 @@ class _Writes:
     has_out: bool
 
 
-def _writes(func: Any, args: tuple, kwargs: dict) -> _Writes:
-    writes = _Writes([], [], False)
+_NO_WRITES = _Writes([], [], False)
+
+
+def written_args(func: Any) -> tuple:
+    """``((index, name, is_out), ...)`` of the arguments ``func`` writes, from its schema."""
     schema = getattr(func, "_schema", None)
-    if schema is None:
-        return writes
-    for i, arg in enumerate(schema.arguments):
-        info = arg.alias_info
-        if not arg.is_out and (info is None or not info.is_write):
-            continue
-        passed = arg.name in kwargs or i < len(args)
-        value = kwargs.get(arg.name, args[i] if i < len(args) else None)
-        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-        if arg.is_out:
+    return tuple(
+        (i, arg.name, arg.is_out)
+        for i, arg in enumerate(schema.arguments if schema is not None else ())
+        if arg.is_out or (arg.alias_info is not None and arg.alias_info.is_write)
+    )
+
+
+def _writes(func: Any, args: tuple, kwargs: dict, written: tuple | None = None) -> _Writes:
+    """What ``func`` writes in this call (``written``: its :func:`written_args`, if known)."""
+    if written is None:
+        written = written_args(func)
+    if not written:
+        return _NO_WRITES  # (shared: never mutated)
+    writes = _Writes([], [], False)
+    for i, name, is_out in written:
+        passed = name in kwargs or i < len(args)
+        value = kwargs.get(name, args[i] if i < len(args) else None)
+        tensors = _tensors(value)
+        if is_out:
             writes.out.extend(tensors)
             writes.has_out = writes.has_out or passed
         else:
@@ -142,27 +254,41 @@ def _wait_functional(func: Any, out: Any) -> None:
             torch.ops._c10d_functional.wait_tensor.default(t)
 
 
-def _is_random(func: Any, args: tuple = (), kwargs: dict | None = None) -> bool:
-    """Draws from the RNG: tagged ``nondeterministic_seeded``, except an attention kernel
-    called with ``dropout_p=0`` (the CPU flash kernel carries the tag whatever its dropout;
-    torch 2.15's partitioner, ``is_rng_op``, makes the same exception)."""
+def seeded(func: Any) -> int | None:
+    """None: ``func`` never draws from the RNG; -1: it always does; else the index of its
+    ``dropout_p`` argument (it draws unless that is 0)."""
     if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
-        return False
+        return None
     schema = getattr(func, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
-    if "dropout_p" not in names:
+    return names.index("dropout_p") if "dropout_p" in names else -1
+
+
+_NOT_SEEN = object()
+
+
+def _is_random(func: Any, args: tuple = (), kwargs: dict | None = None, i: Any = _NOT_SEEN) -> bool:
+    """Draws from the RNG: tagged ``nondeterministic_seeded``, except an attention kernel
+    called with ``dropout_p=0`` (the CPU flash kernel carries the tag whatever its dropout;
+    torch 2.15's partitioner, ``is_rng_op``, makes the same exception). ``i``: :func:`seeded`
+    of ``func``, if known."""
+    if i is _NOT_SEEN:
+        i = seeded(func)
+    if i is None:
+        return False
+    if i == -1:
         return True
-    i = names.index("dropout_p")
-    p = args[i] if i < len(args) else (kwargs or {}).get("dropout_p", schema.arguments[i].default_value)
+    p = args[i] if i < len(args) else (kwargs or {}).get("dropout_p", func._schema.arguments[i].default_value)
     return not (isinstance(p, (int, float)) and p == 0)
 
 
 def _rng_state(tree: Any) -> tuple:
     """The RNG state a random op will draw from: an explicit generator's, else the defaults'."""
-    generators = [g for g in tree_leaves(tree) if isinstance(g, torch.Generator)]
+    leaves = _leaves(tree)
+    generators = [g for g in leaves if isinstance(g, torch.Generator)]
     if generators:
         return tuple((g, g.get_state()) for g in generators)
-    devices = {t.device for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+    devices = {t.device for t in leaves if isinstance(t, torch.Tensor)}
     state = [("cpu", torch.get_rng_state())]
     for dev in devices:
         if dev.type == "cuda":
@@ -181,7 +307,7 @@ def _set_rng_state(state: tuple) -> None:
 
 
 def _all_float_tensors(out: Any) -> bool:
-    leaves = tree_leaves(out)
+    leaves = _leaves(out)
     return bool(leaves) and all(
         isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves
     )

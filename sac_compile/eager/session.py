@@ -1,11 +1,17 @@
 """The marker session of one checkpointed call: the regions open while the function runs
-(one per forward and per recompute), in a ``ContextVar`` the dispatch modes read."""
+(one per forward and per recompute), in a ``ContextVar`` the dispatch modes read.
+
+The session is the marker sink (:mod:`sac_compile.markers.ops`). Its :meth:`~EagerSession.settle`,
+called after each eager region marker, starts a *kept span* when the first kept region
+opens and ends it when the last one closes: the engine's dispatch mode is pushed for the
+span only, so ops outside kept regions run with no Python dispatch mode at all.
+"""
 
 from __future__ import annotations
 
 import contextvars
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 from ..keep import KeepSet
 from ..policy import SAVE_COSTLY, RegionPolicy, checked_decision, saves
@@ -13,19 +19,33 @@ from ..policy import SAVE_COSTLY, RegionPolicy, checked_decision, saves
 __all__ = ["EagerSession"]
 
 
+class Spans(Protocol):
+    """What the engine does when a kept span starts and ends."""
+
+    def start(self) -> None: ...
+
+    def end(self, aborted: bool = False) -> None: ...
+
+
 class EagerSession:
     """Open regions while a checkpointed function runs (one per forward / recompute)."""
 
-    def __init__(self, keep: KeepSet, policy: RegionPolicy = SAVE_COSTLY) -> None:
+    def __init__(self, keep: KeepSet, policy: RegionPolicy = SAVE_COSTLY, spans: Spans | None = None) -> None:
         self.keep = keep
         self.policy = policy
+        self.spans = spans
+        self.in_span = False
         self.open: Counter[str] = Counter()
         self.entered: Counter[str] = Counter()
         self.unbalanced: list[tuple[str, str]] = []
         # entries of kept regions open now: kept() is asked for every op the modes see
         self._kept_open = 0
+        self._names: tuple[str, ...] | None = None  # open_names(), until the next marker
+        self._saves: dict[tuple[int, tuple[str, ...]], bool] = {}  # the policy's answers
 
-    def sink(self, kind: str, payload: tuple) -> None:
+    def __call__(self, kind: str, payload: tuple) -> None:
+        """The marker sink: a marker op ran."""
+        self._names = None
         if kind == "region_enter":
             self.open[payload[0]] += 1
             self.entered[payload[0]] += 1
@@ -38,13 +58,31 @@ class EagerSession:
             else:
                 self.unbalanced.append((payload[0], "exit without enter"))
 
+    def settle(self) -> None:
+        """After a marker op: start or end the kept span if a kept region opened or closed."""
+        if self.spans is None or self.in_span == (self._kept_open > 0):
+            return
+        self.in_span = not self.in_span
+        if self.in_span:
+            self.spans.start()
+        else:
+            self.spans.end()
+
+    def end_span(self, aborted: bool = False) -> None:
+        """End a span still open (the function returned or raised inside a kept region)."""
+        if self.in_span and self.spans is not None:
+            self.in_span = False
+            self.spans.end(aborted)
+
     def close(self) -> list[tuple[str, str]]:
         """End of the checkpointed call: the unbalanced markers seen in it."""
         left_open = [(n, "enter without exit") for n, c in sorted(self.open.items()) for _ in range(c)]
         return self.unbalanced + left_open
 
     def open_names(self) -> tuple[str, ...]:
-        return tuple(sorted(n for n, c in self.open.items() if c > 0))
+        if self._names is None:
+            self._names = tuple(sorted(n for n, c in self.open.items() if c > 0))
+        return self._names
 
     def kept(self) -> bool:
         return self._kept_open > 0
@@ -52,7 +90,14 @@ class EagerSession:
     def saves(self, func: Any, regions: tuple[str, ...]) -> bool:
         """Whether the region policy saves ``func`` run with ``regions`` (this session's
         :meth:`open_names`) open; outside every region, never."""
-        return bool(regions) and saves(checked_decision(self.policy, func, regions, self.keep))
+        if not regions:
+            return False
+        key = (id(func), regions)  # (an op's own hash is a Python call; ops live for good)
+        found = self._saves.get(key)
+        if found is None:
+            # (a region policy is a function of the op and the regions: asked once per pass)
+            found = self._saves[key] = saves(checked_decision(self.policy, func, regions, self.keep))
+        return found
 
 
 _SESSION: contextvars.ContextVar[EagerSession | None] = contextvars.ContextVar(

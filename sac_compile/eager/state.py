@@ -10,29 +10,44 @@ from typing import Any
 import torch
 
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
-from .._compat.checkpoint import tree_leaves, tree_map
+from .._compat.checkpoint import storage_holders
 from ..keep import NO_REGION, RNG
-from .op_facts import _Geometry, _storage, _StorageSet
+from .op_facts import _Geometry, _leaves, _map_leaves, _storage, _StorageSet
 
 __all__ = ["EngineStats"]
 
 
-@dataclass
 class _Entry:
-    func: Any
-    regions: tuple[str, ...]
-    cached: bool
+    """One op of a kept span (one is made per op: a plain class, its defaults on the class)."""
+
     value: Any = None  # tree of _VersionWrapper when cached
     storages: tuple[int, ...] = ()
-    inputs: tuple[int, ...] = ()
     dropped: bool = False  # every output dropped (the recompute gets stand-ins)
     # a recomputed op whose outputs are all floating-point tensors and that writes nothing:
     # the recompute may skip it when nothing live reads it (value then holds _Geometry leaves)
     skippable: bool = False
     dead: bool = False  # skipped in the recompute (see _State.finalize)
-    shrink_of: int | None = None  # cached as a small read of this cached matmul output
-    rng_state: Any = None  # the RNG state before a random op, to replay it (see _drop_in_sync_rng)
+    # a random op's RNG state after its draw: set in the recompute where the draw is
+    # skipped (served or dead), so the ops after it draw what they drew in the forward
+    rng_after: Any = None
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
+    write_refs: tuple = ()  # (of a served write) the storages it wrote, weakly
+
+    def __init__(
+        self,
+        func: Any,
+        regions: tuple[str, ...],
+        cached: bool,
+        inputs: tuple[int, ...] = (),
+        shrink_of: int | None = None,
+        span: int = 0,
+    ) -> None:
+        self.func = func
+        self.regions = regions
+        self.cached = cached
+        self.inputs = inputs
+        self.shrink_of = shrink_of  # cached as a small read of this cached matmul output
+        self.span = span  # the kept span it ran in (1, 2, ... in program order)
 
 
 @dataclass
@@ -52,9 +67,12 @@ class EngineStats:
     regions_entered: Counter = field(default_factory=Counter)
     unbalanced: list = field(default_factory=list)  # (region, "enter without exit" | "exit without enter")
     # ops the engine's dispatch modes intercepted, by (pass, where): pass "forward" or
-    # "recompute", where "kept" (a kept region was open) or "outside"; the recompute's
-    # counts grow when the backward runs. What issue #17 wants at 0: ("*", "outside").
+    # "recompute", where "kept" (a kept region was open) or "outside" (none: 0, the mode
+    # is pushed for kept spans only) or "watch" (a recompute that serves kept writes into
+    # outside tensors watches reads until they are served); the recompute's counts grow
+    # when the backward runs.
     intercepted: Counter = field(default_factory=Counter)
+    spans: int = 0  # kept spans: stretches of the forward with a kept region open
 
     @property
     def forced_collectives(self) -> int:
@@ -77,13 +95,98 @@ class _State:
         self.forward_done = False
         self.stand_ins = _StorageSet()  # dropped entries' stand-ins (recompute)
         self.needed_storages: set[int] = set()  # read by autograd or by a recomputed op
-        self.read_by_recomputed = _StorageSet()  # tensors recomputed ops read
         # storages holding random numbers or values computed from them
         self.random_derived = _StorageSet()
+        self.span = 0  # the kept span running now (forward)
+        self.span_entries: list[_Entry] = []
+        self.span_produced: list[int] = []
+        # storages made in a kept span and still held by a tensor when it ended (-> the
+        # span): ops outside kept regions, which the engine does not see, may read them
+        self.escaped: dict[int, int] = {}
+        self.spans_ended = 0
+        self.packed_after = 0  # spans ended when autograd last saved a tensor
+        self.early_stop = True  # the checkpoint stops its recompute at the last saved tensor
+        self.write_targets = _StorageSet()  # written by served writes (outside tensors)
+        # (recompute) outside tensors whose served write is still ahead: storage -> the write
+        self.pending_writes: dict[int, _Entry] = {}
 
     # -- forward bookkeeping --------------------------------------------------
-    def mark_needed(self, storages: tuple[int, ...]) -> None:
+    def mark_needed(self, storages: Any) -> None:
         self.needed_storages.update(storages)
+
+    def add_produced(self, storage: Any) -> None:
+        self.produced.add_storage(storage)
+        self.span_produced.append(storage._cdata)
+
+    def span_start(self) -> None:
+        self.span += 1
+        self.stats.spans += 1
+
+    def span_end(self) -> None:
+        """A kept span ended (forward): note the storages it made that a tensor still holds.
+
+        Nothing outside the span can read a storage no tensor holds any more except through
+        what autograd saved (seen by the pack hook) or our own cached aliases; every other
+        storage the span made may be read by unwatched ops later (see :meth:`_escaped_needed`)."""
+        ours: Counter = Counter()
+        for e in self.span_entries:
+            if e.cached:
+                for t in _cached_tensors(e.value):
+                    ours[_storage(t)] += 1
+        for s in self.span_produced:
+            ref = self.produced.ref(s)
+            if ref is not None and storage_holders(ref) > ours[s]:
+                self.escaped[s] = self.span
+        self.spans_ended = self.span
+        self.span_entries.clear()
+        self.span_produced.clear()
+
+    def _escaped_needed(self) -> set[int]:
+        """The escaped storages the recompute may read: those of spans after which autograd
+        saved something. The checkpoint stops its recompute at the last tensor autograd
+        saved (early stop, on by default), so the ops after a span with no save after it
+        never run again, and what only they read is not needed."""
+        if not self.early_stop:
+            return set(self.escaped)
+        return {s for s, span in self.escaped.items() if self.packed_after >= span}
+
+    def note_external_writes(self, targets: list[torch.Tensor]) -> tuple:
+        for t in targets:
+            self.write_targets.add_tensor(t)
+        return tuple(self.write_targets.ref(_storage(t)) for t in targets)
+
+    # -- recompute -----------------------------------------------------------
+    def start_recompute(self) -> bool:
+        """Whether this recompute must watch reads of outside tensors written by served writes."""
+        self.pending_writes = {}
+        for e in self.order:
+            for ref in e.write_refs:
+                if e.served_write is not None and not ref.expired():
+                    self.pending_writes.setdefault(ref.cdata, e)
+        return bool(self.pending_writes)
+
+    @staticmethod
+    def same_write_targets(e: _Entry, targets: list[torch.Tensor]) -> bool:
+        """Whether a served write's targets in the recompute are the forward's tensors (from
+        outside the checkpoint), not ones the recompute made anew (outside kept regions)."""
+        return len(targets) == len(e.write_refs) and all(
+            ref is not None and not ref.expired() and ref.cdata == _storage(t)
+            for ref, t in zip(e.write_refs, targets, strict=True)
+        )
+
+    def served_external_write(self, e: _Entry) -> None:
+        for ref in e.write_refs:
+            if self.pending_writes.get(ref.cdata) is e:
+                del self.pending_writes[ref.cdata]
+
+    def read_before_served_write(self, storage: int, reader: Any) -> None:
+        e = self.pending_writes[storage]
+        raise RuntimeError(
+            f"sac_compile: {e.func} writes in place, in kept region(s) {'+'.join(e.regions)}, into a "
+            f"tensor from outside the checkpoint that {reader} read earlier in the checkpointed "
+            "function; the write happens once, in the forward, so the recompute would read the "
+            "written value. Move the write out of the kept region, or out of the checkpointed function."
+        )
 
     def _keep_or_drop(self, leaf: Any) -> Any:
         if isinstance(leaf, _VersionWrapper) and isinstance(leaf.val, torch.Tensor):
@@ -110,13 +213,15 @@ class _State:
                 e.value = None
                 self.stats.mutated_recomputes += 1
 
-    def _settle_shrinking_reads(self) -> None:
+    def _settle_shrinking_reads(self, escaped: set[int]) -> None:
         """Keep the small reads of a cached matmul output cached only if every read is one
         and together they are at most half its size (Note [small reads of a kept matmul]
         in passes/saving_rules.py).
 
         Then the recompute never reads the matmul output and it is dropped (unless autograd
-        saved it); otherwise the reads are recomputed from it as usual. The compiled pass
+        saved it); otherwise the reads are recomputed from it as usual. Eagerly only reads in
+        the kept span count: when a tensor still holds the output as the span ends, ops
+        outside kept regions (which the engine does not see) may read it, and it is held. The compiled pass
         applies the same rule (``passes.saving_rules.save_small_reads_of_kept_matmuls``).
         """
         readers: dict[int, list[_Entry]] = defaultdict(list)
@@ -131,7 +236,13 @@ class _State:
             # (if autograd saved the matmul output - var_mean's gradient reads its input - it
             # is held anyway, and caching the small reads too would only add to it)
             small = 2 * sum(_cached_bytes(e) for e in found) <= self.matmul_bytes[s]
-            if s not in saved and small and all(e.shrink_of == s and e.cached for e in found):
+            # (if it escaped its kept span, unwatched ops may read it too: it is held)
+            if (
+                s not in saved
+                and s not in self.escaped
+                and small
+                and all(e.shrink_of == s and e.cached for e in found)
+            ):
                 continue
             for e in found:
                 if e.shrink_of == s and e.cached:
@@ -139,76 +250,71 @@ class _State:
                     self.stats.cached_ops -= 1
                     self.stats.recomputed_ops += 1
 
+    def _uncache_written_since(self) -> None:
+        """A cached value written in place after it was cached, outside kept regions (where
+        no write is seen): its version counter moved. Recompute it, and the write with it."""
+        for e in self.order:
+            if e.cached and any(
+                w.version is not None and w.val._version != w.version
+                for w in (_leaves(e.value) if isinstance(e.value, (tuple, list, dict)) else (e.value,))
+                if isinstance(w, _VersionWrapper)
+            ):
+                e.cached, e.value, e.shrink_of = False, None, None
+                self.stats.mutated_recomputes += 1
+
     def finalize(self) -> None:
         """End of the forward: find the live recomputed ops, drop cached values nothing will read."""
         self.forward_done = True
+        self._uncache_written_since()
         # Every storage autograd saved, freed or not: the checkpoint's pack hook keeps no
         # reference, so what only autograd saved is already freed here, and the recompute
         # must rebuild it. (A reused address can only make more ops live.)
         self.mark_needed(self.saved_storages.ever())
-        self._settle_shrinking_reads()
+        escaped = self._escaped_needed()
+        self.mark_needed(escaped)
+        self._settle_shrinking_reads(escaped)
         for e in reversed(self.order):
-            if e.cached or e.served_write is not None:
+            if e.cached:
                 continue  # served in the recompute: it reads nothing
-            if e.skippable and not any(s in self.needed_storages for s in e.storages):
-                e.dead = True  # (its RNG state is dropped by _drop_in_sync_rng: never replayed)
+            if (
+                e.skippable
+                and e.served_write is None
+                and not any(s in self.needed_storages for s in e.storages)
+            ):
+                e.dead = True
                 self.stats.skipped_ops += 1
                 continue
+            # (a served write runs again if the recompute made its target anew)
             e.skippable, e.value = False, None
             self.mark_needed(e.inputs)
-        self._drop_in_sync_rng()
         seen: set[int] = set()
-        for entries in self.entries.values():
-            for e in entries:
-                if e.cached:
-                    e.rng_state = None  # served from the cache: its RNG state is never replayed
-                elif e.rng_state is not None:
-                    nbytes = sum(t.numel() * t.element_size() for _, t in e.rng_state)
+        for e in self.order:
+            if e.rng_after is not None:
+                if not (e.cached or e.dead or e.served_write is not None):
+                    e.rng_after = None  # it draws again in the recompute: in step by itself
+                else:
+                    nbytes = sum(t.numel() * t.element_size() for _, t in e.rng_after)
                     self.stats.held_bytes += nbytes
                     self.stats.held_by_region[RNG] += nbytes
-                if not e.cached:
-                    continue
-                # Per output: a value is dropped when nothing reads it. Only
-                # floating-point values: Python can read integer results
-                # (indices) without an aten op (.tolist()), which we cannot see.
-                e.value = tree_map(self._keep_or_drop, e.value)
-                if e.storages and not _cached_tensors(e.value):
-                    e.dropped = True
-                    self.stats.dropped_ops += 1
-                    continue
-                for t in _cached_tensors(e.value):
-                    s = _storage(t)
-                    # a view of an input or parameter costs no memory of its own
-                    if s not in seen and s in self.produced:
-                        seen.add(s)
-                        nbytes = t.untyped_storage().nbytes()
-                        self.stats.held_bytes += nbytes
-                        key = "+".join(e.regions) or NO_REGION
-                        self.stats.held_by_region[key] += nbytes
-
-    def _drop_in_sync_rng(self) -> None:
-        """Drop the RNG states the recompute reaches by itself.
-
-        The checkpoint restores the forward's starting RNG state before the recompute
-        (``preserve_rng_state``), and the recompute runs the ops in the forward's order; so
-        a replayed random op with no random op served from the cache or skipped before it
-        (since the start, or since the last replayed one) finds the generator exactly where
-        the forward left it. Only the first replayed random op after a served or skipped one
-        needs its state set (a CPU generator's state is 5,056 B, held per op until the
-        backward).
-        """
-        in_sync = True
-        for e in self.order:
-            if e.rng_state is None:
-                continue  # not a random op (or RNG state is not preserved: nothing is replayed)
-            if e.cached or e.dead or e.served_write is not None:
-                in_sync = False  # its draw is not replayed: the stream is behind from here
-                if e.dead:
-                    e.rng_state = None  # skipped in the recompute
-            else:
-                if in_sync:
-                    e.rng_state = None
-                in_sync = True
+            if not e.cached:
+                continue
+            # Per output: a value is dropped when nothing reads it. Only
+            # floating-point values: Python can read integer results
+            # (indices) without an aten op (.tolist()), which we cannot see.
+            e.value = _map_leaves(self._keep_or_drop, e.value)
+            if e.storages and not _cached_tensors(e.value):
+                e.dropped = True
+                self.stats.dropped_ops += 1
+                continue
+            for t in _cached_tensors(e.value):
+                s = _storage(t)
+                # a view of an input or parameter costs no memory of its own
+                if s not in seen and s in self.produced:
+                    seen.add(s)
+                    nbytes = t.untyped_storage().nbytes()
+                    self.stats.held_bytes += nbytes
+                    key = "+".join(e.regions) or NO_REGION
+                    self.stats.held_by_region[key] += nbytes
 
 
 def _cached_bytes(e: _Entry) -> int:
@@ -218,6 +324,6 @@ def _cached_bytes(e: _Entry) -> int:
 def _cached_tensors(value: Any) -> list[torch.Tensor]:
     return [
         w.val
-        for w in tree_leaves(value, is_leaf=lambda x: isinstance(x, _VersionWrapper))
+        for w in (_leaves(value) if isinstance(value, (tuple, list, dict)) else (value,))
         if isinstance(w, _VersionWrapper) and isinstance(w.val, torch.Tensor)
     ]

@@ -21,7 +21,10 @@ without that pass traces them, :mod:`sac_compile.diagnostics.trace_watch` report
 
 Eagerly the ops call the active *marker sink*, a callable in a ``ContextVar``
 that the eager engine installs inside its checkpointed function; outside any
-scope there is no sink and a marker is a no-op.
+scope there is no sink and a marker is a no-op. Eager callers emit a region marker
+through :func:`enter_region` / :func:`exit_region`, which then call the sink's
+``settle()``: the engine pushes or pops its dispatch mode there, after the op has
+returned (a mode cannot pop itself while it is dispatching the exit marker).
 """
 
 from __future__ import annotations
@@ -35,10 +38,19 @@ from torch.fx.node import has_side_effect
 from .._compat import inductor
 from ..diagnostics import trace_watch
 
-__all__ = ["MARKER_OPS", "REGION_ENTER", "REGION_EXIT", "SCOPE_ENTER", "SCOPE_EXIT"]
+__all__ = [
+    "MARKER_OPS",
+    "REGION_ENTER",
+    "REGION_EXIT",
+    "SCOPE_ENTER",
+    "SCOPE_EXIT",
+    "enter_region",
+    "exit_region",
+]
 
 #: ``sink(kind, payload)`` with kind in {"region_enter", "region_exit",
-#: "scope_enter", "scope_exit"}; installed by the eager engine.
+#: "scope_enter", "scope_exit"}; installed by the eager engine. A sink may also have a
+#: ``settle()`` method, called after each eager region marker op has returned.
 MarkerSink = Callable[[str, tuple], None]
 _MARKER_SINK: contextvars.ContextVar[MarkerSink | None] = contextvars.ContextVar(
     "sac_compile_marker_sink", default=None
@@ -49,6 +61,27 @@ def _emit(kind: str, payload: tuple) -> None:
     sink = _MARKER_SINK.get()
     if sink is not None:
         sink(kind, payload)
+
+
+def _settle() -> None:
+    sink = _MARKER_SINK.get()
+    settle = getattr(sink, "settle", None)
+    if settle is not None:
+        settle()
+
+
+def enter_region(name: str) -> None:
+    """Emit ``region_enter(name)``; eagerly, let the sink settle after it."""
+    torch.ops.sac_compile.region_enter(name)
+    if not torch.compiler.is_compiling():
+        _settle()
+
+
+def exit_region(name: str) -> None:
+    """Emit ``region_exit(name)``; eagerly, let the sink settle after it."""
+    torch.ops.sac_compile.region_exit(name)
+    if not torch.compiler.is_compiling():
+        _settle()
 
 
 def _on_trace(kind: str, payload: tuple) -> None:

@@ -33,7 +33,7 @@ from .._compat import frames
 from .._compat.jit import script_drop
 from ..keep import format_keep, normalize_keep, validate_region_name
 from ..records import SEAM_PREFIX
-from . import ops  # noqa: F401  (registers the marker ops)
+from . import ops
 
 __all__ = [
     "DECLARED_ATTR",
@@ -97,13 +97,13 @@ class region:
     def __enter__(self) -> region:
         if not torch.jit.is_scripting():
             if not exporting():
-                torch.ops.sac_compile.region_enter(self.name)
+                ops.enter_region(self.name)
         return self
 
     def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> None:
         if not torch.jit.is_scripting():
             if not exporting():
-                torch.ops.sac_compile.region_exit(self.name)
+                ops.exit_region(self.name)
 
     @script_drop
     def __call__(self, fn: _F) -> _F:
@@ -169,11 +169,11 @@ def _make_wrapper(name: str, fn: _F) -> _F:
             out = fn(*args, **kwargs)
             torch.ops.sac_compile.region_exit(name)
             return out
-        torch.ops.sac_compile.region_enter(name)
+        ops.enter_region(name)
         try:
             return fn(*args, **kwargs)
         finally:
-            torch.ops.sac_compile.region_exit(name)
+            ops.exit_region(name)
 
     _region_wrapper.__sac_region__ = name  # type: ignore[attr-defined]
     return _region_wrapper  # type: ignore[return-value]

@@ -1,0 +1,192 @@
+"""The eager engine on the demo model and two transformers models (issue #17): step time
+against the eager alternatives a user would pick, and the ops the engine intercepts.
+
+Four configurations per model, same weights, timed interleaved (median of ``iters``
+forward+backward steps of the whole model, as a ratio to no checkpoint):
+
+* ``no checkpoint``;
+* ``full recompute``: ``torch.utils.checkpoint`` (non-reentrant) around every layer;
+* ``engine keep=K``: ``sac_compile`` eager (``SacConfig`` / ``hf.config_for``);
+* ``torch SAC keep=K``: PyTorch's ``create_selective_checkpoint_contexts`` around every
+  layer with a policy function making the engine's decisions: ``MUST_SAVE`` for what the
+  region policy saves in the regions open (read from the same markers), else
+  ``PREFER_RECOMPUTE``. Its overhead over no checkpoint is what the engine must beat.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from _timing import interleaved_medians
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import sac_compile as sc
+from sac_compile import hf
+from sac_compile.eager import EagerSession, checkpoint_with_regions
+from sac_compile.keep import normalize_keep
+from sac_compile.markers import ops
+from sac_compile.testing.counting import CountOps
+from sac_compile.testing.models import MoETransformer
+
+
+class Checkpointed(nn.Module):
+    """A layer under ``torch.utils.checkpoint``: plain, or PyTorch's SAC deciding as the engine."""
+
+    def __init__(self, layer: nn.Module, keep: Any = None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.keep = None if keep is None else normalize_keep(keep)
+        self.session: EagerSession | None = None
+        self.context_fn = functools.partial(create_selective_checkpoint_contexts, self._policy)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # transformers reads attributes of its layers (attention_type)
+            return getattr(self._modules["layer"], name)
+
+    def _policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        s = self.session
+        if s is not None and s.saves(op, s.open_names()):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _run(self, *args, **kwargs):
+        self.session = EagerSession(self.keep)  # one per forward and per recompute
+        token = ops._MARKER_SINK.set(self.session)
+        try:
+            return self.layer(*args, **kwargs)
+        finally:
+            ops._MARKER_SINK.reset(token)
+
+    def forward(self, *args, **kwargs):
+        if self.keep is None:
+            return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self._run, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
+
+
+class Subject:
+    """A model, its layer list, regions, keep set, a loss step and one layer's call."""
+
+    def __init__(self, name: str, model: nn.Module, layers: str, regions: dict, keep: set, step, layer_call):
+        self.name, self.model, self.layers, self.regions, self.keep = name, model, layers, regions, keep
+        self.step: Callable[[nn.Module], None] = step
+        self.layer_call = layer_call  # model -> (one-argument layer, its input)
+
+    def variant(self, how: str) -> nn.Module:
+        model = copy.deepcopy(self.model)
+        layers = model.get_submodule(self.layers)
+        if how == "engine":
+            sc.SacConfig(layers=self.layers + ".*", keep=self.keep, regions=self.regions).apply(model)
+        elif how in ("full", "torch SAC"):
+            if how == "torch SAC":
+                sc.declare_regions(model, self.regions)
+            for i, layer in enumerate(layers):
+                layers[i] = Checkpointed(layer, None if how == "full" else self.keep)
+        return model
+
+
+def demo(args) -> Subject:
+    torch.manual_seed(0)
+    model = MoETransformer(vocab=256, d=args.demo_d, n_layers=args.demo_layers)
+    ids = torch.randint(0, 256, (args.demo_batch, args.demo_seq), generator=torch.Generator().manual_seed(1))
+
+    def step(m):
+        m(ids).logsumexp(-1).mean().backward()
+
+    def layer_call(m):
+        sc.declare_regions(m, MoETransformer.REGIONS)
+        return m.layers[0], m.embed(ids).detach().requires_grad_()
+
+    return Subject("demo MoE", model, "layers", MoETransformer.REGIONS, {"attn", "router"}, step, layer_call)
+
+
+def transformers_model(args, family: str) -> Subject:
+    if family == "llama":
+        model = hf.tiny_llama(layers=args.hf_layers, hidden=args.hf_hidden)
+        keep = {"attn"}
+    else:
+        model = hf.tiny_qwen3_moe(layers=args.hf_layers, hidden=args.hf_hidden, experts=8)
+        keep = {"attn", "router"}
+    model.train()
+    ids = hf.batch(model, batch=args.hf_batch, seq=args.hf_seq)
+
+    def step(m):
+        m(input_ids=ids, labels=ids).loss.backward()
+
+    def layer_call(m):
+        sc.declare_regions(m, hf.regions_for(m))
+        return hf.layer_call(m, ids)
+
+    path = hf.decoder_layers(model)[:-2]
+    return Subject(f"transformers {family}", model, path, hf.regions_for(model), keep, step, layer_call)
+
+
+def measure(subject: Subject, iters: int) -> dict:
+    keep = "+".join(sorted(subject.keep))
+    configs = {
+        "no checkpoint": "none",
+        "full recompute": "full",
+        f"engine keep={keep}": "engine",
+        f"torch SAC keep={keep}": "torch SAC",
+    }
+    models = {name: subject.variant(how) for name, how in configs.items()}
+
+    def run(model):
+        subject.step(model)
+        model.zero_grad(set_to_none=True)
+
+    for model in models.values():
+        run(model)  # warm up
+    medians = interleaved_medians({n: functools.partial(run, m) for n, m in models.items()}, iters)
+    base = medians["no checkpoint"]
+    rows = {n: {"step_ms": t * 1e3, "ratio": t / base} for n, t in medians.items()}
+    engine, torch_sac = rows[f"engine keep={keep}"], rows[f"torch SAC keep={keep}"]
+    full = rows["full recompute"]
+    summary = {
+        "engine_vs_full": engine["ratio"] / full["ratio"],
+        "overhead_vs_torch_sac": (engine["ratio"] - 1) / (torch_sac["ratio"] - 1),
+    }
+    # what the engine intercepts in one layer's step, against the ops the layer runs
+    layer, h = subject.layer_call(copy.deepcopy(subject.model))
+    with torch.no_grad(), CountOps() as plain:
+        layer(h)
+    stats: list = []
+    checkpoint_with_regions(layer, h, keep=subject.keep, stats_out=stats).sum().backward()
+    summary["layer_ops"] = plain.n
+    summary["intercepted"] = dict(stats[0].intercepted)
+    return {"rows": rows, **summary}
+
+
+def report(name: str, keep: set, result: dict, iters: int) -> None:
+    print(f"\n{name}, keep={'+'.join(sorted(keep))}: median of {iters} interleaved steps")
+    print(f"{'configuration':<28} {'step ms':>8} {'vs no ckpt':>10}")
+    for n, r in result["rows"].items():
+        print(f"{n:<28} {r['step_ms']:>8.1f} {r['ratio']:>10.2f}")
+    n = result["intercepted"]
+    print(
+        f"engine / full recompute: {result['engine_vs_full']:.2f}x step; engine overhead / torch SAC "
+        f"overhead: {result['overhead_vs_torch_sac']:.2f}x"
+    )
+    print(
+        f"one layer's step: {result['layer_ops']} ops in its forward; the engine intercepted "
+        f"{n.get(('forward', 'kept'), 0)} (forward, kept regions), {n.get(('forward', 'outside'), 0)} (forward, "
+        f"outside), {n.get(('recompute', 'kept'), 0)} (recompute, kept), {n.get(('recompute', 'outside'), 0)} "
+        "(recompute, outside)"
+    )
+
+
+def main(args) -> dict:
+    subjects = {"demo": lambda: demo(args), "llama": lambda: transformers_model(args, "llama")}
+    subjects["qwen3-moe"] = lambda: transformers_model(args, "qwen3-moe")
+    found = {}
+    for key in args.models.split(","):
+        subject = subjects[key]()
+        found[key] = measure(subject, args.iters)
+        report(subject.name, subject.keep, found[key], args.iters)
+    return found
