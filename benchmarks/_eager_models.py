@@ -8,9 +8,9 @@ forward+backward steps of the whole model, as a ratio to no checkpoint):
 * ``full recompute``: ``torch.utils.checkpoint`` (non-reentrant) around every layer;
 * ``engine keep=K``: ``sac_compile`` eager (``SacConfig`` / ``hf.config_for``);
 * ``torch SAC keep=K``: PyTorch's ``create_selective_checkpoint_contexts`` around every
-  layer with a policy function making the engine's decisions: ``MUST_SAVE`` for what the
-  region policy saves in the regions open (read from the same markers), else
-  ``PREFER_RECOMPUTE``. Its overhead over no checkpoint is what the engine must beat.
+  layer with a policy function making the engine's decisions
+  (``sac_compile.testing.baselines.Checkpointed``). Its overhead over no checkpoint is
+  what the engine must beat.
 """
 
 from __future__ import annotations
@@ -18,56 +18,17 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn as nn
 from _timing import interleaved_medians
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import sac_compile as sc
 from sac_compile import hf
-from sac_compile.eager import EagerSession, checkpoint_with_regions
-from sac_compile.keep import normalize_keep
-from sac_compile.markers import ops
+from sac_compile.eager import checkpoint_with_regions
+from sac_compile.testing.baselines import Checkpointed
 from sac_compile.testing.counting import CountOps
 from sac_compile.testing.models import MoETransformer
-
-
-class Checkpointed(nn.Module):
-    """A layer under ``torch.utils.checkpoint``: plain, or PyTorch's SAC deciding as the engine."""
-
-    def __init__(self, layer: nn.Module, keep: Any = None) -> None:
-        super().__init__()
-        self.layer = layer
-        self.keep = None if keep is None else normalize_keep(keep)
-        self.session: EagerSession | None = None
-        self.context_fn = functools.partial(create_selective_checkpoint_contexts, self._policy)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:  # transformers reads attributes of its layers (attention_type)
-            return getattr(self._modules["layer"], name)
-
-    def _policy(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        s = self.session
-        if s is not None and s.saves(op, s.open_names()):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    def _run(self, *args, **kwargs):
-        self.session = EagerSession(self.keep)  # one per forward and per recompute
-        token = ops._MARKER_SINK.set(self.session)
-        try:
-            return self.layer(*args, **kwargs)
-        finally:
-            ops._MARKER_SINK.reset(token)
-
-    def forward(self, *args, **kwargs):
-        if self.keep is None:
-            return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
-        return checkpoint(self._run, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
 
 
 class Subject:

@@ -9,12 +9,16 @@ by one ``SacConfig`` keeping ``--keep``. Six configurations train the same steps
 from the same weights, interleaved:
 
 * no checkpoint, full recompute (keep=()), selective (keep=--keep), eagerly;
-* the same three with ``torch.compile(model, backend=sac_compile.sac_backend)``
-  (no checkpoint: the same Inductor compile without the tagging pass).
+* PyTorch's own selective checkpointing making the same decisions, eagerly
+  (``sac_compile.testing.baselines.Checkpointed``): what the eager engine must beat;
+* no checkpoint, full recompute and selective with
+  ``torch.compile(model, backend=sac_compile.sac_backend)`` (no checkpoint: the same
+  Inductor compile without the tagging pass).
 
 Then it prints what one compiled layer saves and recomputes per region, a
-comparison table (bytes held after the forward, step time, loss agreement) and
-writes a PNG plot of held bytes against step time.
+comparison table (bytes held after the forward, step time, loss agreement), the ops
+the eager engine intercepts in one layer's step, and writes a PNG plot of held bytes
+against step time.
 
     python examples/demo.py [--layers 4 --d 128 --seq 128 --batch 8 --steps 12 --keep attn,router]
                             [--plot sac_demo.png] [--inner inductor|aot_eager] [--tiny]
@@ -34,6 +38,9 @@ import torch
 import torch.nn.functional as F
 
 import sac_compile as sc
+from sac_compile.eager import checkpoint_with_regions
+from sac_compile.testing.baselines import Checkpointed
+from sac_compile.testing.counting import CountOps
 from sac_compile.testing.models import MoETransformer
 
 
@@ -97,7 +104,11 @@ def build(args, mode: str, keep: set[str] | tuple | None):
     """The model, its optimizer and the callable a step runs, for one configuration."""
     torch.manual_seed(0)
     model = MoETransformer(args.vocab, args.d, args.layers, args.heads, args.experts)
-    if keep is not None:
+    if mode == "torch":  # PyTorch's SAC making the engine's decisions, read from the same regions
+        sc.declare_regions(model, MoETransformer.REGIONS)
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = Checkpointed(layer, keep)
+    elif keep is not None:
         sc.SacConfig(layers="layers.*", keep=set(keep), regions=MoETransformer.REGIONS).apply(model)
     run = model
     if mode == "compiled":
@@ -183,6 +194,25 @@ def region_table(args) -> str:
     return "\n".join(lines)
 
 
+def intercepted_line(args) -> str:
+    """Ops the eager engine's dispatch modes see in one layer's step, against the ops it runs."""
+    torch.manual_seed(0)
+    model = MoETransformer(args.vocab, args.d, args.layers, args.heads, args.experts)
+    sc.declare_regions(model, MoETransformer.REGIONS)
+    ids, _ = batch(args, torch.Generator().manual_seed(0))
+    h = model.embed(ids).detach().requires_grad_()
+    with torch.no_grad(), CountOps() as plain:
+        model.layers[0](h)
+    stats: list = []
+    checkpoint_with_regions(model.layers[0], h, keep=args.keep, stats_out=stats).sum().backward()
+    n = stats[0].intercepted
+    return (
+        f"the layer's forward runs {plain.n} ops; the engine intercepted {n['forward', 'kept']} in the forward "
+        f"and {n['recompute', 'kept']} in the recompute, all inside kept regions ({n['forward', 'outside']} + "
+        f"{n['recompute', 'outside']} outside); PyTorch's SAC intercepts every op, in both passes"
+    )
+
+
 def plot(path: str, rows: list[dict]) -> str:
     try:
         import matplotlib
@@ -192,14 +222,18 @@ def plot(path: str, rows: list[dict]) -> str:
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[demo]'): no plot written"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, marker in (("eager", "o"), ("compiled", "s")):
+    for mode, marker, label in (
+        ("eager", "o", "eager"),
+        ("torch", "^", "PyTorch SAC, eager"),
+        ("compiled", "s", "compiled"),
+    ):
         pts = [r for r in rows if r["mode"] == mode]
         ax.plot(
             [r["time_ratio"] for r in pts],
             [r["held"] / 2**20 for r in pts],
             marker=marker,
             ls="none",
-            label=mode,
+            label=label,
         )
         for r in pts:
             ax.annotate(
@@ -224,6 +258,7 @@ def main(argv=None) -> None:
         ("no checkpoint", "eager", None, "none"),
         ("full recompute", "eager", (), "full"),
         (f"eager SAC keep={'+'.join(keep) or '()'}", "eager", args.keep, "SAC"),
+        (f"PyTorch SAC keep={'+'.join(keep) or '()'}", "torch", args.keep, "torch SAC"),
         ("compiled, no checkpoint", "compiled", None, "none"),
         ("compiled, full recompute", "compiled", (), "full"),
         (f"compiled SAC keep={'+'.join(keep) or '()'}", "compiled", args.keep, "SAC"),
@@ -279,6 +314,8 @@ def main(argv=None) -> None:
         f"losses: step 1 {ref_losses[0]:.4f} -> step {args.steps} {ref_losses[-1]:.4f} (no checkpoint); "
         "max |dloss| is against it"
     )
+    print("\n== the eager engine's interception, one layer's step ==")
+    print(intercepted_line(args))
     if args.plot:
         print(plot(args.plot, rows))
     print(f"total time {time.perf_counter() - t_start:.0f} s")

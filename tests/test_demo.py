@@ -27,7 +27,7 @@ def test_demo_trains_compares_and_plots(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     # the progress bar went to stderr and reached the end
-    assert "18/18" in done.stderr
+    assert "21/21" in done.stderr
     # per-region table of one compiled layer: the kept regions saved something, the other did not
     table = {
         m[0]: (m[1], int(m[2])) for m in re.findall(r"^(attn|router|experts)\s+(yes|no)\s+(\d+)", out, re.M)
@@ -35,19 +35,28 @@ def test_demo_trains_compares_and_plots(tmp_path):
     assert table["attn"][0] == "yes" and table["attn"][1] > 0, out
     assert table["experts"][0] == "yes" and table["experts"][1] > 0, out
     assert table["router"] == ("no", 0), out
-    # six configurations, each with held bytes, step ratio and loss agreement
+    # seven configurations, each with held bytes, step ratio and loss agreement
     comparison = re.findall(r"^(.+?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+([\d.e+-]+)$", out, re.M)
     names = [c[0].strip() for c in comparison]
     assert names == [
         "no checkpoint",
         "full recompute",
         "eager SAC keep=attn+experts",
+        "PyTorch SAC keep=attn+experts",
         "compiled, no checkpoint",
         "compiled, full recompute",
         "compiled SAC keep=attn+experts",
     ], out
     held = {c[0].strip(): float(c[2]) for c in comparison}  # ratio to no checkpoint
     assert held["full recompute"] < held["eager SAC keep=attn+experts"] < 1.0
+    # the engine holds no more than PyTorch's SAC making the same decisions
+    assert held["eager SAC keep=attn+experts"] <= held["PyTorch SAC keep=attn+experts"] * 1.001
+    # the engine intercepted ops in kept regions only
+    seen = re.search(
+        r"the engine intercepted (\d+) in the forward and (\d+) in the recompute, .*\((\d+) \+ (\d+) outside\)",
+        out,
+    )
+    assert seen and int(seen[1]) > 0 and int(seen[2]) > 0 and seen[3] == seen[4] == "0", out
     assert held["compiled, full recompute"] < held["compiled SAC keep=attn+experts"] < 1.0
     assert max(float(c[5]) for c in comparison) < 1e-4  # every configuration trains alike
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

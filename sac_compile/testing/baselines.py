@@ -1,0 +1,63 @@
+"""PyTorch's own eager checkpointing, as the benchmarks and the demo compare against it.
+
+:class:`Checkpointed` wraps a layer in ``torch.utils.checkpoint`` (non-reentrant): plain
+(full recompute), or PyTorch's selective checkpointing (``create_selective_checkpoint_contexts``)
+with a policy function making the eager engine's decisions, read from the same region
+markers: ``MUST_SAVE`` for what the region policy saves in the regions open, else
+``PREFER_RECOMPUTE``. Against the engine it is the same trade made by PyTorch's machinery,
+which intercepts every op of the layer in both passes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..eager import EagerSession
+from ..keep import normalize_keep
+from ..markers import ops
+from ..policy import SAVE_COSTLY, RegionPolicy
+
+__all__ = ["Checkpointed"]
+
+
+class Checkpointed(nn.Module):
+    """``layer`` under ``torch.utils.checkpoint``: full recompute (``keep=None``), or PyTorch's
+    SAC deciding as the eager engine does for ``keep`` (the layer's regions must be declared
+    or marked)."""
+
+    def __init__(self, layer: nn.Module, keep: Any = None, policy: RegionPolicy = SAVE_COSTLY) -> None:
+        super().__init__()
+        self.layer = layer
+        self.keep = None if keep is None else normalize_keep(keep)
+        self.policy = policy
+        self.session: EagerSession | None = None
+        self.context_fn = functools.partial(create_selective_checkpoint_contexts, self._decide)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # transformers reads attributes of its layers (attention_type)
+            return getattr(self._modules["layer"], name)
+
+    def _decide(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        s = self.session
+        if s is not None and s.saves(op, s.open_names()):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _run(self, *args, **kwargs):
+        self.session = EagerSession(self.keep, self.policy)  # one per forward and per recompute
+        token = ops._MARKER_SINK.set(self.session)
+        try:
+            return self.layer(*args, **kwargs)
+        finally:
+            ops._MARKER_SINK.reset(token)
+
+    def forward(self, *args, **kwargs):
+        if self.keep is None:
+            return checkpoint(self.layer, *args, use_reentrant=False, **kwargs)
+        return checkpoint(self._run, *args, use_reentrant=False, context_fn=self.context_fn, **kwargs)
