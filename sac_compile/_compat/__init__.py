@@ -7,8 +7,9 @@ private torch name, a torch frame name or an AOTAutograd naming convention:
 module              what it wraps
 ==================  ==========================================================================
 ``ops``             ``torch._ops`` operator types (overloads, packets, higher-order ops)
-``checkpoint``      ``torch.utils.checkpoint``'s SAC internals, autograd's saved-tensor hooks,
-                    Python dispatch modes
+``checkpoint``      ``torch.utils.checkpoint``'s SAC internals and early stop, autograd's
+                    saved-tensor hooks, Python dispatch modes (pushed by hand, run outside
+                    Dynamo), storages' use counts
 ``dynamo``          what Dynamo is compiling now (translator, compile id, end callbacks,
                     resume functions, frame skipping), ``OptimizedModule`` unwrapping
 ``aot``             AOTAutograd and the min-cut partitioner: entry points and naming
