@@ -161,13 +161,18 @@ def held_after_forward(run, ids, targets) -> int:
     return held
 
 
-def region_table(args) -> str:
-    """Per region: what one compiled layer saves and recomputes (capture_partition)."""
+def first_layer_input(args) -> tuple[MoETransformer, torch.Tensor]:
+    """The demo model with its regions declared, and its first layer's input."""
     torch.manual_seed(0)
     model = MoETransformer(args.vocab, args.d, args.layers, args.heads, args.experts)
     sc.declare_regions(model, MoETransformer.REGIONS)
     ids, _ = batch(args, torch.Generator().manual_seed(0))
-    h = model.embed(ids).detach().requires_grad_()
+    return model, model.embed(ids).detach().requires_grad_()
+
+
+def region_table(args) -> str:
+    """Per region: what one compiled layer saves and recomputes (capture_partition)."""
+    model, h = first_layer_input(args)
     report = sc.capture_partition(
         model.layers[0], h, backend=sc.make_sac_backend(args.keep, inner=args.inner)
     )
@@ -196,11 +201,7 @@ def region_table(args) -> str:
 
 def intercepted_line(args) -> str:
     """Ops the eager engine's dispatch modes see in one layer's step, against the ops it runs."""
-    torch.manual_seed(0)
-    model = MoETransformer(args.vocab, args.d, args.layers, args.heads, args.experts)
-    sc.declare_regions(model, MoETransformer.REGIONS)
-    ids, _ = batch(args, torch.Generator().manual_seed(0))
-    h = model.embed(ids).detach().requires_grad_()
+    model, h = first_layer_input(args)
     with torch.no_grad(), CountOps() as plain:
         model.layers[0](h)
     stats: list = []

@@ -106,18 +106,26 @@ def _geometry_leaf(x: Any) -> Any:
     return _Geometry(x) if isinstance(x, torch.Tensor) else x
 
 
-@dynamo_free
-class _CachingMode(TorchDispatchMode):
+class _EngineMode(TorchDispatchMode):
+    """What the engine's modes share: higher-order ops seen, Dynamo kept out by
+    ``dynamo_free`` on each subclass (Note [our dispatch modes run outside Dynamo])."""
+
     supports_higher_order_operators = True
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # dynamo_free does it (Note [our dispatch modes run outside Dynamo])
+        return False  # dynamo_free does it
 
     def __init__(self, state: _State) -> None:
         super().__init__()
         mark_dynamo_free(self)
         self.state = state
+
+
+@dynamo_free
+class _CachingMode(_EngineMode):
+    def __init__(self, state: _State) -> None:
+        super().__init__(state)
         self.kept = self.outside = 0  # ops intercepted (EngineStats.intercepted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -243,17 +251,9 @@ def _shrinking_read(
 
 
 @dynamo_free
-class _CachedMode(TorchDispatchMode):
-    supports_higher_order_operators = True
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # dynamo_free does it (Note [our dispatch modes run outside Dynamo])
-
+class _CachedMode(_EngineMode):
     def __init__(self, state: _State) -> None:
-        super().__init__()
-        mark_dynamo_free(self)
-        self.state = state
+        super().__init__(state)
         self.counter: Counter = Counter()  # one mode per recompute, pushed for each kept span
         self.kept = self.outside = 0  # ops intercepted (EngineStats.intercepted)
 
@@ -310,23 +310,12 @@ class _CachedMode(TorchDispatchMode):
 
 
 @dynamo_free
-class _WatchMode(TorchDispatchMode):
+class _WatchMode(_EngineMode):
     """In a recompute that will serve kept writes into tensors from outside the checkpoint:
     an op that reads one of those tensors before its write is served reads the written
     value, not the one the forward read (``_State.read_before_served_write`` raises).
     Pushed at the start of such a recompute only, below the kept spans' mode, and popped
     once every such write is served."""
-
-    supports_higher_order_operators = True
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # dynamo_free does it (Note [our dispatch modes run outside Dynamo])
-
-    def __init__(self, state: _State) -> None:
-        super().__init__()
-        mark_dynamo_free(self)
-        self.state = state
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
