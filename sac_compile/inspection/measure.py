@@ -64,9 +64,18 @@ def autograd_saved_bytes(fn, *args: Any, exclude: Any = (), warmup: bool = True)
             packed[s[0]] = s[1:]
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    made = {c: v for c, v in _live_storages().items() if c not in before or before[c][0].expired()}
+    # What exists now is frozen for the call (gc.freeze), so that the second scan walks
+    # only the objects the call made: a test process holds millions. (A storage made in
+    # the call that only an older tensor object references -- one `set_` to new memory --
+    # is missed by this sighting; autograd's hooks still see it if it is saved.)
+    gc.freeze()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn(*args)
+        after = _live_storages()
+    finally:
+        gc.unfreeze()
+    made = {c: v for c, v in after.items() if c not in before or before[c][0].expired()}
     if (s := _storage(out)) is not None:
         skip.add(s[0])  # the output is fn's, not held for the backward
     held = {c: n for c, (ref, n) in {**made, **packed}.items() if c not in skip and not ref.expired()}
