@@ -120,23 +120,25 @@ class _EngineMode(TorchDispatchMode):
         super().__init__()
         mark_dynamo_free(self)
         self.state = state
-
-
-@dynamo_free
-class _CachingMode(_EngineMode):
-    def __init__(self, state: _State) -> None:
-        super().__init__(state)
         self.kept = self.outside = 0  # ops intercepted (EngineStats.intercepted)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        st = self.state
+    def _count(self) -> tuple[Any, bool]:
+        """The marker session, and whether a kept region is open; counts the op."""
         session = _SESSION.get()
         kept = session is not None and session.kept()
         if kept:
             self.kept += 1
         else:
             self.outside += 1
+        return session, kept
+
+
+@dynamo_free
+class _CachingMode(_EngineMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = self.state
+        session, kept = self._count()
         info = _info(func)
         if info.ignored or _autocast_weight_cast(func, args):
             return func(*args, **kwargs)
@@ -255,17 +257,11 @@ class _CachedMode(_EngineMode):
     def __init__(self, state: _State) -> None:
         super().__init__(state)
         self.counter: Counter = Counter()  # one mode per recompute, pushed for each kept span
-        self.kept = self.outside = 0  # ops intercepted (EngineStats.intercepted)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
-        session = _SESSION.get()
-        kept = session is not None and session.kept()
-        if kept:
-            self.kept += 1
-        else:
-            self.outside += 1
+        session, kept = self._count()
         info = _info(func)
         if info.ignored or _autocast_weight_cast(func, args):
             return func(*args, **kwargs)
