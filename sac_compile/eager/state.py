@@ -255,9 +255,7 @@ class _State:
         no write is seen): its version counter moved. Recompute it, and the write with it."""
         for e in self.order:
             if e.cached and any(
-                w.version is not None and w.val._version != w.version
-                for w in (_leaves(e.value) if isinstance(e.value, (tuple, list, dict)) else (e.value,))
-                if isinstance(w, _VersionWrapper)
+                w.version is not None and w.val._version != w.version for w in _wrappers(e.value)
             ):
                 e.cached, e.value, e.shrink_of = False, None, None
                 self.stats.mutated_recomputes += 1
@@ -321,9 +319,11 @@ def _cached_bytes(e: _Entry) -> int:
     return sum(t.numel() * t.element_size() for t in _cached_tensors(e.value)) if e.cached else 0
 
 
+def _wrappers(value: Any) -> list[_VersionWrapper]:
+    """The cached aliases in an entry's value (a leaf, or a tree of leaves)."""
+    leaves = _leaves(value) if isinstance(value, (tuple, list, dict)) else (value,)
+    return [w for w in leaves if isinstance(w, _VersionWrapper)]
+
+
 def _cached_tensors(value: Any) -> list[torch.Tensor]:
-    return [
-        w.val
-        for w in (_leaves(value) if isinstance(value, (tuple, list, dict)) else (value,))
-        if isinstance(w, _VersionWrapper) and isinstance(w.val, torch.Tensor)
-    ]
+    return [w.val for w in _wrappers(value) if isinstance(w.val, torch.Tensor)]
