@@ -345,19 +345,23 @@ def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: di
             "which has no partitioner to spend a budget: budget= applies to compiled code only. Pass "
             "compile=True to apply_selective_checkpointing (or compile the model), or drop budget="
         )
+    if kwargs:
+        # The layer's keyword arguments are bound here, not handed through the
+        # checkpoint's **kwargs, where torch.utils.checkpoint would take `debug`,
+        # `early_stop`, `determinism_check` or `context_fn` for its own (and we `keep`,
+        # `policy`). A non-reentrant checkpoint needs no tensor among its arguments.
+        call = functools.partial(call, **kwargs)
     if config.keep is not ALL_REGIONS and not config.keep:
-        return checkpoint(
-            call, *args, use_reentrant=False, preserve_rng_state=config.preserve_rng_state, **kwargs
-        )
+        return checkpoint(call, *args, use_reentrant=False, preserve_rng_state=config.preserve_rng_state)
     engine_kwargs = {
         "keep": config.keep,
         "policy": config.policy,
         "preserve_rng_state": config.preserve_rng_state,
     }
     if diagnosed.engine_done(self, config.keep):
-        return checkpoint_with_regions(call, *args, **engine_kwargs, **kwargs)
+        return checkpoint_with_regions(call, *args, **engine_kwargs)
     stats: list = []
-    out = checkpoint_with_regions(call, *args, **engine_kwargs, stats_out=stats, **kwargs)
+    out = checkpoint_with_regions(call, *args, **engine_kwargs, stats_out=stats)
     diagnosed.check_engine_call(self, config.keep, stats[0])
     return out
 

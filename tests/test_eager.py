@@ -237,6 +237,20 @@ def test_only_replays_after_a_served_random_op_hold_an_rng_state():
     assert full[2].held_by_region.get("rng", 0) == 0, dict(full[2].held_by_region)
 
 
+def test_the_rng_state_of_a_factory_draw_covers_the_device_it_names(monkeypatch):
+    """``rand(n, device="cuda")`` has no tensor argument: its device is in its ``device``
+    argument and on its output. Red when only tensor arguments named the devices: only the
+    CPU generator was recorded, so a skipped CUDA draw left the CUDA generator behind.
+    (No GPU here: the CUDA generator is stood in for.)"""
+    from sac_compile.eager.op_facts import _rng_state
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda dev: asked.append(dev) or torch.zeros(1))
+    cuda = torch.device("cuda", 0)
+    state = _rng_state(((4,), {"device": cuda, "dtype": None}, torch.empty(4, device="meta")))
+    assert asked == [cuda] and [dev for dev, _ in state] == ["cpu", cuda]
+
+
 @POLICIES
 def test_cached_values_nothing_reads_are_dropped(policy):
     """mm -> add -> mul kept: autograd saves none of their outputs, only the last is read."""
@@ -405,6 +419,29 @@ def test_kept_write_into_an_outside_tensor_read_earlier_is_an_error():
         out.sum().backward()
 
 
+def test_a_read_between_two_kept_writes_into_an_outside_tensor_is_an_error():
+    """Both kept writes into the buffer are served (skipped) in the recompute, so the read
+    between them would see what the second left. Red when only the first write kept the
+    buffer watched: silently wrong gradients."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("buf", torch.arange(4.0))
+
+        def forward(self, x):
+            with sc.region("r"):
+                self.buf.mul_(0.5)
+                y = (x + self.buf).sin()  # recomputed (cheap): reads the buffer between the writes
+                self.buf.add_(1.0)
+            return y
+
+    out = checkpoint_with_regions(M(), torch.randn(4, requires_grad=True), keep=frozenset({"r"}))
+    msg = r"aten\.add_\.Tensor writes in place, in kept region\(s\) r, .* that aten\.add\.Tensor read earlier"
+    with pytest.raises(RuntimeError, match=msg):
+        out.sum().backward()
+
+
 def test_backward_twice_with_retain_graph():
     def fn(x):
         with sc.region("r"):
@@ -512,11 +549,14 @@ def test_a_kept_write_into_a_tensor_made_outside_kept_regions_is_redone_on_the_n
     assert torch.equal(torch.autograd.grad(out.sum(), x)[0], ref)
 
 
-def test_a_kept_regions_output_is_held_only_if_the_recompute_may_read_it():
+@pytest.mark.parametrize("early_stop_by", ["context", "argument"])
+def test_a_kept_regions_output_is_held_only_if_the_recompute_may_read_it(early_stop_by):
     """The region's output is read outside it by ops the engine does not see. With a save
     after the region the recompute runs those ops, so the output is held; with none (and
     the checkpoint's early stop) it never does, and the output is not held. Red without
-    the early-stop rule: the second case held it too."""
+    the early-stop rule: the second case held it too. Early stop is turned off either by
+    ``set_checkpoint_early_stop`` or by the checkpoint's ``early_stop=`` argument (red
+    when the engine read only the former: it dropped the output the recompute reads)."""
 
     def fn(x, w, save_after):
         with sc.region("r"):
@@ -531,8 +571,13 @@ def test_a_kept_regions_output_is_held_only_if_the_recompute_may_read_it():
         for early_stop in (True, False):
             ref = torch.autograd.grad(fn(x, w, save_after).sum(), [x, w])
             stats = []
-            with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
-                out = checkpoint_with_regions(fn, x, w, save_after, keep=frozenset({"r"}), stats_out=stats)
+            kwargs = {"keep": frozenset({"r"}), "stats_out": stats}
+            if early_stop_by == "context":
+                with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+                    out = checkpoint_with_regions(fn, x, w, save_after, **kwargs)
+                    got = torch.autograd.grad(out.sum(), [x, w])
+            else:
+                out = checkpoint_with_regions(fn, x, w, save_after, early_stop=early_stop, **kwargs)
                 got = torch.autograd.grad(out.sum(), [x, w])
             assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
             held[save_after, early_stop] = stats[0].held_bytes

@@ -171,6 +171,32 @@ class TestIdentity:
         block(x).sum().backward()
         assert len(calls) == 2  # forward, and again in the recompute
 
+    @pytest.mark.parametrize("keep", [{"attn"}, ()], ids=["engine", "plain-checkpoint"])
+    @pytest.mark.parametrize("name", ["debug", "early_stop", "keep", "policy"])
+    def test_the_layers_keyword_arguments_reach_its_forward(self, keep, name):
+        """Red when they went through the checkpoint's **kwargs: torch.utils.checkpoint took
+        `debug` and `early_stop` for its own (a silently different output), and `keep` /
+        `policy` collided with the engine's (TypeError)."""
+
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(4, 4)
+
+            def forward(self, x, **flags):
+                with sc.region("attn"):
+                    y = self.lin(x)
+                return y.sin() * (2.0 if flags.get(name) else 1.0)
+
+        torch.manual_seed(0)
+        layer, x = Layer(), torch.randn(2, 4)
+        ref = layer(x, **{name: True})
+        sc.apply_selective_checkpointing(layer, keep)
+        out = layer(x, **{name: True})
+        assert torch.equal(out, ref)
+        out.sum().backward()
+        assert layer.lin.weight.grad is not None
+
     def test_wrapping_twice_is_idempotent_or_rejected(self):
         block = Block(16)
         assert sc.apply_selective_checkpointing(block, {"attn"}) is block

@@ -69,11 +69,12 @@ def sac_storage_key(func: Any, args: tuple) -> Any:
     return func if _STORAGE_KEY is None else _STORAGE_KEY(func, args)
 
 
-def checkpoint_early_stop() -> bool:
-    """Whether a non-reentrant checkpoint called now (with the default ``early_stop=True``)
-    stops its recompute once the last saved tensor is rebuilt: unless
-    ``set_checkpoint_early_stop(False)`` is in effect (``_enable_checkpoint_early_stop``)."""
-    return getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None) is not False
+def checkpoint_early_stop(early_stop: bool = True) -> bool:
+    """Whether a non-reentrant checkpoint called now with ``early_stop`` stops its recompute
+    once the last saved tensor is rebuilt: ``set_checkpoint_early_stop``, when in effect,
+    overrides the argument (``_enable_checkpoint_early_stop``, None when not set)."""
+    flag = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None)
+    return bool(early_stop) if flag is None else bool(flag)
 
 
 def top_saved_tensors_hooks() -> tuple[Any, Any] | None:

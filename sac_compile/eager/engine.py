@@ -40,9 +40,9 @@ Forward (caching mode), per op of a kept span, in program order:
   recompute, its target is the forward's very tensor (from outside the checkpoint: a
   buffer, an input), so it happens once; when the recompute made the target anew (an
   op outside kept regions made it) it is written again. An op that reads such an
-  outside tensor before its served write would read the written value in the
-  recompute: a watch mode, pushed for such recomputes only until the writes are
-  served, raises then;
+  outside tensor before its served write (or between two) would read the written value
+  in the recompute: a watch mode, pushed for such recomputes only until each tensor's
+  last served write, raises then;
 * a random op remembers the RNG state after its draw; where the recompute skips the
   draw (served from the cache, or dead) it sets the generator there, so what follows,
   watched or not, draws what it drew in the forward.
@@ -168,11 +168,14 @@ def checkpoint_with_regions(
     keep: KeepSet,
     policy: RegionPolicy = SAVE_COSTLY,
     preserve_rng_state: bool = True,
+    early_stop: bool = True,
     stats_out: list | None = None,
     **kwargs: Any,
 ):
     """Run ``fn(*args, **kwargs)`` under the eager engine keeping the regions in ``keep``
-    as ``policy`` decides (see :mod:`sac_compile.policy`)."""
+    as ``policy`` decides (see :mod:`sac_compile.policy`). ``early_stop`` and the other
+    keyword arguments of ``torch.utils.checkpoint.checkpoint`` (``debug``,
+    ``determinism_check``) go to it, as under plain checkpointing; the rest go to ``fn``."""
     state = _State(preserve_rng_state)
 
     def run(*a: Any, **k: Any):
@@ -183,7 +186,7 @@ def checkpoint_with_regions(
         m_token = ops._MARKER_SINK.set(session)
         try:
             if forward:
-                state.early_stop = checkpoint_early_stop()
+                state.early_stop = checkpoint_early_stop(early_stop)
                 with _chained_pack_hook(state):
                     out = fn(*a, **k)
                 session.end_span()  # a kept region left open ends with the function
@@ -206,6 +209,7 @@ def checkpoint_with_regions(
         *args,
         use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
+        early_stop=early_stop,
         **kwargs,
     )
     if stats_out is not None:

@@ -189,7 +189,7 @@ class _CachingMode(_EngineMode):
             cached = True
         entry = _Entry(func, regions, cached, inputs=inputs, shrink_of=shrink_of, span=st.span)
         if random and st.preserve_rng_state:
-            entry.rng_after = _rng_state((args, kwargs))  # set again if the recompute skips the draw
+            entry.rng_after = _rng_state((args, kwargs, out))  # set again if the recompute skips the draw
         if external_writes and cached:
             entry.served_write = _served_write(func)
             cached = entry.cached = entry.served_write is None and cached

@@ -283,12 +283,16 @@ def _is_random(func: Any, args: tuple = (), kwargs: dict | None = None, i: Any =
 
 
 def _rng_state(tree: Any) -> tuple:
-    """The RNG state a random op will draw from: an explicit generator's, else the defaults'."""
+    """The RNG state a random op drew from: an explicit generator's, else the defaults' of
+    the devices in ``tree`` (the op's arguments *and outputs*: a factory such as
+    ``rand(n, device="cuda")`` names its device only in a ``device`` argument and on its
+    output)."""
     leaves = _leaves(tree)
     generators = [g for g in leaves if isinstance(g, torch.Generator)]
     if generators:
         return tuple((g, g.get_state()) for g in generators)
     devices = {t.device for t in leaves if isinstance(t, torch.Tensor)}
+    devices.update(d for d in leaves if isinstance(d, torch.device))
     state = [("cpu", torch.get_rng_state())]
     for dev in devices:
         if dev.type == "cuda":

@@ -107,7 +107,7 @@ class _State:
         self.packed_after = 0  # spans ended when autograd last saved a tensor
         self.early_stop = True  # the checkpoint stops its recompute at the last saved tensor
         self.write_targets = _StorageSet()  # written by served writes (outside tensors)
-        # (recompute) outside tensors whose served write is still ahead: storage -> the write
+        # (recompute) outside tensors whose last served write is still ahead: storage -> it
         self.pending_writes: dict[int, _Entry] = {}
 
     # -- forward bookkeeping --------------------------------------------------
@@ -158,11 +158,15 @@ class _State:
     # -- recompute -----------------------------------------------------------
     def start_recompute(self) -> bool:
         """Whether this recompute must watch reads of outside tensors written by served writes."""
+        # A storage stays pending until its *last* served write: every served write is
+        # skipped, so until then the storage holds what the forward's last write left,
+        # which no read before that write saw (in between two writes as well as before both).
         self.pending_writes = {}
         for e in self.order:
-            for ref in e.write_refs:
-                if e.served_write is not None and not ref.expired():
-                    self.pending_writes.setdefault(ref.cdata, e)
+            if e.served_write is not None:
+                for ref in e.write_refs:
+                    if not ref.expired():
+                        self.pending_writes[ref.cdata] = e
         return bool(self.pending_writes)
 
     @staticmethod
