@@ -334,6 +334,15 @@ def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: di
     diagnosed.report_compiled_inside(self)
     if legacy:
         diagnosed.report_legacy(self, config.keep, LEGACY_ATTR)
+        if kwargs:
+            # (reentrant checkpointing passes positional arguments only, and would take
+            # `early_stop` / `determinism_check` for its own without a word)
+            raise TypeError(
+                f"{type(self).__name__} has {LEGACY_ATTR}=True, so it runs under reentrant "
+                "torch.utils.checkpoint, which passes positional arguments only; it was called "
+                f"with keyword argument(s) {', '.join(sorted(kwargs))}. Pass them positionally, or "
+                f"drop {LEGACY_ATTR} to run it under the non-reentrant engine"
+            )
         return checkpoint(
             call, *args, use_reentrant=True, preserve_rng_state=config.preserve_rng_state, **kwargs
         )

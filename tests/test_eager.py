@@ -246,8 +246,13 @@ def test_the_rng_state_of_a_factory_draw_covers_the_device_it_names(monkeypatch)
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda dev: asked.append(dev) or torch.zeros(1))
-    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    cuda = torch.device("cuda", 1)
     state = _rng_state(((4,), {"device": cuda, "dtype": None}, torch.empty(4, device="meta")))
+    assert asked == [cuda] and [dev for dev, _ in state] == ["cpu", cuda]
+    # `device="cuda"` (no index) and the output's `cuda:1` are one generator, recorded once
+    asked.clear()
+    state = _rng_state(((4,), {"device": torch.device("cuda")}, [torch.device("cuda", 1)]))
     assert asked == [cuda] and [dev for dev, _ in state] == ["cpu", cuda]
 
 
@@ -432,6 +437,28 @@ def test_a_read_of_an_outside_tensor_before_its_last_kept_write_is_an_error(forw
     msg = r"aten\.add_\.Tensor writes in place, in kept region\(s\) r, .* that aten\.mul\.Tensor read earlier"
     with pytest.raises(RuntimeError, match=msg):
         out.sum().backward()
+
+
+def test_a_read_between_kept_writes_into_other_bytes_of_an_outside_tensor_is_fine():
+    """Kept writes into two rows of one outside buffer (several layers filling slices of a
+    shared cache, say), and a read of the first row between them: the second write does not
+    touch what the read reads, so the recompute reads what the forward read. Red when the
+    whole storage stayed watched until its last served write (a false error)."""
+    buf = torch.zeros(2, 4)
+
+    def fn(x):
+        with sc.region("r"):
+            buf[0].copy_(x.detach() * 2)
+            h = (x + buf[0]).sin()
+            buf[1].copy_(x.detach())
+        return h
+
+    x = torch.randn(4, requires_grad=True)
+    ref = torch.autograd.grad(fn(x).sum(), x)[0]
+    buf.zero_()
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}))
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0], ref)
+    assert torch.equal(buf, torch.stack([x.detach() * 2, x.detach()]))  # each write happened once
 
 
 def test_backward_twice_with_retain_graph():

@@ -69,6 +69,21 @@ class TestDecisionTable:
         warnings = [r for r in caplog.records if "sac_legacy_checkpoint=True" in r.getMessage()]
         assert len(warnings) == 1 and "keep='attn' is ignored" in warnings[0].getMessage()
 
+    def test_a_legacy_module_called_with_keyword_arguments_is_an_error(self, x):
+        """Reentrant checkpointing passes positional arguments only; red before: `early_stop`
+        went to torch.utils.checkpoint, silently (other names raised its ValueError)."""
+
+        class Legacy(Block):
+            def forward(self, x, early_stop=False):
+                return super().forward(x) * (2 if early_stop else 1)
+
+        block = Legacy(16)
+        block.sac_legacy_checkpoint = True
+        sc.apply_selective_checkpointing(block, ())
+        with pytest.raises(TypeError, match=r"keyword argument\(s\) early_stop\. Pass them positionally"):
+            block(x, early_stop=True)
+        torch.testing.assert_close(block(x, True), 2 * block(x))
+
     def test_traced_by_an_outer_compile_emits_scope_markers_not_a_checkpoint(self, stack, x):
         wrap_layers(stack, {"attn"})
         graphs = []

@@ -39,10 +39,10 @@ Forward (caching mode), per op of a kept span, in program order:
 * a kept write into a tensor no kept op made is served from the cache when, in the
   recompute, its target is the forward's very tensor (from outside the checkpoint: a
   buffer, an input), so it happens once; when the recompute made the target anew (an
-  op outside kept regions made it) it is written again. An op that reads such an
-  outside tensor before its served write (or between two) would read the written value
-  in the recompute: a watch mode, pushed for such recomputes only until each tensor's
-  last served write, raises then;
+  op outside kept regions made it) it is written again. An op that reads bytes of such
+  an outside tensor before a served write into them would read the written value in the
+  recompute: a watch mode, pushed for such recomputes only until the last served write,
+  raises then;
 * a random op remembers the RNG state after its draw; where the recompute skips the
   draw (served from the cache, or dead) it sets the generator there, so what follows,
   watched or not, draws what it drew in the forward.

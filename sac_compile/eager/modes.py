@@ -194,7 +194,7 @@ class _CachingMode(_EngineMode):
             entry.served_write = _served_write(func)
             cached = entry.cached = entry.served_write is None and cached
             if entry.served_write is not None:
-                entry.write_refs = st.note_external_writes(external_writes)
+                st.note_external_writes(entry, external_writes)
         out_tensors = [out] if isinstance(out, torch.Tensor) else _tensors(out)
         objects = _storage_objects(out_tensors)
         out_storages = entry.storages = tuple(o._cdata for o in objects if o is not None)
@@ -309,7 +309,7 @@ class _CachedMode(_EngineMode):
 class _WatchMode(_EngineMode):
     """In a recompute that will serve kept writes into tensors from outside the checkpoint:
     an op that reads one of those tensors before its write is served reads the written
-    value, not the one the forward read (``_State.read_before_served_write`` raises).
+    value, not the one the forward read (``_State.check_read`` raises).
     Pushed at the start of such a recompute only, below the kept spans' mode, and popped
     once every such write is served."""
 
@@ -319,9 +319,10 @@ class _WatchMode(_EngineMode):
         st.stats.intercepted["recompute", "watch"] += 1
         info = _info(func)
         if st.pending_writes and not info.ignored and not info.view:
-            for s in _tensor_storages((args, kwargs)):
+            for t in _tensors((args, kwargs)):
+                s = _storage(t)
                 if s in st.pending_writes:
-                    st.read_before_served_write(s, func)
+                    st.check_read(s, t, func)
         return func(*args, **kwargs)
 
 

@@ -291,12 +291,16 @@ def _rng_state(tree: Any) -> tuple:
     generators = [g for g in leaves if isinstance(g, torch.Generator)]
     if generators:
         return tuple((g, g.get_state()) for g in generators)
-    devices = {t.device for t in leaves if isinstance(t, torch.Tensor)}
-    devices.update(d for d in leaves if isinstance(d, torch.device))
+    devices = [t.device for t in leaves if isinstance(t, torch.Tensor)]
+    devices += [d for d in leaves if isinstance(d, torch.device)]
+    # (a `device="cuda"` argument has no index: the current device, as the op read it)
+    cuda = {
+        d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"
+    }
     state = [("cpu", torch.get_rng_state())]
-    for dev in devices:
-        if dev.type == "cuda":
-            state.append((dev, torch.cuda.get_rng_state(dev)))
+    for index in sorted(cuda):
+        dev = torch.device("cuda", index)
+        state.append((dev, torch.cuda.get_rng_state(dev)))
     return tuple(state)
 
 

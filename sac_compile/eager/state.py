@@ -32,6 +32,7 @@ class _Entry:
     rng_after: Any = None
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
     write_refs: tuple = ()  # (of a served write) the storages it wrote, weakly
+    write_spans: tuple = ()  # (of a served write) the byte span it wrote in each: _byte_span
 
     def __init__(
         self,
@@ -107,8 +108,9 @@ class _State:
         self.packed_after = 0  # spans ended when autograd last saved a tensor
         self.early_stop = True  # the checkpoint stops its recompute at the last saved tensor
         self.write_targets = _StorageSet()  # written by served writes (outside tensors)
-        # (recompute) outside tensors whose last served write is still ahead: storage -> it
-        self.pending_writes: dict[int, _Entry] = {}
+        # (recompute) served writes into outside tensors still ahead:
+        # storage -> [(the write, the byte span it writes there)]
+        self.pending_writes: dict[int, list[tuple[_Entry, tuple[int, int]]]] = {}
 
     # -- forward bookkeeping --------------------------------------------------
     def mark_needed(self, storages: Any) -> None:
@@ -150,23 +152,25 @@ class _State:
             return set(self.escaped)
         return {s for s, span in self.escaped.items() if self.packed_after >= span}
 
-    def note_external_writes(self, targets: list[torch.Tensor]) -> tuple:
+    def note_external_writes(self, e: _Entry, targets: list[torch.Tensor]) -> None:
         for t in targets:
             self.write_targets.add_tensor(t)
-        return tuple(self.write_targets.ref(_storage(t)) for t in targets)
+        e.write_refs = tuple(self.write_targets.ref(_storage(t)) for t in targets)
+        e.write_spans = tuple(_byte_span(t) for t in targets)
 
     # -- recompute -----------------------------------------------------------
     def start_recompute(self) -> bool:
         """Whether this recompute must watch reads of outside tensors written by served writes."""
-        # A storage stays pending until its *last* served write: every served write is
-        # skipped, so until then the storage holds what the forward's last write left,
-        # which no read before that write saw (in between two writes as well as before both).
+        # Every served write is skipped, so the recompute finds each outside tensor as the
+        # forward's last write left it: a read sees what the forward read unless a served
+        # write still ahead of it (in program order) writes bytes it reads. Each served
+        # write stays pending until it is reached, with the bytes it writes.
         self.pending_writes = {}
         for e in self.order:
             if e.served_write is not None:
-                for ref in e.write_refs:
-                    if not ref.expired():
-                        self.pending_writes[ref.cdata] = e
+                for ref, span in zip(e.write_refs, e.write_spans, strict=True):
+                    if ref is not None and not ref.expired():
+                        self.pending_writes.setdefault(ref.cdata, []).append((e, span))
         return bool(self.pending_writes)
 
     @staticmethod
@@ -180,11 +184,24 @@ class _State:
 
     def served_external_write(self, e: _Entry) -> None:
         for ref in e.write_refs:
-            if self.pending_writes.get(ref.cdata) is e:
-                del self.pending_writes[ref.cdata]
+            pending = self.pending_writes.get(ref.cdata)
+            if pending is not None:
+                pending[:] = [(w, span) for w, span in pending if w is not e]
+                if not pending:
+                    del self.pending_writes[ref.cdata]
 
-    def read_before_served_write(self, storage: int, reader: Any) -> None:
-        e = self.pending_writes[storage]
+    def check_read(self, storage: int, t: torch.Tensor, reader: Any) -> None:
+        """(recompute) ``reader`` reads ``t``, on a storage with served writes still ahead:
+        raise if one of them writes bytes ``t`` spans (in the forward it read them before
+        that write; here it would read them after). Byte spans, not elements: a read that
+        interleaves with a write (every other column) without sharing an element raises too."""
+        start, end = _byte_span(t)
+        for e, (w_start, w_end) in self.pending_writes[storage]:
+            if start < w_end and w_start < end:
+                self._read_before_served_write(e, reader)
+
+    @staticmethod
+    def _read_before_served_write(e: _Entry, reader: Any) -> None:
         raise RuntimeError(
             f"sac_compile: {e.func} writes in place, in kept region(s) {'+'.join(e.regions)}, into a "
             f"tensor from outside the checkpoint that {reader} read earlier in the checkpointed "
@@ -317,6 +334,17 @@ class _State:
                     self.stats.held_bytes += nbytes
                     key = "+".join(e.regions) or NO_REGION
                     self.stats.held_by_region[key] += nbytes
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``t`` can reach: ``[start, end)`` (empty for no element)."""
+    if t.numel() == 0:
+        return (0, 0)
+    size = t.element_size()
+    first = t.storage_offset()
+    last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st > 0)
+    first += sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st < 0)
+    return (first * size, (last + 1) * size)
 
 
 def _cached_bytes(e: _Entry) -> int:
