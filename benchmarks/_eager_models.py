@@ -32,12 +32,15 @@ from sac_compile.testing.models import MoETransformer
 
 
 class Subject:
-    """A model, its layer list, regions, keep set, a loss step and one layer's call."""
+    """A model, its layer list, regions, keep set, its loss and one layer's call."""
 
-    def __init__(self, name: str, model: nn.Module, layers: str, regions: dict, keep: set, step, layer_call):
+    def __init__(self, name: str, model: nn.Module, layers: str, regions: dict, keep: set, loss, layer_call):
         self.name, self.model, self.layers, self.regions, self.keep = name, model, layers, regions, keep
-        self.step: Callable[[nn.Module], None] = step
+        self.loss: Callable[[nn.Module], torch.Tensor] = loss  # the model's loss on the batch
         self.layer_call = layer_call  # model -> (one-argument layer, its input)
+
+    def step(self, model: nn.Module) -> None:
+        self.loss(model).backward()
 
     def variant(self, how: str) -> nn.Module:
         model = copy.deepcopy(self.model)
@@ -57,14 +60,14 @@ def demo(args) -> Subject:
     model = MoETransformer(vocab=256, d=args.demo_d, n_layers=args.demo_layers)
     ids = torch.randint(0, 256, (args.demo_batch, args.demo_seq), generator=torch.Generator().manual_seed(1))
 
-    def step(m):
-        m(ids).logsumexp(-1).mean().backward()
+    def loss(m):
+        return m(ids).logsumexp(-1).mean()
 
     def layer_call(m):
         sc.declare_regions(m, MoETransformer.REGIONS)
         return m.layers[0], m.embed(ids).detach().requires_grad_()
 
-    return Subject("demo MoE", model, "layers", MoETransformer.REGIONS, {"attn", "router"}, step, layer_call)
+    return Subject("demo MoE", model, "layers", MoETransformer.REGIONS, {"attn", "router"}, loss, layer_call)
 
 
 def transformers_model(args, family: str) -> Subject:
@@ -77,15 +80,15 @@ def transformers_model(args, family: str) -> Subject:
     model.train()
     ids = hf.batch(model, batch=args.hf_batch, seq=args.hf_seq)
 
-    def step(m):
-        m(input_ids=ids, labels=ids).loss.backward()
+    def loss(m):
+        return m(input_ids=ids, labels=ids).loss
 
     def layer_call(m):
         sc.declare_regions(m, hf.regions_for(m))
         return hf.layer_call(m, ids)
 
     path = hf.decoder_layers(model)[:-2]
-    return Subject(f"transformers {family}", model, path, hf.regions_for(model), keep, step, layer_call)
+    return Subject(f"transformers {family}", model, path, hf.regions_for(model), keep, loss, layer_call)
 
 
 def measure(subject: Subject, iters: int) -> dict:
