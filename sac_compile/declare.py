@@ -137,14 +137,14 @@ def declared_regions(model: nn.Module) -> dict[str, tuple[str, ...]]:
     }
 
 
-def _enter_hook(name: str, _module, _args) -> None:
+def _enter_hook(name: str, module, args, kwargs) -> None:
     if not exporting():  # See Note [markers export as nothing] in sac_compile/markers/regions.py.
-        ops.enter_region(name)
+        ops.enter_module_region(name, module, args, kwargs)
 
 
-def _exit_hook(name: str, _module, _args, _output) -> None:
+def _exit_hook(name: str, module, _args, _kwargs, output) -> None:
     if not exporting():
-        ops.exit_region(name)
+        ops.exit_module_region(name, module, output)
 
 
 # Traced inline with the module call, the hooks put their markers in its graph. Run as
@@ -166,8 +166,12 @@ def _prepare_dynamo() -> None:
 def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHandle]:
     _prepare_dynamo()
     # prepend: the region encloses hooks registered earlier (e.g. by fully_shard)
-    pre = module.register_forward_pre_hook(functools.partial(_enter_hook, name), prepend=True)
-    post = module.register_forward_hook(functools.partial(_exit_hook, name), always_call=True)
+    pre = module.register_forward_pre_hook(
+        functools.partial(_enter_hook, name), prepend=True, with_kwargs=True
+    )
+    post = module.register_forward_hook(
+        functools.partial(_exit_hook, name), always_call=True, with_kwargs=True
+    )
     module.__dict__[_SCRIPT_HOOK] = functools.partial(_refuse_script, type(module).__name__)
     return pre, post
 

@@ -36,7 +36,11 @@ __all__ = [
     "dynamo_free",
     "mark_dynamo_free",
     "pop_dispatch_mode",
+    "pop_hooks",
+    "pop_saved_tensors_hooks",
     "push_dispatch_mode",
+    "push_hooks",
+    "push_saved_tensors_hooks",
     "storage_holders",
     "tree_leaves",
     "tree_map",
@@ -105,6 +109,39 @@ def checkpoint_internal_hooks(pack: Callable, unpack: Callable) -> Iterator[None
     finally:
         if current is not None:
             del pack._user_hooks  # type: ignore[attr-defined]  # (upstream: no reference cycle)
+
+
+# The saved-tensors hook stack (torch._C._autograd): what saved_tensors_hooks pushes and
+# pops. A kept module whose body skips the recompute (eager/bodies.py) runs with the
+# checkpoint's hooks taken off the stack, so that autograd saves inside it as without
+# checkpointing; there is no public way to step out of an enclosing hooks context.
+_autograd_c = torch._C._autograd
+
+
+def pop_saved_tensors_hooks(n: int) -> list[tuple[Callable, Callable]]:
+    """Pop the ``n`` innermost saved-tensors hook pairs; returned innermost first."""
+    popped = []
+    for _ in range(n):
+        top = _autograd_c._top_saved_tensors_default_hooks(False)
+        if top is None:
+            break
+        _autograd_c._pop_saved_tensors_default_hooks()
+        popped.append(top)
+    return popped
+
+
+def push_saved_tensors_hooks(pairs: list[tuple[Callable, Callable]]) -> None:
+    """Push back what :func:`pop_saved_tensors_hooks` popped (innermost last)."""
+    for pack, unpack in reversed(pairs):
+        _autograd_c._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def push_hooks(pack: Callable, unpack: Callable) -> None:
+    _autograd_c._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def pop_hooks() -> None:
+    _autograd_c._pop_saved_tensors_default_hooks()
 
 
 # torch.utils._pytree: flattening op arguments and outputs (no public equivalent in 2.13).

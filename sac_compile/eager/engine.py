@@ -85,6 +85,7 @@ from .._compat.checkpoint import (
 from ..keep import KeepSet
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
+from .bodies import Bodies
 from .modes import _CachedMode, _CachingMode, _WatchMode
 from .session import _SESSION, EagerSession
 from .state import EngineStats, _State
@@ -104,6 +105,7 @@ def _chained_pack_hook(state: _State):
     def pack(t: torch.Tensor):
         state.saved_storages.add_tensor(t)
         state.packed_after = state.spans_ended
+        state.packs += 1
         return outer_pack(t)
 
     with checkpoint_internal_hooks(pack, outer_unpack):
@@ -177,11 +179,12 @@ def checkpoint_with_regions(
     keyword arguments of ``torch.utils.checkpoint.checkpoint`` (``debug``,
     ``determinism_check``) go to it, as under plain checkpointing; the rest go to ``fn``."""
     state = _State(preserve_rng_state)
+    bodies = Bodies(state)
 
     def run(*a: Any, **k: Any):
         forward = not state.forward_done
         spans = _Spans(state, forward)
-        session = EagerSession(keep, policy, spans)
+        session = EagerSession(keep, policy, spans, bodies, forward)
         s_token = _SESSION.set(session)
         m_token = ops._MARKER_SINK.set(session)
         try:
@@ -192,12 +195,16 @@ def checkpoint_with_regions(
                 session.end_span()  # a kept region left open ends with the function
                 state.stats.regions_entered = session.entered
                 state.stats.unbalanced = session.close()
+                bodies.finalize(state.early_stop)
                 state.finalize()
             else:
                 spans.start_recompute()
+                bodies.start_recompute()
                 out = fn(*a, **k)
             return out
         finally:
+            if not forward:
+                bodies.end_recompute()
             # (the recompute stops early by raising once autograd has what it needs)
             session.end_span(aborted=True)
             spans.close()

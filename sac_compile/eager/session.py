@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any, Protocol
 
 from ..keep import KeepSet
-from ..policy import SAVE_COSTLY, RegionPolicy, checked_decision, saves
+from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, checked_decision, saves
 
 __all__ = ["EagerSession"]
 
@@ -27,13 +27,36 @@ class Spans(Protocol):
     def end(self, aborted: bool = False) -> None: ...
 
 
+class Bodies(Protocol):
+    """Kept module bodies that skip the recompute (eager/bodies.py)."""
+
+    def enter(self, region: str, module: Any, args: tuple, kwargs: dict) -> Any: ...
+
+    def exit(self, body: Any, output: Any) -> None: ...
+
+    def has_next(self, module: Any) -> bool: ...
+
+
 class EagerSession:
     """Open regions while a checkpointed function runs (one per forward / recompute)."""
 
-    def __init__(self, keep: KeepSet, policy: RegionPolicy = SAVE_COSTLY, spans: Spans | None = None) -> None:
+    def __init__(
+        self,
+        keep: KeepSet,
+        policy: RegionPolicy = SAVE_COSTLY,
+        spans: Spans | None = None,
+        bodies: Bodies | None = None,
+        forward: bool = True,
+    ) -> None:
         self.keep = keep
         self.policy = policy
         self.spans = spans
+        # Under SAVE_ALL a kept declared module with no kept region open around it runs
+        # with no mode in the forward and is not run in the recompute (eager/bodies.py)
+        self.bodies = bodies if policy is SAVE_ALL else None
+        self.forward = forward
+        self.skipping = 0  # module regions open inside a body that skips the recompute
+        self._body: Any = None  # (forward) that body
         self.in_span = False
         self.open: Counter[str] = Counter()
         self.entered: Counter[str] = Counter()
@@ -58,9 +81,36 @@ class EagerSession:
             else:
                 self.unbalanced.append((payload[0], "exit without enter"))
 
+    def enter_module(self, name: str, module: Any, args: tuple, kwargs: dict) -> None:
+        """A declared module's region opens (its forward pre-hook)."""
+        self("region_enter", (name,))
+        if self.skipping:
+            self.skipping += 1
+            return
+        if self.bodies is not None and not self.in_span and name in self.keep:
+            if self.forward:
+                self._body = self.bodies.enter(name, module, args, kwargs)
+                self.skipping = 1
+                return
+            if self.bodies.has_next(module):
+                self.skipping = 1
+                return
+        self.settle()
+
+    def exit_module(self, name: str, module: Any, output: Any) -> None:
+        """A declared module's region closes (its forward hook; also when the module raised,
+        with ``output`` None)."""
+        if self.skipping:
+            self.skipping -= 1
+            if not self.skipping and self._body is not None:
+                body, self._body = self._body, None
+                self.bodies.exit(body, output)  # type: ignore[union-attr]
+        self("region_exit", (name,))
+        self.settle()
+
     def settle(self) -> None:
         """After a marker op: start or end the kept span if a kept region opened or closed."""
-        if self.spans is None or self.in_span == (self._kept_open > 0):
+        if self.spans is None or self.skipping or self.in_span == (self._kept_open > 0):
             return
         self.in_span = not self.in_span
         if self.in_span:

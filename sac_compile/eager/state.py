@@ -74,6 +74,9 @@ class EngineStats:
     # when the backward runs.
     intercepted: Counter = field(default_factory=Counter)
     spans: int = 0  # kept spans: stretches of the forward with a kept region open
+    # kept module bodies (policy SAVE_ALL, eager/bodies.py): "skipped" in the recompute
+    # (their outputs handed back), "rerun" there, or "unreached" (early stop)
+    bodies: Counter = field(default_factory=Counter)
 
     @property
     def forced_collectives(self) -> int:
@@ -106,6 +109,7 @@ class _State:
         self.escaped: dict[int, int] = {}
         self.spans_ended = 0
         self.packed_after = 0  # spans ended when autograd last saved a tensor
+        self.packs = 0  # tensors the checkpoint saved so far (forward)
         self.early_stop = True  # the checkpoint stops its recompute at the last saved tensor
         self.write_targets = _StorageSet()  # written by served writes (outside tensors)
         # (recompute) served writes into outside tensors still ahead:

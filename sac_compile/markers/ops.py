@@ -45,7 +45,9 @@ __all__ = [
     "REGION_EXIT",
     "SCOPE_ENTER",
     "SCOPE_EXIT",
+    "enter_module_region",
     "enter_region",
+    "exit_module_region",
     "exit_region",
 ]
 
@@ -92,6 +94,29 @@ def exit_region(name: str) -> None:
     """Emit ``region_exit(name)``; inside the eager engine, straight to its sink."""
     if not _direct("region_exit", name):
         torch.ops.sac_compile.region_exit(name)
+
+
+def enter_module_region(name: str, module: object, args: tuple, kwargs: dict) -> None:
+    """A declared module's region opens (its forward pre-hook): :func:`enter_region`,
+    except that eagerly a sink with ``enter_module`` takes the call with the module and
+    its arguments (the eager engine may skip the body in the recompute)."""
+    if not torch.compiler.is_compiling():
+        enter = getattr(_MARKER_SINK.get(), "enter_module", None)
+        if enter is not None:
+            enter(name, module, args, kwargs)
+            return
+    enter_region(name)
+
+
+def exit_module_region(name: str, module: object, output: object) -> None:
+    """A declared module's region closes (its forward hook): :func:`exit_region`, or the
+    sink's ``exit_module`` with the module's output (see :func:`enter_module_region`)."""
+    if not torch.compiler.is_compiling():
+        exit_ = getattr(_MARKER_SINK.get(), "exit_module", None)
+        if exit_ is not None:
+            exit_(name, module, output)
+            return
+    exit_region(name)
 
 
 def _on_trace(kind: str, payload: tuple) -> None:

@@ -1,0 +1,217 @@
+"""Kept declared modules whose body skips the recompute (policy ``SAVE_ALL``).
+
+Under ``SAVE_ALL`` nothing in a kept region is recomputed. When the region is a whole
+module (declared with :func:`sac_compile.declare_regions`) and no kept region is open
+around it, the engine does not need to see its ops at all:
+
+* forward: the body runs with no dispatch mode and with the checkpoint's saved-tensor
+  hooks taken off the stack, so autograd saves inside it what it needs, as without
+  checkpointing (through a hook that notes the bytes, for the engine's held-bytes table,
+  and hands them to any hooks of yours below the checkpoint). Its outputs are kept;
+* recompute: the module's ``forward`` is replaced for the length of the recompute; the
+  body does not run and the kept outputs are handed back (requiring grad as in the
+  forward, so that the ops after it save what they saved). Where the body drew random
+  numbers the generator is set to where the forward left it.
+
+The body runs again in the recompute instead (with the checkpoint's hooks off the stack,
+as in the forward) when its outputs cannot stand for it: the body wrote into one of its
+tensor arguments (the recompute may make that argument anew), or something wrote into
+an output after the forward returned it (version counters). A body the recompute never
+reaches (the checkpoint's early stop: nothing was saved after it) keeps nothing.
+
+Measured before it was built (``benchmarks/eager_body_skip.py``): same bytes as caching
+every op of the region, with none of the per-op cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._compat.checkpoint import (
+    pop_hooks,
+    pop_saved_tensors_hooks,
+    push_hooks,
+    push_saved_tensors_hooks,
+    top_saved_tensors_hooks,
+    tree_map,
+)
+from .op_facts import _rng_state, _set_rng_state, _storage, _StorageSet, _tensors
+
+__all__ = ["Bodies"]
+
+_MISSING = object()
+
+
+class _Kept:
+    """A kept output tensor: a detached alias, its version and whether it required grad."""
+
+    __slots__ = ("requires_grad", "value", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.value = t.detach()
+        self.version = t._version
+        self.requires_grad = t.requires_grad
+
+
+def _keep(x: Any) -> Any:
+    return _Kept(x) if isinstance(x, torch.Tensor) else x
+
+
+def _serve(x: Any) -> Any:
+    if isinstance(x, _Kept):
+        return x.value.detach().requires_grad_(x.requires_grad)
+    return x
+
+
+def _is_kept(x: Any) -> bool:
+    return isinstance(x, _Kept)
+
+
+def _same_rng(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(
+        da == db and torch.equal(sa, sb) for (da, sa), (db, sb) in zip(a, b, strict=True)
+    )
+
+
+class _Body:
+    """One call of a kept module whose body skips the recompute."""
+
+    def __init__(self, module: torch.nn.Module, region: str, args: tuple, kwargs: dict) -> None:
+        self.module, self.region = module, region
+        tensors = _tensors((args, kwargs))
+        self.inputs = [(t, t._version) for t in tensors]  # dropped at the exit
+        self.input_storages: tuple[int, ...] = ()
+        self.rng_before = _rng_state(tuple(tensors))
+        self.rng_after: Any = None
+        self.outputs: Any = None  # tree of _Kept; None: the body runs in the recompute
+        self.rerun = False
+        self.saved = _StorageSet()  # what autograd saved inside the body
+        self.saved_bytes: dict[int, int] = {}
+        self.packs_at_exit = 0
+        self.popped: list = []
+
+
+class Bodies:
+    """The kept module bodies of one checkpointed call (see the module docstring)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state  # the call's _State
+        self.order: list[_Body] = []
+        self.by_module: dict[int, list[_Body]] = {}
+        self.next: dict[int, int] = {}  # (recompute) the next body of each module
+        self.patched: list[tuple[torch.nn.Module, Any]] = []
+
+    # -- forward ---------------------------------------------------------------
+    def enter(self, region: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> _Body:
+        body = _Body(module, region, args, kwargs)
+        # the engine's pack hook, then the checkpoint's: autograd saves natively below
+        body.popped = pop_saved_tensors_hooks(2)
+        below = top_saved_tensors_hooks()
+
+        def pack(t: torch.Tensor) -> Any:
+            s = _storage(t)
+            if s is not None and s not in body.saved_bytes:
+                body.saved.add_tensor(t)
+                body.saved_bytes[s] = t.untyped_storage().nbytes()
+            return below[0](t) if below is not None else t.detach()
+
+        def unpack(x: Any) -> Any:
+            return below[1](x) if below is not None else x
+
+        push_hooks(pack, unpack)
+        return body
+
+    def exit(self, body: _Body, output: Any) -> None:
+        pop_hooks()
+        push_saved_tensors_hooks(body.popped)
+        body.popped = []
+        rng = _rng_state(tuple(t for t, _ in body.inputs))
+        if not _same_rng(rng, body.rng_before):
+            body.rng_after = rng
+        body.rng_before = None
+        body.rerun = any(t._version != v for t, v in body.inputs)
+        body.input_storages = tuple(s for t, _ in body.inputs if (s := _storage(t)) is not None)
+        body.inputs = []
+        if not body.rerun and output is not None:  # (None: it raised, or returned nothing)
+            body.outputs = tree_map(_keep, output)
+        body.rerun = body.outputs is None
+        body.packs_at_exit = self.state.packs
+        self.order.append(body)
+        self.by_module.setdefault(id(body.module), []).append(body)
+
+    def finalize(self, early_stop: bool) -> None:
+        """End of the forward: a body whose outputs were written since runs again in the
+        recompute; one the recompute never reaches keeps no outputs. What autograd saved
+        inside a body is held either way (as without checkpointing), and counted."""
+        st = self.state
+        for body in self.order:
+            if body.outputs is not None:
+                if any(k.value._version != k.version for k in _leaves_of(body.outputs)):
+                    body.outputs, body.rerun = None, True
+                elif early_stop and st.packs == body.packs_at_exit:
+                    body.outputs = None  # (nothing saved after it: the recompute stops before)
+            if body.rerun:
+                st.mark_needed(body.input_storages)
+            held = {c: n for c, n in body.saved_bytes.items() if c in body.saved}
+            for k in _leaves_of(body.outputs):
+                s = _storage(k.value)
+                if s is not None and s not in held:
+                    held[s] = k.value.untyped_storage().nbytes()
+            nbytes = sum(held.values())
+            st.stats.held_bytes += nbytes
+            st.stats.held_by_region[body.region] += nbytes
+            st.stats.bodies[
+                "rerun" if body.rerun else "skipped" if body.outputs is not None else "unreached"
+            ] += 1
+            body.saved_bytes = {}
+
+    # -- recompute -------------------------------------------------------------
+    def has_next(self, module: torch.nn.Module) -> bool:
+        bodies = self.by_module.get(id(module))
+        return bodies is not None and self.next.get(id(module), 0) < len(bodies)
+
+    def start_recompute(self) -> None:
+        self.next = {}
+        for bodies in self.by_module.values():
+            module = bodies[0].module
+            self.patched.append((module, module.__dict__.get("forward", _MISSING)))
+            module.__dict__["forward"] = self._skipper(module)
+
+    def end_recompute(self) -> None:
+        for module, old in reversed(self.patched):
+            if old is _MISSING:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = old
+        self.patched = []
+
+    def _skipper(self, module: torch.nn.Module):
+        old = module.__dict__.get("forward", _MISSING)
+        run = type(module).forward.__get__(module) if old is _MISSING else old
+        bodies = self.by_module[id(module)]
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            i = self.next.get(id(module), 0)
+            self.next[id(module)] = i + 1
+            body = bodies[i] if i < len(bodies) else None
+            if body is not None and body.outputs is not None:
+                out = tree_map(_serve, body.outputs, is_leaf=_is_kept)
+                if body.rng_after is not None:
+                    _set_rng_state(body.rng_after)
+                return out
+            # (run again: as in the forward, off the checkpoint's hooks)
+            popped = pop_saved_tensors_hooks(1) if body is not None else []
+            try:
+                return run(*args, **kwargs)
+            finally:
+                push_saved_tensors_hooks(popped)
+
+        return forward
+
+
+def _leaves_of(tree: Any) -> list[_Kept]:
+    out: list[_Kept] = []
+    tree_map(lambda x: out.append(x) if isinstance(x, _Kept) else None, tree, is_leaf=_is_kept)
+    return out

@@ -1,0 +1,189 @@
+"""Kept declared modules under SAVE_ALL skip their body in the eager recompute (eager/bodies.py)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import sac_compile as sc
+from sac_compile.eager import checkpoint_with_regions
+from sac_compile.policy import SAVE_ALL, SAVE_COSTLY
+from sac_compile.testing.models import Block
+
+
+def _block(dropout=0.2):
+    torch.manual_seed(0)
+    block = Block(16, dropout=dropout, marked=False)
+    sc.declare_regions(block, {"attn": "attn"})
+    runs = []
+    block.attn.qkv.register_forward_pre_hook(lambda m, a: runs.append(torch.is_grad_enabled()))
+    return block, runs
+
+
+def _step(block, mode, **kwargs):
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch.manual_seed(5)
+    stats = []
+    if mode == "none":
+        out = block(x)
+    elif mode == "full":
+        out = checkpoint(block, x, use_reentrant=False)
+    else:
+        out = checkpoint_with_regions(block, x, stats_out=stats, **kwargs)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()] + [x.grad]
+    block.zero_grad(set_to_none=True)
+    return out.detach(), grads, (stats[0] if stats else None)
+
+
+def _assert_bit_identical(a, b):
+    assert torch.equal(a[0], b[0])
+    assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+def test_a_kept_declared_module_under_save_all_runs_once_per_step():
+    """The attention module (dropout inside it and after it) runs in the forward only: the
+    recompute hands back its outputs, and the generator is where the forward left it, so the
+    dropout after it draws the same mask. Red before: the recompute ran the body again
+    (under a dispatch mode that served each op), two runs of its qkv projection per step."""
+    block, runs = _block()
+    ref = _step(block, "none")
+    runs.clear()
+    got = _step(block, "engine", keep=frozenset({"attn"}), policy=SAVE_ALL)
+    _assert_bit_identical(got, ref)
+    stats = got[2]
+    assert len(runs) == 1
+    assert stats.bodies == {"skipped": 1}
+    assert not stats.intercepted  # no dispatch mode at all
+    assert stats.held_by_region["attn"] > 0  # (what autograd saved inside it, and its output)
+
+    runs.clear()  # the default policy recomputes the module's cheap ops: it runs twice
+    _assert_bit_identical(_step(block, "engine", keep=frozenset({"attn"}), policy=SAVE_COSTLY), ref)
+    assert len(runs) == 2
+
+
+def test_a_skipped_body_holds_what_caching_its_every_op_held():
+    """Same bytes as SAVE_ALL's op cache (measured before the bodies were skipped: 235,456 B
+    for this block), below no checkpoint."""
+    torch.manual_seed(0)
+    block = Block(64, marked=False)
+    sc.declare_regions(block, {"attn": "attn"})
+    x = torch.randn(4, 32, 64, requires_grad=True)
+    params = list(block.parameters())
+    none = sc.autograd_saved_bytes(block, x, exclude=params)
+    kept = sc.autograd_saved_bytes(
+        lambda x: checkpoint_with_regions(block, x, keep=frozenset({"attn"}), policy=SAVE_ALL),
+        x,
+        exclude=params,
+    )
+    assert kept == 235_456 < none
+
+
+class _Writes(nn.Module):
+    """A linear layer that scales its input in place first (when ``into_input``)."""
+
+    def __init__(self, into_input: bool):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.into_input = into_input
+
+    def forward(self, x):
+        if self.into_input:
+            x.mul_(2)
+        return self.lin(x).sin()
+
+
+class _Outer(nn.Module):
+    def __init__(self, into_input: bool, into_output: bool):
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.body = _Writes(into_input)
+        self.into_output = into_output
+
+    def forward(self, x):
+        h = self.body(self.pre(x) + 1)  # (nothing saves the sum: the body may write it)
+        if self.into_output:
+            h.add_(1)  # outside the region, after the forward returned it
+        return (h * x).cos()
+
+
+@pytest.mark.parametrize("into_input,into_output", [(True, False), (False, True)], ids=["input", "output"])
+def test_a_body_that_writes_its_input_or_whose_output_is_written_runs_again(into_input, into_output):
+    """The kept output cannot stand for the body: the recompute makes the input anew (and
+    must write it), or the output was written after it was kept. Red without the version
+    checks: the recompute served an unwritten input's reader / the written output."""
+    torch.manual_seed(0)
+    model = _Outer(into_input, into_output)
+    sc.declare_regions(model, {"body": "body"})
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    stats = []
+    out = checkpoint_with_regions(model, x, keep=frozenset({"body"}), policy=SAVE_ALL, stats_out=stats)
+    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert stats[0].bodies == {"rerun": 1}
+
+
+def test_a_body_the_recompute_never_reaches_keeps_no_output():
+    """Nothing is saved after the body (the checkpoint's early stop ends the recompute
+    before it): its output is not kept; what autograd saved inside it still counts."""
+    torch.manual_seed(0)
+    model = _Outer(False, False)
+    model.forward = lambda x: model.body(model.pre(x) + 1)  # the body last, its output returned
+    sc.declare_regions(model, {"body": "body"})
+    x = torch.randn(4, 8, requires_grad=True)
+    stats = []
+    out = checkpoint_with_regions(model, x, keep=frozenset({"body"}), policy=SAVE_ALL, stats_out=stats)
+    ref = torch.autograd.grad(model(x).sum(), [x])
+    assert torch.equal(torch.autograd.grad(out.sum(), [x])[0], ref[0])
+    assert stats[0].bodies == {"unreached": 1}
+    assert stats[0].held_by_region["body"] > 0
+
+
+def test_kept_bodies_under_every_wrapping_of_a_stack():
+    """Through the seam (SacConfig, every block wrapped): output and gradients equal plain
+    full recompute, and each block's attention body is skipped."""
+    torch.manual_seed(0)
+    stack = nn.Sequential(*(Block(16, dropout=0.1, marked=False) for _ in range(3)))
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    full = copy.deepcopy(stack)
+    sc.SacConfig(layers="*", keep={"attn"}, regions={"*.attn": "attn"}, policy=SAVE_ALL).apply(stack)
+    runs = []
+    for block in stack:
+        block.attn.qkv.register_forward_pre_hook(lambda m, a: runs.append(1))
+    torch.manual_seed(3)
+    out = stack(x)
+    got = torch.autograd.grad(out.sum(), [x, *stack.parameters()])
+    torch.manual_seed(3)
+    ref_out = x
+    for block in full:
+        ref_out = checkpoint(block, ref_out, use_reentrant=False)
+    ref = torch.autograd.grad(ref_out.sum(), [x, *full.parameters()])
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert len(runs) == 3  # one per block, in the forward
+
+
+def test_your_saved_tensors_hooks_see_what_a_skipped_body_saves():
+    """Outside the checkpoint, your hooks (offloading, say) get the tensors autograd saves
+    inside a skipped body, as without checkpointing. Red when the body's hook kept them
+    for itself."""
+    block, _ = _block(dropout=0.0)
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t
+
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    h = block.ln1(x).detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block.attn(h)
+    inside = len(packed)  # what the body saves, without checkpointing
+    packed.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = checkpoint_with_regions(block, x, keep=frozenset({"attn"}), policy=SAVE_ALL)
+    out.sum().backward()
+    assert len(packed) >= inside > 0
