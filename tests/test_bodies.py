@@ -187,3 +187,31 @@ def test_your_saved_tensors_hooks_see_what_a_skipped_body_saves():
         out = checkpoint_with_regions(block, x, keep=frozenset({"attn"}), policy=SAVE_ALL)
     out.sum().backward()
     assert len(packed) >= inside > 0
+
+
+def test_a_module_called_in_and_out_of_a_kept_span_is_skipped_only_where_it_was():
+    """The kept module runs twice: first inside a kept ``with region`` block (the dispatch
+    mode's business, not skipped), then on its own (skipped). Red when the recompute's
+    forward handed the second call's outputs to the first."""
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with sc.region("outer"):
+                a = self.body(x).sin()
+            return (self.body(a * 2) * a).cos()
+
+    torch.manual_seed(0)
+    model = Twice()
+    sc.declare_regions(model, {"body": "body"})
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    stats = []
+    keep = frozenset({"body", "outer"})
+    out = checkpoint_with_regions(model, x, keep=keep, policy=SAVE_ALL, stats_out=stats)
+    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert stats[0].bodies == {"skipped": 1}

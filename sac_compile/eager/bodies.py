@@ -101,6 +101,9 @@ class Bodies:
         self.order: list[_Body] = []
         self.by_module: dict[int, list[_Body]] = {}
         self.next: dict[int, int] = {}  # (recompute) the next body of each module
+        # (recompute) modules whose pre-hook just chose to skip this call: the replaced
+        # forward runs every call of the module, kept span or not, and serves these only
+        self.armed: set[int] = set()
         self.patched: list[tuple[torch.nn.Module, Any]] = []
 
     # -- forward ---------------------------------------------------------------
@@ -168,12 +171,17 @@ class Bodies:
             body.saved_bytes = {}
 
     # -- recompute -------------------------------------------------------------
-    def has_next(self, module: torch.nn.Module) -> bool:
+    def arm(self, module: torch.nn.Module) -> bool:
+        """(recompute, the module's pre-hook) Whether the forward skipped this call's body
+        (the same conditions held; calls come in the forward's order): arm its forward."""
         bodies = self.by_module.get(id(module))
-        return bodies is not None and self.next.get(id(module), 0) < len(bodies)
+        if bodies is None or self.next.get(id(module), 0) >= len(bodies):
+            return False
+        self.armed.add(id(module))
+        return True
 
     def start_recompute(self) -> None:
-        self.next = {}
+        self.next, self.armed = {}, set()
         for bodies in self.by_module.values():
             module = bodies[0].module
             self.patched.append((module, module.__dict__.get("forward", _MISSING)))
@@ -193,16 +201,19 @@ class Bodies:
         bodies = self.by_module[id(module)]
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if id(module) not in self.armed:
+                return run(*args, **kwargs)  # a call the forward did not skip
+            self.armed.discard(id(module))
             i = self.next.get(id(module), 0)
             self.next[id(module)] = i + 1
-            body = bodies[i] if i < len(bodies) else None
-            if body is not None and body.outputs is not None:
+            body = bodies[i]
+            if body.outputs is not None:
                 out = tree_map(_serve, body.outputs, is_leaf=_is_kept)
                 if body.rng_after is not None:
                     _set_rng_state(body.rng_after)
                 return out
             # (run again: as in the forward, off the checkpoint's hooks)
-            popped = pop_saved_tensors_hooks(1) if body is not None else []
+            popped = pop_saved_tensors_hooks(1)
             try:
                 return run(*args, **kwargs)
             finally:

@@ -34,7 +34,7 @@ class Bodies(Protocol):
 
     def exit(self, body: Any, output: Any) -> None: ...
 
-    def has_next(self, module: Any) -> bool: ...
+    def arm(self, module: Any) -> bool: ...
 
 
 class EagerSession:
@@ -92,7 +92,7 @@ class EagerSession:
                 self._body = self.bodies.enter(name, module, args, kwargs)
                 self.skipping = 1
                 return
-            if self.bodies.has_next(module):
+            if self.bodies.arm(module):
                 self.skipping = 1
                 return
         self.settle()
