@@ -215,3 +215,17 @@ def test_a_module_called_in_and_out_of_a_kept_span_is_skipped_only_where_it_was(
     got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert stats[0].bodies == {"skipped": 1}
+
+
+def test_a_kept_module_compiled_on_its_own_is_not_skipped():
+    """``module.compile()``: Dynamo traces the module's hooks, which emit marker ops instead
+    of calling the engine, so the body is not skipped; it goes through the dispatch mode
+    (re-run whole, as any compiled code inside the eager engine), gradients right."""
+    block, _ = _block(dropout=0.0)
+    ref = _step(block, "none")
+    block.attn.compile(backend="eager")
+    got = _step(block, "engine", keep=frozenset({"attn"}), policy=SAVE_ALL)
+    torch.testing.assert_close(got[0], ref[0])
+    for a, b in zip(got[1], ref[1], strict=True):
+        torch.testing.assert_close(a, b)
+    assert got[2].bodies == {}

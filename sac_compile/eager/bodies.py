@@ -108,6 +108,9 @@ class Bodies:
 
     # -- forward ---------------------------------------------------------------
     def enter(self, region: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> _Body:
+        """(forward, the module's pre-hook) Start skipping ``module``'s body. (A module
+        compiled on its own, ``module.compile()``, never gets here: Dynamo traces its hooks,
+        which then emit marker ops.)"""
         body = _Body(module, region, args, kwargs)
         # the engine's pack hook, then the checkpoint's: autograd saves natively below
         body.popped = pop_saved_tensors_hooks(2)
