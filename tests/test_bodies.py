@@ -229,3 +229,32 @@ def test_a_kept_module_compiled_on_its_own_is_not_skipped():
     for a, b in zip(got[1], ref[1], strict=True):
         torch.testing.assert_close(a, b)
     assert got[2].bodies == {}
+
+
+def test_a_kept_module_under_hooks_pushed_inside_the_checkpointed_function_is_not_skipped():
+    """Saved-tensor hooks of yours around the module call, inside the checkpointed function,
+    sit on top of the engine's: the body then goes through the dispatch mode (and your
+    hooks), in the forward and in the recompute alike. Red without the check: the body's
+    tensors went to the checkpoint, which the skipped recompute never refilled."""
+    packed = []
+
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(1) or t, lambda t: t):
+                h = self.body(x).sin()
+            return (self.body(h) * x).cos()  # (a second call, outside your hooks: skipped)
+
+    torch.manual_seed(0)
+    model = Hooked()
+    sc.declare_regions(model, {"body": "body"})
+    x = torch.randn(4, 8, requires_grad=True)
+    ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    stats = []
+    out = checkpoint_with_regions(model, x, keep=frozenset({"body"}), policy=SAVE_ALL, stats_out=stats)
+    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert stats[0].bodies == {"skipped": 1} and packed

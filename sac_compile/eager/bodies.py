@@ -91,6 +91,9 @@ class _Body:
         self.saved_bytes: dict[int, int] = {}
         self.packs_at_exit = 0
         self.popped: list = []
+        # the body ran under the dispatch mode after all: saved-tensor hooks of yours
+        # pushed inside the checkpointed function were on top of ours
+        self.declined = False
 
 
 class Bodies:
@@ -107,10 +110,18 @@ class Bodies:
         self.patched: list[tuple[torch.nn.Module, Any]] = []
 
     # -- forward ---------------------------------------------------------------
-    def enter(self, region: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> _Body:
-        """(forward, the module's pre-hook) Start skipping ``module``'s body. (A module
-        compiled on its own, ``module.compile()``, never gets here: Dynamo traces its hooks,
-        which then emit marker ops.)"""
+    def enter(self, region: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> _Body | None:
+        """(forward, the module's pre-hook) Start skipping ``module``'s body, or None when
+        saved-tensor hooks were pushed inside the checkpointed function (on top of ours):
+        the body then saves through them, under the dispatch mode, as any kept region.
+        (A module compiled on its own, ``module.compile()``, never gets here: Dynamo
+        traces its hooks, which then emit marker ops.)"""
+        top = top_saved_tensors_hooks()
+        if top is None or top[0] is not self.state.pack_hook:
+            declined = _Body(module, region, (), {})
+            declined.declined = True
+            self.by_module.setdefault(id(module), []).append(declined)
+            return None
         body = _Body(module, region, args, kwargs)
         # the engine's pack hook, then the checkpoint's: autograd saves natively below
         body.popped = pop_saved_tensors_hooks(2)
@@ -178,7 +189,11 @@ class Bodies:
         """(recompute, the module's pre-hook) Whether the forward skipped this call's body
         (the same conditions held; calls come in the forward's order): arm its forward."""
         bodies = self.by_module.get(id(module))
-        if bodies is None or self.next.get(id(module), 0) >= len(bodies):
+        i = self.next.get(id(module), 0)
+        if bodies is None or i >= len(bodies):
+            return False
+        if bodies[i].declined:
+            self.next[id(module)] = i + 1  # (it runs under the dispatch mode, as in the forward)
             return False
         self.armed.add(id(module))
         return True

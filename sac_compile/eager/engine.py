@@ -108,6 +108,7 @@ def _chained_pack_hook(state: _State):
         state.packs += 1
         return outer_pack(t)
 
+    state.pack_hook = pack  # (a kept module body steps out of it: eager/bodies.py)
     with checkpoint_internal_hooks(pack, outer_unpack):
         yield
 

@@ -30,7 +30,7 @@ class Spans(Protocol):
 class Bodies(Protocol):
     """Kept module bodies that skip the recompute (eager/bodies.py)."""
 
-    def enter(self, region: str, module: Any, args: tuple, kwargs: dict) -> Any: ...
+    def enter(self, region: str, module: Any, args: tuple, kwargs: dict) -> Any | None: ...
 
     def exit(self, body: Any, output: Any) -> None: ...
 
@@ -90,8 +90,9 @@ class EagerSession:
         if self.bodies is not None and not self.in_span and name in self.keep:
             if self.forward:
                 self._body = self.bodies.enter(name, module, args, kwargs)
-                self.skipping = 1
-                return
+                if self._body is not None:
+                    self.skipping = 1
+                    return
             if self.bodies.arm(module):
                 self.skipping = 1
                 return

@@ -110,6 +110,7 @@ class _State:
         self.spans_ended = 0
         self.packed_after = 0  # spans ended when autograd last saved a tensor
         self.packs = 0  # tensors the checkpoint saved so far (forward)
+        self.pack_hook: Any = None  # (forward) our pack hook, on top of the checkpoint's
         self.early_stop = True  # the checkpoint stops its recompute at the last saved tensor
         self.write_targets = _StorageSet()  # written by served writes (outside tensors)
         # (recompute) served writes into outside tensors still ahead:
