@@ -55,6 +55,7 @@ bench: install
 	-$(PY) benchmarks/frontier.py  # exits 1 when a keep set is dominated: report, keep going
 	$(PY) benchmarks/saved_memory.py
 	$(PY) benchmarks/eager_vs_compiled.py
+	$(PY) benchmarks/eager_body_skip.py
 	$(PY) benchmarks/hf_moe_keep_sets.py
 	$(PY) benchmarks/ep_moe.py
 	-$(PY) benchmarks/hf_families.py --compiled  # exits 1: JetMoE's compiled router (graph-reused)
