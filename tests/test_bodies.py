@@ -81,6 +81,18 @@ def test_a_skipped_body_holds_what_caching_its_every_op_held():
     assert kept == 235_456 < none
 
 
+def _engine_matches_no_checkpoint(model, keep):
+    """Gradients of ``model`` under the engine (SAVE_ALL) equal no checkpoint's, bit for
+    bit; the engine's statistics."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    stats = []
+    out = checkpoint_with_regions(model, x, keep=frozenset(keep), policy=SAVE_ALL, stats_out=stats)
+    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    return stats[0]
+
+
 class _Writes(nn.Module):
     """A linear layer that scales its input in place first (when ``into_input``)."""
 
@@ -117,13 +129,7 @@ def test_a_body_that_writes_its_input_or_whose_output_is_written_runs_again(into
     torch.manual_seed(0)
     model = _Outer(into_input, into_output)
     sc.declare_regions(model, {"body": "body"})
-    x = torch.randn(4, 8, requires_grad=True)
-    ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
-    stats = []
-    out = checkpoint_with_regions(model, x, keep=frozenset({"body"}), policy=SAVE_ALL, stats_out=stats)
-    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-    assert stats[0].bodies == {"rerun": 1}
+    assert _engine_matches_no_checkpoint(model, {"body"}).bodies == {"rerun": 1}
 
 
 def test_a_body_the_recompute_never_reaches_keeps_no_output():
@@ -207,14 +213,7 @@ def test_a_module_called_in_and_out_of_a_kept_span_is_skipped_only_where_it_was(
     torch.manual_seed(0)
     model = Twice()
     sc.declare_regions(model, {"body": "body"})
-    x = torch.randn(4, 8, requires_grad=True)
-    ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
-    stats = []
-    keep = frozenset({"body", "outer"})
-    out = checkpoint_with_regions(model, x, keep=keep, policy=SAVE_ALL, stats_out=stats)
-    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-    assert stats[0].bodies == {"skipped": 1}
+    assert _engine_matches_no_checkpoint(model, {"body", "outer"}).bodies == {"skipped": 1}
 
 
 def test_a_kept_module_compiled_on_its_own_is_not_skipped():
@@ -251,10 +250,4 @@ def test_a_kept_module_under_hooks_pushed_inside_the_checkpointed_function_is_no
     torch.manual_seed(0)
     model = Hooked()
     sc.declare_regions(model, {"body": "body"})
-    x = torch.randn(4, 8, requires_grad=True)
-    ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
-    stats = []
-    out = checkpoint_with_regions(model, x, keep=frozenset({"body"}), policy=SAVE_ALL, stats_out=stats)
-    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
-    assert stats[0].bodies == {"skipped": 1} and packed
+    assert _engine_matches_no_checkpoint(model, {"body"}).bodies == {"skipped": 1} and packed
