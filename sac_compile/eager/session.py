@@ -93,7 +93,7 @@ class EagerSession:
                 if self._body is not None:
                     self.skipping = 1
                     return
-            if self.bodies.arm(module):
+            elif self.bodies.arm(module):
                 self.skipping = 1
                 return
         self.settle()
