@@ -251,3 +251,37 @@ def test_a_kept_module_under_hooks_pushed_inside_the_checkpointed_function_is_no
     model = Hooked()
     sc.declare_regions(model, {"body": "body"})
     assert _engine_matches_no_checkpoint(model, {"body"}).bodies == {"skipped": 1} and packed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_transformers_decoders_keeping_every_region_under_save_all(family):
+    """Every decoder layer wrapped by ``hf.config_for`` (regions declared by module path),
+    every region kept, SAVE_ALL: loss and gradients equal no checkpoint bit for bit, and
+    every linear layer inside the decoder layers runs as often as without checkpointing
+    (once per step: no kept module body runs in the recompute; red before, when the
+    recompute ran them again, serving their ops from the cache)."""
+    import copy
+
+    from sac_compile import hf
+
+    make = hf.tiny_llama if family == "llama" else hf.tiny_qwen3_moe
+    model = make(layers=2)
+    model.train()
+    ids = hf.batch(model)
+    wrapped = copy.deepcopy(model)
+    hf.config_for(wrapped, keep=sc.ALL_REGIONS, policy=SAVE_ALL).apply(wrapped)
+    losses, grads, runs = [], [], []
+    for m in (model, wrapped):
+        calls = []
+        for layer in m.model.layers:
+            for sub in layer.modules():
+                if isinstance(sub, nn.Linear):
+                    sub.register_forward_pre_hook(lambda mod, a, calls=calls: calls.append(1))
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in m.parameters()])
+        runs.append(len(calls))
+    assert torch.equal(losses[0], losses[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert runs[1] == runs[0] > 0, runs
