@@ -76,10 +76,10 @@ def _same_rng(a: tuple, b: tuple) -> bool:
 
 
 class _Body:
-    """One call of a kept module whose body skips the recompute."""
+    """One call of a kept module (or decorated function) whose body skips the recompute."""
 
-    def __init__(self, module: torch.nn.Module, region: str, args: tuple, kwargs: dict) -> None:
-        self.module, self.region = module, region
+    def __init__(self, module: Any, region: str, args: tuple, kwargs: dict) -> None:
+        self.module, self.region = module, region  # (module: the decorated function, for one)
         tensors = _tensors((args, kwargs))
         self.inputs = [(t, t._version) for t in tensors]  # dropped at the exit
         self.input_storages: tuple[int, ...] = ()
@@ -103,6 +103,10 @@ class Bodies:
         self.state = state  # the call's _State
         self.order: list[_Body] = []
         self.by_module: dict[int, list[_Body]] = {}
+        # decorated functions' calls, in the forward's order (their wrapper is ours: the
+        # recompute asks for the next one, no forward to replace)
+        self.calls: list[_Body] = []
+        self.call_next = 0
         self.next: dict[int, int] = {}  # (recompute) the next body of each module
         # (recompute) modules whose pre-hook just chose to skip this call: the replaced
         # forward runs every call of the module, kept span or not, and serves these only
@@ -120,7 +124,7 @@ class Bodies:
         if top is None or top[0] is not self.state.pack_hook:
             declined = _Body(module, region, (), {})
             declined.declined = True
-            self.by_module.setdefault(id(module), []).append(declined)
+            self._record(declined)
             return None
         body = _Body(module, region, args, kwargs)
         # the engine's pack hook, then the checkpoint's: autograd saves natively below
@@ -156,7 +160,13 @@ class Bodies:
         body.rerun = body.outputs is None
         body.packs_at_exit = self.state.packs
         self.order.append(body)
-        self.by_module.setdefault(id(body.module), []).append(body)
+        self._record(body)
+
+    def _record(self, body: _Body) -> None:
+        if isinstance(body.module, torch.nn.Module):
+            self.by_module.setdefault(id(body.module), []).append(body)
+        else:
+            self.calls.append(body)
 
     def finalize(self, early_stop: bool) -> None:
         """End of the forward: a body whose outputs were written since runs again in the
@@ -198,8 +208,35 @@ class Bodies:
         self.armed.add(id(module))
         return True
 
+    def next_call(self, fn: Any) -> _Body | None:
+        """(recompute, a decorated function's wrapper) The forward's record of this call, if
+        the forward skipped its body (None: it ran under the dispatch mode)."""
+        if self.call_next >= len(self.calls):
+            return None
+        body = self.calls[self.call_next]
+        self.call_next += 1
+        if body.module is not fn:
+            raise AssertionError(
+                f"sac_compile internal error: the recompute called {fn} where the forward called "
+                f"{body.module}; please report this with the model"
+            )
+        return None if body.declined else body
+
+    def replay(self, body: _Body, run: Any, args: tuple, kwargs: dict) -> Any:
+        """(recompute) Hand back ``body``'s outputs, or run it again off the checkpoint's hooks."""
+        if body.outputs is not None:
+            out = tree_map(_serve, body.outputs, is_leaf=_is_kept)
+            if body.rng_after is not None:
+                _set_rng_state(body.rng_after)
+            return out
+        popped = pop_saved_tensors_hooks(1)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            push_saved_tensors_hooks(popped)
+
     def start_recompute(self) -> None:
-        self.next, self.armed = {}, set()
+        self.next, self.armed, self.call_next = {}, set(), 0
         for bodies in self.by_module.values():
             module = bodies[0].module
             self.patched.append((module, module.__dict__.get("forward", _MISSING)))
@@ -224,18 +261,7 @@ class Bodies:
             self.armed.discard(id(module))
             i = self.next.get(id(module), 0)
             self.next[id(module)] = i + 1
-            body = bodies[i]
-            if body.outputs is not None:
-                out = tree_map(_serve, body.outputs, is_leaf=_is_kept)
-                if body.rng_after is not None:
-                    _set_rng_state(body.rng_after)
-                return out
-            # (run again: as in the forward, off the checkpoint's hooks)
-            popped = pop_saved_tensors_hooks(1)
-            try:
-                return run(*args, **kwargs)
-            finally:
-                push_saved_tensors_hooks(popped)
+            return self.replay(bodies[i], run, args, kwargs)
 
         return forward
 

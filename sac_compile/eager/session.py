@@ -36,6 +36,10 @@ class Bodies(Protocol):
 
     def arm(self, module: Any) -> bool: ...
 
+    def next_call(self, fn: Any) -> Any | None: ...
+
+    def replay(self, body: Any, run: Any, args: tuple, kwargs: dict) -> Any: ...
+
 
 class EagerSession:
     """Open regions while a checkpointed function runs (one per forward / recompute)."""
@@ -108,6 +112,38 @@ class EagerSession:
                 self.bodies.exit(body, output)  # type: ignore[union-attr]
         self("region_exit", (name,))
         self.settle()
+
+    def call_body(self, name: str, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """A decorated function's call, as region ``name`` (its wrapper, eagerly): as a
+        declared module's (:meth:`enter_module`), with the skip decided right here."""
+        eligible = self.bodies is not None and not self.skipping and not self.in_span and name in self.keep
+        if eligible and not self.forward:
+            body = self.bodies.next_call(fn)  # type: ignore[union-attr]
+            if body is not None:
+                self("region_enter", (name,))
+                self.skipping = 1
+                try:
+                    return self.bodies.replay(body, fn, args, kwargs)  # type: ignore[union-attr]
+                finally:
+                    self.skipping = 0
+                    self("region_exit", (name,))
+        self("region_enter", (name,))
+        body = self.bodies.enter(name, fn, args, kwargs) if eligible and self.forward else None  # type: ignore[union-attr]
+        if body is not None or self.skipping:
+            self.skipping += 1
+        else:
+            self.settle()
+        out = None
+        try:
+            out = fn(*args, **kwargs)
+            return out
+        finally:
+            if body is not None or self.skipping:
+                self.skipping -= 1
+            if body is not None:
+                self.bodies.exit(body, out)  # type: ignore[union-attr]
+            self("region_exit", (name,))
+            self.settle()
 
     def settle(self) -> None:
         """After a marker op: start or end the kept span if a kept region opened or closed."""

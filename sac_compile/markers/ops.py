@@ -45,6 +45,7 @@ __all__ = [
     "REGION_EXIT",
     "SCOPE_ENTER",
     "SCOPE_EXIT",
+    "call_region",
     "enter_module_region",
     "enter_region",
     "exit_module_region",
@@ -117,6 +118,20 @@ def exit_module_region(name: str, module: object, output: object) -> None:
             exit_(name, module, output)
             return
     exit_region(name)
+
+
+def call_region(name: str, fn: Callable, args: tuple, kwargs: dict) -> object:
+    """Eagerly, a decorated function's call as region ``name`` (its wrapper): a sink with
+    ``call_body`` takes the whole call (the eager engine may skip the body in the recompute);
+    otherwise :func:`enter_region`, the call, :func:`exit_region`."""
+    call = getattr(_MARKER_SINK.get(), "call_body", None)
+    if call is not None:
+        return call(name, fn, args, kwargs)
+    enter_region(name)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        exit_region(name)
 
 
 def _on_trace(kind: str, payload: tuple) -> None:

@@ -169,11 +169,7 @@ def _make_wrapper(name: str, fn: _F) -> _F:
             out = fn(*args, **kwargs)
             torch.ops.sac_compile.region_exit(name)
             return out
-        ops.enter_region(name)
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            ops.exit_region(name)
+        return ops.call_region(name, fn, args, kwargs)
 
     _region_wrapper.__sac_region__ = name  # type: ignore[attr-defined]
     return _region_wrapper  # type: ignore[return-value]
