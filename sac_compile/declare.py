@@ -147,6 +147,12 @@ def _exit_hook(name: str, module, _args, _kwargs, output) -> None:
         ops.exit_module_region(name, module, output)
 
 
+def _output_hook(name: str, module, _args, _kwargs, output) -> None:
+    # (prepended: the module's own output, before forward hooks registered earlier change it)
+    if not exporting():
+        ops.module_output(name, module, output)
+
+
 # Traced inline with the module call, the hooks put their markers in its graph. Run as
 # frames of their own (a graph break split the module call, so Dynamo runs _call_impl
 # eagerly), they are not compiled: the markers run eagerly (a no-op outside the eager
@@ -159,11 +165,12 @@ def _prepare_dynamo() -> None:
     # on the first declaration, not at import: marking code skipped imports Dynamo
     skip_frame(_enter_hook)
     skip_frame(_exit_hook)
+    skip_frame(_output_hook)
     # modules of one class declared differently must not share compiled code
     guard_module_hooks()
 
 
-def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHandle]:
+def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, ...]:
     _prepare_dynamo()
     # prepend: the region encloses hooks registered earlier (e.g. by fully_shard)
     pre = module.register_forward_pre_hook(
@@ -172,8 +179,12 @@ def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, RemovableHa
     post = module.register_forward_hook(
         functools.partial(_exit_hook, name), always_call=True, with_kwargs=True
     )
+    # the module's own output, first (eager engine: a kept body's output, eager/bodies.py)
+    out = module.register_forward_hook(
+        functools.partial(_output_hook, name), prepend=True, always_call=True, with_kwargs=True
+    )
     module.__dict__[_SCRIPT_HOOK] = functools.partial(_refuse_script, type(module).__name__)
-    return pre, post
+    return pre, post, out
 
 
 # torch.jit.script compiles a module's forward hooks too, and ours (functools.partial

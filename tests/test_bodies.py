@@ -8,6 +8,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import sac_compile as sc
+from sac_compile._compat.checkpoint import top_saved_tensors_hooks
 from sac_compile.eager import checkpoint_with_regions
 from sac_compile.policy import SAVE_ALL, SAVE_COSTLY
 from sac_compile.testing.models import Block
@@ -327,3 +328,147 @@ def test_kept_decorated_functions_skip_their_body_like_declared_modules():
     stats = _engine_matches_no_checkpoint(model, {"body", "outer"})
     assert stats.bodies == {"skipped": 1, "rerun": 1}
     assert len(runs) == 2 + 3  # two calls in the reference run; the engine's: 2 + 1 in the recompute
+
+
+# --- Cases a second reader found (each wrong or crashing before its fix) ------------------
+
+
+def test_a_forward_hook_registered_before_the_declaration_applies_once():
+    """A hook that changes the module's output runs again on the handed-back output in the
+    recompute: what is kept is the module's own output (red: it kept the hook's, doubled)."""
+    torch.manual_seed(0)
+    model = _Outer(False, False)
+    model.body.register_forward_hook(lambda mod, args, out: out * 2)
+    sc.declare_regions(model, {"body": "body"})
+    assert _engine_matches_no_checkpoint(model, {"body"}).bodies == {"skipped": 1}
+
+
+def test_a_kept_output_written_after_the_checkpointed_function_returned_is_an_error():
+    lin = nn.Linear(4, 4)
+    sc.declare_regions(lin, {"": "lin"})
+
+    def fn(x):
+        h = lin(x)
+        return h, (h + 1).sin()  # nothing saves h itself: autograd lets it be written
+
+    h, v = checkpoint_with_regions(
+        fn, torch.randn(3, 4, requires_grad=True), keep=frozenset({"lin"}), policy=SAVE_ALL
+    )
+    h.mul_(2)
+    with pytest.raises(
+        RuntimeError, match=r"output of kept region 'lin' \(Linear\) was written in place after"
+    ):
+        (h.sum() + v.sum()).backward()
+
+
+def test_a_decorated_function_defined_inside_the_checkpointed_function():
+    """A new function object in each pass (red: the recompute's sanity check took it for
+    another function and raised an internal error)."""
+    lin = nn.Linear(4, 4)
+
+    def fn(x):
+        @sc.region("r")
+        def body(h):
+            return lin(h)
+
+        return body(x).sin()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    ref = torch.autograd.grad(fn(x).sum(), x)[0]
+    stats = []
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}), policy=SAVE_ALL, stats_out=stats)
+    assert torch.equal(torch.autograd.grad(out.sum(), x)[0], ref)
+    assert stats[0].bodies == {"skipped": 1}
+
+
+def test_without_rng_preservation_a_skipped_body_leaves_the_generator_alone():
+    """Red: the recompute set the generator back to where the forward left it, so a draw
+    made between forward and backward was drawn again after the backward."""
+    drop = nn.Dropout(0.5)
+    sc.declare_regions(drop, {"": "d"})
+    lin = nn.Linear(4, 4)
+    x = torch.randn(64, 4, requires_grad=True)
+    torch.manual_seed(1)
+    out = checkpoint_with_regions(
+        lambda x: lin(drop(x)).sin(), x, keep=frozenset({"d"}), policy=SAVE_ALL, preserve_rng_state=False
+    )
+    first = torch.rand(3)
+    out.sum().backward()
+    assert not torch.equal(torch.rand(3), first)
+
+
+def test_the_call_is_freed_without_the_cyclic_collector():
+    """Red: our pack hook, kept on the call's state, held the checkpoint's frame, which holds
+    the checkpointed function and so the state: the kept outputs lived until a collection."""
+    import gc
+    import weakref
+
+    from sac_compile.eager import bodies
+
+    made = []
+    real = bodies.Bodies.__init__
+
+    def spy(self, state):
+        real(self, state)
+        made.append(weakref.ref(self))
+
+    lin = nn.Linear(16, 16)
+    sc.declare_regions(lin, {"": "lin"})
+    x = torch.randn(8, 16, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        bodies.Bodies.__init__ = spy
+        out = checkpoint_with_regions(lambda x: lin(x).sin(), x, keep=frozenset({"lin"}), policy=SAVE_ALL)
+        out.sum().backward()
+        del out
+        assert made[0]() is None
+    finally:
+        bodies.Bodies.__init__ = real
+        gc.enable()
+
+
+def test_an_interrupt_inside_a_kept_body_leaves_no_saved_tensor_hook_behind():
+    """KeyboardInterrupt skips a module's hooks (they run on Exception only); red: the
+    popped hooks were never pushed back and the enclosing contexts popped the wrong ones."""
+
+    class Stop(nn.Module):
+        def forward(self, x):
+            raise KeyboardInterrupt
+
+    stop = Stop()
+    sc.declare_regions(stop, {"": "r"})
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_with_regions(
+            stop, torch.randn(2, requires_grad=True), keep=frozenset({"r"}), policy=SAVE_ALL
+        )
+    assert top_saved_tensors_hooks() is None
+
+
+def test_an_output_pytree_cannot_open_makes_the_body_run_again():
+    """An object pytree does not know is not kept (it could not be detached or checked)."""
+
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    class Boxed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return Box(self.lin(x))
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = Boxed()
+
+        def forward(self, x):
+            return (self.body(x).t.sin() * x).cos()
+
+    torch.manual_seed(0)
+    model = Outer()
+    sc.declare_regions(model, {"body": "body"})
+    assert _engine_matches_no_checkpoint(model, {"body"}).bodies == {"rerun": 1}

@@ -147,7 +147,8 @@ def test_declaring_twice_is_idempotent_and_handles_remove():
     before = (len(mlp._forward_pre_hooks), len(mlp._forward_hooks))
     first = sc.declare_regions(model, {"layers.*.mlp": "mlp"})
     second = sc.declare_regions(model, {"layers.*.mlp": "mlp"})
-    assert (len(mlp._forward_pre_hooks), len(mlp._forward_hooks)) == (before[0] + 1, before[1] + 1)
+    # one pre-hook (enter), two forward hooks (the module's own output, first; exit, last)
+    assert (len(mlp._forward_pre_hooks), len(mlp._forward_hooks)) == (before[0] + 1, before[1] + 2)
     second.remove()  # installed nothing: removes nothing
     assert sc.declared_regions(model)
     first.remove()

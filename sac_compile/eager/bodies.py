@@ -69,6 +69,18 @@ def _is_kept(x: Any) -> bool:
     return isinstance(x, _Kept)
 
 
+# what a kept output may hold besides tensors: served as is
+_PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
+
+
+def _rng_devices(tensors: list[torch.Tensor]) -> tuple:
+    """What to take the RNG state of around a body: its tensor arguments, and every CUDA
+    device in use (the body may draw on one none of its arguments is on)."""
+    if not torch.cuda.is_initialized():
+        return tuple(tensors)
+    return (*tensors, *(torch.device("cuda", i) for i in range(torch.cuda.device_count())))
+
+
 def _same_rng(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(
         da == db and torch.equal(sa, sb) for (da, sa), (db, sb) in zip(a, b, strict=True)
@@ -83,7 +95,7 @@ class _Body:
         tensors = _tensors((args, kwargs))
         self.inputs = [(t, t._version) for t in tensors]  # dropped at the exit
         self.input_storages: tuple[int, ...] = ()
-        self.rng_before = _rng_state(tuple(tensors))
+        self.rng_before = _rng_state(_rng_devices(tensors))
         self.rng_after: Any = None
         self.outputs: Any = None  # tree of _Kept; None: the body runs in the recompute
         self.rerun = False
@@ -112,6 +124,7 @@ class Bodies:
         # forward runs every call of the module, kept span or not, and serves these only
         self.armed: set[int] = set()
         self.patched: list[tuple[torch.nn.Module, Any]] = []
+        self.open: _Body | None = None  # (forward) the body running now, off the hooks
 
     # -- forward ---------------------------------------------------------------
     def enter(self, region: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> _Body | None:
@@ -142,21 +155,37 @@ class Bodies:
             return below[1](x) if below is not None else x
 
         push_hooks(pack, unpack)
+        self.open = body
         return body
 
+    def _restore_hooks(self, body: _Body) -> None:
+        if body.popped:
+            pop_hooks()
+            push_saved_tensors_hooks(body.popped)
+            body.popped = []
+        self.open = None
+
+    def abort(self) -> None:
+        """The forward raised past a running body (KeyboardInterrupt: no module hook runs):
+        put the hooks back before the enclosing contexts pop theirs."""
+        if self.open is not None:
+            self._restore_hooks(self.open)
+
     def exit(self, body: _Body, output: Any) -> None:
-        pop_hooks()
-        push_saved_tensors_hooks(body.popped)
-        body.popped = []
-        rng = _rng_state(tuple(t for t, _ in body.inputs))
-        if not _same_rng(rng, body.rng_before):
-            body.rng_after = rng
+        self._restore_hooks(body)
+        if self.state.preserve_rng_state:
+            rng = _rng_state(_rng_devices([t for t, _ in body.inputs]))
+            if not _same_rng(rng, body.rng_before):
+                body.rng_after = rng
         body.rng_before = None
         body.rerun = any(t._version != v for t, v in body.inputs)
         body.input_storages = tuple(s for t, _ in body.inputs if (s := _storage(t)) is not None)
         body.inputs = []
         if not body.rerun and output is not None:  # (None: it raised, or returned nothing)
-            body.outputs = tree_map(_keep, output)
+            kept = tree_map(_keep, output)
+            # (an object pytree does not open is not kept: it could not be checked)
+            if all(isinstance(x, (_Kept, *_PLAIN)) for x in _leaves_of_tree(kept)):
+                body.outputs = kept
         body.rerun = body.outputs is None
         body.packs_at_exit = self.state.packs
         self.order.append(body)
@@ -215,7 +244,7 @@ class Bodies:
             return None
         body = self.calls[self.call_next]
         self.call_next += 1
-        if body.module is not fn:
+        if getattr(body.module, "__code__", body.module) is not getattr(fn, "__code__", fn):
             raise AssertionError(
                 f"sac_compile internal error: the recompute called {fn} where the forward called "
                 f"{body.module}; please report this with the model"
@@ -225,6 +254,13 @@ class Bodies:
     def replay(self, body: _Body, run: Any, args: tuple, kwargs: dict) -> Any:
         """(recompute) Hand back ``body``'s outputs, or run it again off the checkpoint's hooks."""
         if body.outputs is not None:
+            if any(k.value._version != k.version for k in _leaves_of(body.outputs)):
+                raise RuntimeError(
+                    f"sac_compile: an output of kept region {body.region!r} ({_describe(body.module)}) "
+                    "was written in place after the checkpointed function returned; the recompute "
+                    "would hand back the written value (the forward's is gone). Write into a copy "
+                    "(out = out.clone()), or keep the region with the default policy"
+                )
             out = tree_map(_serve, body.outputs, is_leaf=_is_kept)
             if body.rng_after is not None:
                 _set_rng_state(body.rng_after)
@@ -264,6 +300,20 @@ class Bodies:
             return self.replay(bodies[i], run, args, kwargs)
 
         return forward
+
+
+def _describe(owner: Any) -> str:
+    return (
+        type(owner).__name__
+        if isinstance(owner, torch.nn.Module)
+        else getattr(owner, "__qualname__", repr(owner))
+    )
+
+
+def _leaves_of_tree(tree: Any) -> list:
+    out: list = []
+    tree_map(out.append, tree, is_leaf=_is_kept)
+    return out
 
 
 def _leaves_of(tree: Any) -> list[_Kept]:

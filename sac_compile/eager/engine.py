@@ -192,7 +192,11 @@ def checkpoint_with_regions(
             if forward:
                 state.early_stop = checkpoint_early_stop(early_stop)
                 with _chained_pack_hook(state):
-                    out = fn(*a, **k)
+                    try:
+                        out = fn(*a, **k)
+                    except BaseException:
+                        bodies.abort()
+                        raise
                 session.end_span()  # a kept region left open ends with the function
                 state.stats.regions_entered = session.entered
                 state.stats.unbalanced = session.close()
@@ -204,6 +208,7 @@ def checkpoint_with_regions(
                 out = fn(*a, **k)
             return out
         finally:
+            state.pack_hook = None  # (it holds the checkpoint's frame: no cycle through us)
             if not forward:
                 bodies.end_recompute()
             # (the recompute stops early by raising once autograd has what it needs)

@@ -102,14 +102,21 @@ class EagerSession:
                 return
         self.settle()
 
+    def module_output(self, name: str, module: Any, output: Any) -> None:
+        """A declared module's own output (its first forward hook: before hooks registered
+        earlier change it, which run again on the handed-back output in the recompute)."""
+        if self._body is not None and self._body.module is module:
+            body, self._body = self._body, None
+            self.bodies.exit(body, output)  # type: ignore[union-attr]
+
     def exit_module(self, name: str, module: Any, output: Any) -> None:
-        """A declared module's region closes (its forward hook; also when the module raised,
-        with ``output`` None)."""
+        """A declared module's region closes (its last forward hook; also when the module
+        raised, with ``output`` None)."""
         if self.skipping:
             self.skipping -= 1
-            if not self.skipping and self._body is not None:
+            if not self.skipping and self._body is not None:  # (no output was handed over)
                 body, self._body = self._body, None
-                self.bodies.exit(body, output)  # type: ignore[union-attr]
+                self.bodies.exit(body, None)  # type: ignore[union-attr]
         self("region_exit", (name,))
         self.settle()
 

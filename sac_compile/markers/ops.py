@@ -49,6 +49,7 @@ __all__ = [
     "enter_module_region",
     "enter_region",
     "exit_module_region",
+    "module_output",
     "exit_region",
 ]
 
@@ -118,6 +119,15 @@ def exit_module_region(name: str, module: object, output: object) -> None:
             exit_(name, module, output)
             return
     exit_region(name)
+
+
+def module_output(name: str, module: object, output: object) -> None:
+    """Eagerly, a declared module's own output (its first forward hook, before hooks
+    registered earlier change it), for a sink with ``module_output``."""
+    if not torch.compiler.is_compiling():
+        note = getattr(_MARKER_SINK.get(), "module_output", None)
+        if note is not None:
+            note(name, module, output)
 
 
 def call_region(name: str, fn: Callable, args: tuple, kwargs: dict) -> object:
