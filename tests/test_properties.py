@@ -123,8 +123,7 @@ def _net_forward_bytes(fn) -> int:
     The cyclic garbage collector is held off meanwhile: a collection inside the profiled
     forward frees tensors of earlier tests and makes the count come out low (a flake seen
     with many test files in one worker)."""
-    gc.collect()
-    gc.disable()
+    gc.disable()  # (no gc.collect() first: in a worker holding millions of objects it costs ~0.5 s)
     try:
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
