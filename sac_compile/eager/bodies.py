@@ -204,7 +204,7 @@ class Bodies:
         st = self.state
         for body in self.order:
             if body.outputs is not None:
-                if any(k.value._version != k.version for k in _leaves_of(body.outputs)):
+                if _written(body.outputs):
                     body.outputs, body.rerun = None, True
                 elif early_stop and st.packs == body.packs_at_exit:
                     body.outputs = None  # (nothing saved after it: the recompute stops before)
@@ -254,7 +254,7 @@ class Bodies:
     def replay(self, body: _Body, run: Any, args: tuple, kwargs: dict) -> Any:
         """(recompute) Hand back ``body``'s outputs, or run it again off the checkpoint's hooks."""
         if body.outputs is not None:
-            if any(k.value._version != k.version for k in _leaves_of(body.outputs)):
+            if _written(body.outputs):
                 raise RuntimeError(
                     f"sac_compile: an output of kept region {body.region!r} ({_describe(body.module)}) "
                     "was written in place after the checkpointed function returned; the recompute "
@@ -317,6 +317,9 @@ def _leaves_of_tree(tree: Any) -> list:
 
 
 def _leaves_of(tree: Any) -> list[_Kept]:
-    out: list[_Kept] = []
-    tree_map(lambda x: out.append(x) if isinstance(x, _Kept) else None, tree, is_leaf=_is_kept)
-    return out
+    return [x for x in _leaves_of_tree(tree) if isinstance(x, _Kept)]
+
+
+def _written(outputs: Any) -> bool:
+    """Whether a kept output was written in place since it was kept."""
+    return any(k.value._version != k.version for k in _leaves_of(outputs))

@@ -98,43 +98,48 @@ def exit_region(name: str) -> None:
         torch.ops.sac_compile.region_exit(name)
 
 
+def _sink_method(method: str) -> Callable | None:
+    """Eagerly, the installed sink's ``method`` (None under a tracer, with no sink, or when
+    the sink has no such method)."""
+    if torch.compiler.is_compiling():
+        return None
+    return getattr(_MARKER_SINK.get(), method, None)
+
+
 def enter_module_region(name: str, module: object, args: tuple, kwargs: dict) -> None:
     """A declared module's region opens (its forward pre-hook): :func:`enter_region`,
     except that eagerly a sink with ``enter_module`` takes the call with the module and
     its arguments (the eager engine may skip the body in the recompute)."""
-    if not torch.compiler.is_compiling():
-        enter = getattr(_MARKER_SINK.get(), "enter_module", None)
-        if enter is not None:
-            enter(name, module, args, kwargs)
-            return
-    enter_region(name)
+    enter = _sink_method("enter_module")
+    if enter is not None:
+        enter(name, module, args, kwargs)
+    else:
+        enter_region(name)
 
 
 def exit_module_region(name: str, module: object, output: object) -> None:
     """A declared module's region closes (its forward hook): :func:`exit_region`, or the
     sink's ``exit_module`` with the module's output (see :func:`enter_module_region`)."""
-    if not torch.compiler.is_compiling():
-        exit_ = getattr(_MARKER_SINK.get(), "exit_module", None)
-        if exit_ is not None:
-            exit_(name, module, output)
-            return
-    exit_region(name)
+    exit_ = _sink_method("exit_module")
+    if exit_ is not None:
+        exit_(name, module, output)
+    else:
+        exit_region(name)
 
 
 def module_output(name: str, module: object, output: object) -> None:
     """Eagerly, a declared module's own output (its first forward hook, before hooks
     registered earlier change it), for a sink with ``module_output``."""
-    if not torch.compiler.is_compiling():
-        note = getattr(_MARKER_SINK.get(), "module_output", None)
-        if note is not None:
-            note(name, module, output)
+    note = _sink_method("module_output")
+    if note is not None:
+        note(name, module, output)
 
 
 def call_region(name: str, fn: Callable, args: tuple, kwargs: dict) -> object:
     """Eagerly, a decorated function's call as region ``name`` (its wrapper): a sink with
     ``call_body`` takes the whole call (the eager engine may skip the body in the recompute);
     otherwise :func:`enter_region`, the call, :func:`exit_region`."""
-    call = getattr(_MARKER_SINK.get(), "call_body", None)
+    call = _sink_method("call_body")
     if call is not None:
         return call(name, fn, args, kwargs)
     enter_region(name)
