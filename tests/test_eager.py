@@ -527,6 +527,87 @@ def test_the_engine_intercepts_ops_in_kept_regions_only():
     assert got[0].spans == 1
 
 
+def test_the_recompute_intercepts_only_the_calls_it_serves_from():
+    """Issue #17: in the recompute only the torch-level calls with an op to serve run under
+    the dispatch mode; every other call of a kept region runs natively (red before: every
+    op of a kept span was intercepted again)."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def fn(x):
+        with sc.region("r"):
+            h = x @ w  # cached: served in the recompute
+            for _ in range(10):
+                h = h.sin() * 1.5  # cheap: recomputed, natively
+            return h
+
+    x = torch.randn(4, 16, requires_grad=True)
+    ref = torch.autograd.grad(fn(x).sum(), [x, w])
+    stats = []
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}), stats_out=stats)
+    got = torch.autograd.grad(out.sum(), [x, w])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    seen, calls = stats[0].intercepted, stats[0].recompute_calls
+    # the matmul (served) and the last sin (dead: only the last mul reads it, which the
+    # recompute stops before) are intercepted; the 18 other cheap calls run natively
+    assert dict(calls) == {"intercepted": 2, "native": 18}
+    assert seen["forward", "kept"] == 21
+    assert 0 < seen["recompute", "kept"] <= 4, dict(seen)  # their ops (and detaches)
+    assert stats[0].skipped_ops == 2 and stats[0].cached_ops == 1
+
+    # a transformer block keeping its MLP: its two linears intercepted, the rest native
+    block = Block(16)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    ref = torch.autograd.grad(block(x).sum(), [x, *block.parameters()])
+    stats = []
+    out = checkpoint_with_regions(block, x, keep=frozenset({"mlp"}), stats_out=stats)
+    got = torch.autograd.grad(out.sum(), [x, *block.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert stats[0].recompute_calls["intercepted"] == 2 and stats[0].recompute_calls["native"] >= 2
+
+
+def test_a_served_function_that_also_ran_no_op_makes_the_recompute_see_every_op():
+    """A function whose calls the recompute must count (one is served) but that also ran
+    without an op (``contiguous`` of a contiguous tensor; what hooks call in one pass only):
+    its calls cannot be matched, so the recompute intercepts every op of the span."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+
+    def fn(x):
+        with sc.region("r"):
+            a = x.contiguous()  # no op
+            b = (x @ w).t().contiguous()  # a clone: cached under SAVE_ALL
+            return (a * b.t()).sin()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    ref = torch.autograd.grad(fn(x).sum(), [x, w])
+    stats = []
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}), policy=SAVE_ALL, stats_out=stats)
+    got = torch.autograd.grad(out.sum(), [x, w])
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert not stats[0].recompute_calls  # every op seen instead
+    assert stats[0].intercepted["recompute", "kept"] > 0
+
+
+def test_a_served_call_with_other_shapes_in_the_recompute_is_an_error():
+    """The recompute counts a function's calls to find the one to serve: a call whose
+    arguments changed shape (a function not deterministic in what it runs) is an error, not
+    a value of the wrong shape handed back."""
+    w = torch.randn(8, 8, requires_grad=True)
+    passes = []
+
+    def fn(x):
+        passes.append(1)
+        n = 8 if len(passes) == 1 else 4  # the recompute slices differently
+        with sc.region("r"):
+            return (x[:, :n] @ w[:n]).sin()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    out = checkpoint_with_regions(fn, x, keep=frozenset({"r"}))
+    with pytest.raises(RuntimeError, match=r"had arguments of shapes \[\(8, 8\), \(8, 8\)\] in the forward"):
+        out.sum().backward()
+
+
 # --- Interception scoped to kept regions (issue #17): what the engine no longer sees -----
 
 
