@@ -36,11 +36,9 @@ __all__ = [
     "dynamo_free",
     "mark_dynamo_free",
     "pop_dispatch_mode",
-    "pop_function_mode",
     "pop_hooks",
     "pop_saved_tensors_hooks",
     "push_dispatch_mode",
-    "push_function_mode",
     "push_hooks",
     "push_saved_tensors_hooks",
     "storage_holders",
@@ -167,24 +165,6 @@ def push_dispatch_mode(mode: Any) -> None:
 def pop_dispatch_mode(mode: Any) -> bool:
     """Pop ``mode`` if it is on top of the dispatch-mode stack; whether it was."""
     if _current_dispatch_mode() is not mode:
-        return False
-    mode.__exit__(None, None, None)
-    return True
-
-
-# The same for the torch function mode the eager engine pushes per kept span
-# (eager/calls.py): TorchFunctionMode.__exit__ also pops whatever is on top.
-_current_function_mode = private("torch.overrides", "_get_current_function_mode")
-
-
-def push_function_mode(mode: Any) -> None:
-    """Push ``mode`` on the torch-function-mode stack (``mode.__enter__()``)."""
-    mode.__enter__()
-
-
-def pop_function_mode(mode: Any) -> bool:
-    """Pop ``mode`` if it is on top of the torch-function-mode stack; whether it was."""
-    if _current_function_mode() is not mode:
         return False
     mode.__exit__(None, None, None)
     return True

@@ -83,9 +83,7 @@ from .._compat.checkpoint import (
     checkpoint_early_stop,
     checkpoint_internal_hooks,
     pop_dispatch_mode,
-    pop_function_mode,
     push_dispatch_mode,
-    push_function_mode,
     top_saved_tensors_hooks,
 )
 from ..keep import KeepSet
@@ -132,15 +130,12 @@ class _Spans:
         self.calls: _ForwardCalls | _RecomputeCalls | None = _ForwardCalls(state) if forward else None
         self.watch: _WatchMode | None = None
         self.pushed = False
-        self.idle = False  # (recompute) no call to intercept: the spans push nothing
 
     def start(self) -> None:
         if self.forward:
             self.state.span_start()
-        if self.idle:
-            return
         if self.calls is not None:
-            push_function_mode(self.calls)
+            self.calls.__enter__()
         if self.forward or self.calls is None:
             push_dispatch_mode(self.mode)
         self.pushed = True
@@ -151,17 +146,17 @@ class _Spans:
         counts[name, "kept"] += self.mode.kept
         counts[name, "outside"] += self.mode.outside
         self.mode.kept = self.mode.outside = 0
-        pushed = False
+        if self.calls is not None:
+            self.calls.__exit__(None, None, None)
         if self.forward or self.calls is None:
-            pushed = not pop_dispatch_mode(self.mode)
-        if self.calls is not None and not self.idle:
-            pushed = not pop_function_mode(self.calls) or pushed
-        self.pushed = pushed
+            self.pushed = not pop_dispatch_mode(self.mode)
+        else:
+            self.pushed = False
         if self.pushed and not aborted:
             raise RuntimeError(
-                "sac_compile: a dispatch mode or torch function mode (a TorchDispatchMode or "
-                "TorchFunctionMode entered inside a kept region) is still active where the last kept "
-                "region closes; exit it inside the region, or enter it outside the checkpointed function"
+                "sac_compile: a dispatch mode (a TorchDispatchMode entered inside a kept region) "
+                "is still active where the last kept region closes; exit it inside the region, "
+                "or enter it outside the checkpointed function"
             )
         if self.forward and not aborted:
             self.state.span_end()
@@ -173,7 +168,6 @@ class _Spans:
             push_dispatch_mode(self.watch)
         elif self.state.plans is not None:
             self.calls = _RecomputeCalls(self.state, self.mode, self.state.plans)
-            self.idle = not self.state.plans  # nothing to serve: no mode at all
 
     def _pop_finished_watch(self) -> None:
         if self.watch is not None and not self.state.pending_writes and pop_dispatch_mode(self.watch):
@@ -182,8 +176,6 @@ class _Spans:
     def close(self) -> None:
         if self.pushed:  # a span ended in error: pop what is left (close runs on the way out)
             self.pushed = not pop_dispatch_mode(self.mode)
-            if self.calls is not None:
-                pop_function_mode(self.calls)
         if self.watch is not None:
             pop_dispatch_mode(self.watch)
             self.watch = None
