@@ -124,7 +124,6 @@ def measure(subject: Subject, iters: int) -> dict:
     checkpoint_with_regions(layer, h, keep=subject.keep, stats_out=stats).sum().backward()
     summary["layer_ops"] = plain.n
     summary["intercepted"] = dict(stats[0].intercepted)
-    summary["recompute_calls"] = dict(stats[0].recompute_calls)
     return {"rows": rows, **summary}
 
 
@@ -143,11 +142,6 @@ def report(name: str, keep: set, result: dict, iters: int) -> None:
         f"{n.get(('forward', 'kept'), 0)} (forward, kept regions), {n.get(('forward', 'outside'), 0)} (forward, "
         f"outside), {n.get(('recompute', 'kept'), 0)} (recompute, kept), {n.get(('recompute', 'outside'), 0)} "
         "(recompute, outside)"
-    )
-    calls = result["recompute_calls"]
-    print(
-        f"the recompute's calls in kept regions: {calls.get('native', 0)} run natively, "
-        f"{calls.get('intercepted', 0)} intercepted (an op to serve)"
     )
 
 

@@ -9,10 +9,6 @@ Outside kept regions ops run with no Python dispatch mode, in the forward and in
 recompute, exactly as under plain non-reentrant checkpointing: that is where the time goes
 (a Python mode costs every op it sees a round trip), and only kept regions need one.
 
-The recompute intercepts only the torch-level calls it serves from (eager/calls.py): a
-torch function mode notes in the forward which ops each call of a kept span ran, and in
-the recompute runs every call with no op to serve natively.
-
 Forward (caching mode), per op of a kept span, in program order:
 
 * the scope's region policy (:mod:`sac_compile.policy`, the same function the
@@ -90,7 +86,6 @@ from ..keep import KeepSet
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
 from .bodies import Bodies
-from .calls import _ForwardCalls, _RecomputeCalls, plan
 from .modes import _CachedMode, _CachingMode, _WatchMode
 from .session import _SESSION, EagerSession
 from .state import EngineStats, _State
@@ -127,17 +122,13 @@ class _Spans:
         self.state = state
         self.forward = forward
         self.mode = _CachingMode(state) if forward else _CachedMode(state)
-        self.calls: _ForwardCalls | _RecomputeCalls | None = _ForwardCalls(state) if forward else None
         self.watch: _WatchMode | None = None
         self.pushed = False
 
     def start(self) -> None:
         if self.forward:
             self.state.span_start()
-        if self.calls is not None:
-            self.calls.__enter__()
-        if self.forward or self.calls is None:
-            push_dispatch_mode(self.mode)
+        push_dispatch_mode(self.mode)
         self.pushed = True
 
     def end(self, aborted: bool = False) -> None:
@@ -146,12 +137,7 @@ class _Spans:
         counts[name, "kept"] += self.mode.kept
         counts[name, "outside"] += self.mode.outside
         self.mode.kept = self.mode.outside = 0
-        if self.calls is not None:
-            self.calls.__exit__(None, None, None)
-        if self.forward or self.calls is None:
-            self.pushed = not pop_dispatch_mode(self.mode)
-        else:
-            self.pushed = False
+        self.pushed = not pop_dispatch_mode(self.mode)
         if self.pushed and not aborted:
             raise RuntimeError(
                 "sac_compile: a dispatch mode (a TorchDispatchMode entered inside a kept region) "
@@ -166,8 +152,6 @@ class _Spans:
         if self.state.start_recompute():
             self.watch = _WatchMode(self.state)
             push_dispatch_mode(self.watch)
-        elif self.state.plans is not None:
-            self.calls = _RecomputeCalls(self.state, self.mode, self.state.plans)
 
     def _pop_finished_watch(self) -> None:
         if self.watch is not None and not self.state.pending_writes and pop_dispatch_mode(self.watch):
@@ -218,8 +202,6 @@ def checkpoint_with_regions(
                 state.stats.unbalanced = session.close()
                 bodies.finalize(state.early_stop)
                 state.finalize()
-                if state.calls_ok:
-                    state.plans = plan(state)
             else:
                 spans.start_recompute()
                 bodies.start_recompute()

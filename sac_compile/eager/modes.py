@@ -226,10 +226,7 @@ class _CachingMode(_EngineMode):
         if random or (st.random_derived and any(s in st.random_derived for s in inputs)):
             for t in out_tensors + writes.in_place:
                 st.random_derived.add_tensor(t)
-        if not st.in_call:
-            st.calls_ok = False  # an op no call of the call mode holds (eager/calls.py)
-        entry.key = _key(info, func, args)
-        st.entries[entry.key].append(entry)
+        st.entries[_key(info, func, args)].append(entry)
         st.order.append(entry)
         st.span_entries.append(entry)
         return out
@@ -260,9 +257,6 @@ class _CachedMode(_EngineMode):
     def __init__(self, state: _State) -> None:
         super().__init__(state)
         self.counter: Counter = Counter()  # one mode per recompute, pushed for each kept span
-        # the entries it serves from, by key: every entry of the call (st.entries), or, when
-        # pushed for one call only (eager/calls.py), that call's
-        self.lookup: dict = state.entries
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -274,7 +268,7 @@ class _CachedMode(_EngineMode):
         key = _key(info, func, args)
         idx = self.counter[key]
         self.counter[key] += 1
-        entries = self.lookup.get(key, ())
+        entries = st.entries.get(key, [])
         if idx >= len(entries):
             raise RuntimeError(
                 f"sac_compile: {func} ran during recompute but not in the forward "

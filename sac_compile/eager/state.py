@@ -21,7 +21,6 @@ class _Entry:
     """One op of a kept span (one is made per op: a plain class, its defaults on the class)."""
 
     value: Any = None  # tree of _VersionWrapper when cached
-    key: Any = None  # of its op's FIFO of entries (modes._key)
     storages: tuple[int, ...] = ()
     dropped: bool = False  # every output dropped (the recompute gets stand-ins)
     # a recomputed op whose outputs are all floating-point tensors and that writes nothing:
@@ -78,10 +77,6 @@ class EngineStats:
     # kept module bodies (policy SAVE_ALL, eager/bodies.py): "skipped" in the recompute
     # (their outputs handed back), "rerun" there, or "unreached" (early stop)
     bodies: Counter = field(default_factory=Counter)
-    # the recompute's torch-level calls in kept spans (eager/calls.py): "native" (run with
-    # no dispatch mode) or "intercepted" (an op to serve); both 0 where the recompute
-    # intercepts every op of its kept spans instead
-    recompute_calls: Counter = field(default_factory=Counter)
 
     @property
     def forced_collectives(self) -> int:
@@ -121,13 +116,6 @@ class _State:
         # (recompute) served writes into outside tensors still ahead:
         # storage -> [(the write, the byte span it writes there)]
         self.pending_writes: dict[int, list[tuple[_Entry, tuple[int, int]]]] = {}
-        # (forward) the torch-level calls of kept spans, in order: (function, first entry,
-        # end entry) in ``order`` (eager/calls.py); whether every op ran inside one
-        self.calls: list[tuple[Any, int, int, tuple]] = []  # (+ tensor argument shapes)
-        self.idle_calls: set = set()  # functions called in kept spans that ran no op
-        self.in_call = False
-        self.calls_ok = True
-        self.plans: dict | None = None  # (recompute) calls.plan
 
     # -- forward bookkeeping --------------------------------------------------
     def mark_needed(self, storages: Any) -> None:
