@@ -626,3 +626,29 @@ def test_a_dispatch_mode_left_open_across_a_kept_regions_end_is_an_error():
     from sac_compile._compat.checkpoint import _current_dispatch_mode
 
     assert _current_dispatch_mode() is None  # nothing left pushed
+
+
+def test_your_region_policy_is_asked_again_on_every_call():
+    """The built-in policies' answers are kept across calls (they depend on the op, the
+    regions and the keep set only); a policy of yours may change between calls and is
+    asked again on each."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    w = torch.randn(8, 8, requires_grad=True)
+    wanted = {"save": True}
+
+    def policy(op, regions, keep):
+        return CheckpointPolicy.MUST_SAVE if wanted["save"] else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fn(x):
+        with sc.region("r"):
+            return (x @ w).sin()
+
+    x = torch.randn(8, 8, requires_grad=True)
+    cached = []
+    for save in (True, False, True):
+        wanted["save"] = save
+        stats = []
+        checkpoint_with_regions(fn, x, keep=frozenset({"r"}), policy=policy, stats_out=stats).sum().backward()
+        cached.append(stats[0].cached_ops)
+    assert cached[0] == cached[2] > 0 and cached[1] == 0, cached

@@ -130,6 +130,8 @@ def _arg_storages(args: Any) -> tuple[int, ...]:
             if s is not None:
                 out.append(s)
         elif isinstance(a, (tuple, list)):
+            if a and isinstance(a[0], (int, float)):
+                continue  # an int[] / float[] argument (a shape, dims): no tensor in it
             for b in a:
                 if isinstance(b, torch.Tensor):
                     s = _storage(b)

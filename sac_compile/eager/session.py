@@ -68,7 +68,8 @@ class EagerSession:
         # entries of kept regions open now: kept() is asked for every op the modes see
         self._kept_open = 0
         self._names: tuple[str, ...] | None = None  # open_names(), until the next marker
-        self._saves: dict[tuple[int, tuple[str, ...]], bool] = {}  # the policy's answers
+        # the policy's answers, by (id(op), regions): (op, answer)
+        self._saves: dict[tuple[int, tuple[str, ...]], tuple[Any, bool]] = _answers(policy, keep)
 
     def __call__(self, kind: str, payload: tuple) -> None:
         """The marker sink: a marker op ran."""
@@ -186,12 +187,27 @@ class EagerSession:
         :meth:`open_names`) open; outside every region, never."""
         if not regions:
             return False
-        key = (id(func), regions)  # (an op's own hash is a Python call; ops live for good)
+        key = (id(func), regions)  # (an op's own hash is a Python call)
         found = self._saves.get(key)
-        if found is None:
+        if found is None or found[0] is not func:  # (an id reused by another op)
             # (a region policy is a function of the op and the regions: asked once per pass)
-            found = self._saves[key] = saves(checked_decision(self.policy, func, regions, self.keep))
-        return found
+            found = self._saves[key] = (func, saves(checked_decision(self.policy, func, regions, self.keep)))
+        return found[1]
+
+
+# The built-in policies' answers depend on the op, the regions and the keep set only: kept
+# for every pass of every call with the same keep set (a user's policy is asked once per
+# pass, as it may change between calls).
+_BUILT_IN_ANSWERS: dict[tuple[Any, Any], dict] = {}
+
+
+def _answers(policy: RegionPolicy, keep: KeepSet) -> dict:
+    if policy is not SAVE_COSTLY and policy is not SAVE_ALL:
+        return {}
+    try:
+        return _BUILT_IN_ANSWERS.setdefault((policy, keep), {})
+    except TypeError:  # (an unhashable keep set)
+        return {}
 
 
 _SESSION: contextvars.ContextVar[EagerSession | None] = contextvars.ContextVar(
