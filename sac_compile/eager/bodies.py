@@ -221,7 +221,7 @@ class Bodies:
             st.stats.bodies[
                 "rerun" if body.rerun else "skipped" if body.outputs is not None else "unreached"
             ] += 1
-            body.saved_bytes = {}
+            body.saved_bytes, body.saved = {}, _StorageSet()  # (Note [weak references to storages])
 
     # -- recompute -------------------------------------------------------------
     def arm(self, module: torch.nn.Module) -> bool:
