@@ -123,7 +123,8 @@ class EagerSession:
 
     def call_body(self, name: str, fn: Any, args: tuple, kwargs: dict) -> Any:
         """A decorated function's call, as region ``name`` (its wrapper, eagerly): as a
-        declared module's (:meth:`enter_module`), with the skip decided right here."""
+        declared module's, the function in the module's place; in the recompute the skip is
+        decided here (the wrapper is ours: no forward to replace)."""
         eligible = self.bodies is not None and not self.skipping and not self.in_span and name in self.keep
         if eligible and not self.forward:
             body = self.bodies.next_call(fn)  # type: ignore[union-attr]
@@ -135,23 +136,14 @@ class EagerSession:
                 finally:
                     self.skipping = 0
                     self("region_exit", (name,))
-        self("region_enter", (name,))
-        body = self.bodies.enter(name, fn, args, kwargs) if eligible and self.forward else None  # type: ignore[union-attr]
-        if body is not None or self.skipping:
-            self.skipping += 1
-        else:
-            self.settle()
+        self.enter_module(name, fn, args, kwargs)
         out = None
         try:
             out = fn(*args, **kwargs)
+            self.module_output(name, fn, out)
             return out
         finally:
-            if body is not None or self.skipping:
-                self.skipping -= 1
-            if body is not None:
-                self.bodies.exit(body, out)  # type: ignore[union-attr]
-            self("region_exit", (name,))
-            self.settle()
+            self.exit_module(name, fn, out)
 
     def settle(self) -> None:
         """After a marker op: start or end the kept span if a kept region opened or closed."""
