@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat.checkpoint import (
     pop_hooks,
@@ -37,7 +38,7 @@ from .._compat.checkpoint import (
     top_saved_tensors_hooks,
     tree_map,
 )
-from .op_facts import _rng_state, _set_rng_state, _storage, _StorageSet, _tensors
+from .op_facts import _rng_state, _set_rng_state, _storage, _tensors
 
 __all__ = ["Bodies"]
 
@@ -99,8 +100,8 @@ class _Body:
         self.rng_after: Any = None
         self.outputs: Any = None  # tree of _Kept; None: the body runs in the recompute
         self.rerun = False
-        self.saved = _StorageSet()  # what autograd saved inside the body
-        self.saved_bytes: dict[int, int] = {}
+        # what autograd saved inside the body: storage -> (weak reference, bytes)
+        self.saved: dict[int, tuple[StorageWeakRef, int]] = {}
         self.packs_at_exit = 0
         self.popped: list = []
         # the body ran under the dispatch mode after all: saved-tensor hooks of yours
@@ -146,9 +147,9 @@ class Bodies:
 
         def pack(t: torch.Tensor) -> Any:
             s = _storage(t)
-            if s is not None and s not in body.saved_bytes:
-                body.saved.add_tensor(t)
-                body.saved_bytes[s] = t.untyped_storage().nbytes()
+            if s is not None and s not in body.saved:
+                storage = t.untyped_storage()
+                body.saved[s] = (StorageWeakRef(storage), storage.nbytes())
             return below[0](t) if below is not None else t.detach()
 
         def unpack(x: Any) -> Any:
@@ -210,7 +211,7 @@ class Bodies:
                     body.outputs = None  # (nothing saved after it: the recompute stops before)
             if body.rerun:
                 st.mark_needed(body.input_storages)
-            held = {c: n for c, n in body.saved_bytes.items() if c in body.saved}
+            held = {c: n for c, (ref, n) in body.saved.items() if not ref.expired()}
             for k in _leaves_of(body.outputs):
                 s = _storage(k.value)
                 if s is not None and s not in held:
@@ -221,7 +222,7 @@ class Bodies:
             st.stats.bodies[
                 "rerun" if body.rerun else "skipped" if body.outputs is not None else "unreached"
             ] += 1
-            body.saved_bytes, body.saved = {}, _StorageSet()  # (Note [weak references to storages])
+            body.saved = {}  # (Note [weak references to storages])
 
     # -- recompute -------------------------------------------------------------
     def arm(self, module: torch.nn.Module) -> bool:
