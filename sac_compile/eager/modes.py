@@ -125,7 +125,7 @@ class _EngineMode(TorchDispatchMode):
     def _count(self) -> tuple[Any, bool]:
         """The marker session, and whether a kept region is open; counts the op."""
         session = _SESSION.get()
-        kept = session is not None and session._kept_open > 0  # (session.kept(), inlined)
+        kept = session is not None and session.kept()
         if kept:
             self.kept += 1
         else:
