@@ -87,6 +87,7 @@ from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
 from .bodies import Bodies
 from .modes import _CachedMode, _CachingMode, _WatchMode
+from .op_facts import _storage
 from .session import _SESSION, EagerSession
 from .state import EngineStats, _State
 
@@ -103,7 +104,9 @@ def _chained_pack_hook(state: _State):
     outer_pack, outer_unpack = top
 
     def pack(t: torch.Tensor):
-        state.saved_storages.add_tensor(t)
+        s = _storage(t)
+        if s is not None:
+            state.saved_storages.add(s)
         state.packed_after = state.spans_ended
         state.packs += 1
         return outer_pack(t)
