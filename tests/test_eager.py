@@ -527,6 +527,20 @@ def test_the_engine_intercepts_ops_in_kept_regions_only():
     assert got[0].spans == 1
 
 
+def test_the_recompute_intercepts_no_more_ops_than_the_forward():
+    """The checkpoint's recompute detaches each tensor autograd saves: an op our mode would
+    only pass through, and it ran in kept spans (red before: this block keeping attn, 5 ops
+    intercepted in the recompute against 1 in the forward; a Qwen3-MoE layer 91 vs 62)."""
+    torch.manual_seed(0)
+    block = Block(16)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    for keep in (frozenset({"attn"}), sc.ALL_REGIONS):
+        stats = []
+        checkpoint_with_regions(block, x, keep=keep, stats_out=stats).sum().backward()
+        seen = stats[0].intercepted
+        assert 0 < seen["recompute", "kept"] <= seen["forward", "kept"], dict(seen)
+
+
 # --- Interception scoped to kept regions (issue #17): what the engine no longer sees -----
 
 

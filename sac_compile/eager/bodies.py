@@ -266,7 +266,8 @@ class Bodies:
             if body.rng_after is not None:
                 _set_rng_state(body.rng_after)
             return out
-        popped = pop_saved_tensors_hooks(1)
+        # (the checkpoint's, and the engine's in front of it: eager/engine.py)
+        popped = pop_saved_tensors_hooks(self.state.recompute_hooks)
         try:
             return run(*args, **kwargs)
         finally:
