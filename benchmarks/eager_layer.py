@@ -1,0 +1,124 @@
+"""One decoder layer under the eager engine, forward and backward timed apart (issue #17).
+
+A whole-model step on a shared CPU does not resolve a few percent; one layer, timed many
+times, does. Per model (the demo, transformers Llama and Qwen3-MoE, at
+``eager_vs_compiled.py``'s sizes times ``--scale`` in width and sequence), interleaved in
+one run: no checkpoint, full recompute (non-reentrant ``torch.utils.checkpoint``), the
+engine with the model's keep set, and PyTorch's SAC making the engine's decisions
+(``sac_compile.testing.baselines.Checkpointed``). Printed: median forward, backward and
+step ms of each, and the two ratios issue #17 asks for: engine / full recompute step, and
+the engine's step overhead over no checkpoint / PyTorch SAC's.
+
+``--threads 1 --cpu-time`` times the thread's CPU time on one thread: the least noisy
+figure on a shared machine (what other processes do to the wall clock is not counted).
+
+    python benchmarks/eager_layer.py [--models demo,llama,qwen3-moe] [--iters 150] [--scale 1]
+        [--threads 1] [--cpu-time]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import time
+
+import _eager_models
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from sac_compile.eager import checkpoint_with_regions
+from sac_compile.testing.baselines import Checkpointed
+
+
+def measure(subject: _eager_models.Subject, iters: int, clock) -> dict:
+    layer, h = subject.layer_call(copy.deepcopy(subject.model))
+    keep = frozenset(subject.keep)
+    torch_sac = Checkpointed(layer, keep)
+    steps = {
+        "no checkpoint": lambda: layer(h),
+        "full recompute": lambda: checkpoint(layer, h, use_reentrant=False),
+        "engine": lambda: checkpoint_with_regions(layer, h, keep=keep),
+        "torch SAC": lambda: torch_sac(h),
+    }
+    times: dict = {k: ([], []) for k in steps}
+    order = list(steps)
+    rng = random.Random(0)
+    for i in range(iters + 3):  # (three rounds of warm-up)
+        rng.shuffle(order)
+        for k in order:
+            t0 = clock()
+            out = steps[k]()
+            t1 = clock()
+            out.sum().backward()
+            t2 = clock()
+            layer.zero_grad(set_to_none=True)
+            h.grad = None
+            if i >= 3:
+                times[k][0].append(t1 - t0)
+                times[k][1].append(t2 - t1)
+    rows = {
+        k: {
+            "fwd_ms": statistics.median(f) * 1e3,
+            "bwd_ms": statistics.median(b) * 1e3,
+            "step_ms": statistics.median([x + y for x, y in zip(f, b, strict=True)]) * 1e3,
+        }
+        for k, (f, b) in times.items()
+    }
+    none, full, eng, sac = (rows[k]["step_ms"] for k in steps)
+    return {
+        "rows": rows,
+        "engine_vs_full": eng / full,
+        "overhead_vs_torch_sac": (eng - none) / (sac - none),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="demo,llama,qwen3-moe")
+    parser.add_argument("--iters", type=int, default=150)
+    parser.add_argument("--scale", type=int, default=1, help="width and sequence times this")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
+    parser.add_argument("--cpu-time", action="store_true", help="time the thread's CPU time")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    s = args.scale
+    sizes = argparse.Namespace(
+        demo_d=128 * s,
+        demo_layers=4,
+        demo_seq=128 * s,
+        demo_batch=8,
+        hf_layers=4,
+        hf_hidden=256 * s,
+        hf_seq=256 * s,
+        hf_batch=4,
+    )
+    subjects = {
+        "demo": lambda: _eager_models.demo(sizes),
+        "llama": lambda: _eager_models.transformers_model(sizes, "llama"),
+        "qwen3-moe": lambda: _eager_models.transformers_model(sizes, "qwen3-moe"),
+    }
+    found = {}
+    what = "thread CPU time" if args.cpu_time else "wall time"
+    for key in args.models.split(","):
+        subject = subjects[key]()
+        r = found[key] = measure(subject, args.iters, clock)
+        print(
+            f"\n{subject.name} one layer, keep={'+'.join(sorted(subject.keep))}, scale {s}, "
+            f"{torch.get_num_threads()} thread(s), {what}: median of {args.iters} interleaved steps"
+        )
+        print(f"{'configuration':<16} {'fwd ms':>8} {'bwd ms':>8} {'step ms':>8}")
+        for name, row in r["rows"].items():
+            print(f"{name:<16} {row['fwd_ms']:>8.2f} {row['bwd_ms']:>8.2f} {row['step_ms']:>8.2f}")
+        print(
+            f"engine / full recompute: {r['engine_vs_full']:.3f}x step; engine overhead / torch SAC "
+            f"overhead: {r['overhead_vs_torch_sac']:.2f}x"
+        )
+    return found
+
+
+if __name__ == "__main__":
+    main()
