@@ -88,7 +88,6 @@ from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
 from .bodies import Bodies
 from .modes import _CachedMode, _CachingMode, _WatchMode
-from .op_facts import _storage
 from .session import _SESSION, EagerSession
 from .state import EngineStats, _State
 
@@ -105,9 +104,7 @@ def _chained_pack_hook(state: _State):
     outer_pack, outer_unpack = top
 
     def pack(t: torch.Tensor):
-        s = _storage(t)
-        if s is not None:
-            state.saved_storages.add(s)
+        state.saved_storages.add_tensor(t)
         state.packed_after = state.spans_ended
         state.packs += 1
         return outer_pack(t)

@@ -55,13 +55,6 @@ class _StorageSet:
         """Every storage ever added, freed or not."""
         return tuple(self._refs)
 
-    def prune(self) -> None:
-        """Forget the freed storages (Note [weak references to storages]): the set answers
-        as before, since a freed storage is not in it either way."""
-        refs = self._refs
-        for c in [c for c, r in refs.items() if r.expired()]:
-            del refs[c]
-
     def live(self) -> tuple[int, ...]:
         return tuple(c for c, r in self._refs.items() if not r.expired())
 

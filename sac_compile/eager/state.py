@@ -94,9 +94,7 @@ class _State:
         self.order: list[_Entry] = []  # every entry in program order (for liveness)
         self.by_storage: dict[int, list[_Entry]] = defaultdict(list)
         self.produced = _StorageSet()  # storages created by ops in this scope
-        # what autograd saved for backward, by address, freed or not (Note [weak references
-        # to storages]: a freed address reused later can only make more ops live)
-        self.saved_storages: set[int] = set()
+        self.saved_storages = _StorageSet()  # what autograd saved for backward
         self.stats = EngineStats()
         self.forward_done = False
         self.stand_ins = _StorageSet()  # dropped entries' stand-ins (recompute)
@@ -148,10 +146,6 @@ class _State:
             if ref is not None and storage_holders(ref) > ours[s]:
                 self.escaped[s] = self.span
         self.spans_ended = self.span
-        # (the storages the span made that are gone: their weak references would keep
-        # their C++ objects alive to the end of the forward, Note [weak references to storages])
-        self.produced.prune()
-        self.random_derived.prune()
         self.span_entries.clear()
         self.span_produced.clear()
 
@@ -264,7 +258,7 @@ class _State:
             for s in set(e.inputs):
                 if s in self.matmul_bytes and s not in e.storages:
                     readers[s].append(e)
-        saved = self.saved_storages
+        saved = set(self.saved_storages.ever())
         for s, found in readers.items():
             # (if autograd saved the matmul output - var_mean's gradient reads its input - it
             # is held anyway, and caching the small reads too would only add to it)
@@ -300,7 +294,7 @@ class _State:
         # Every storage autograd saved, freed or not: the checkpoint's pack hook keeps no
         # reference, so what only autograd saved is already freed here, and the recompute
         # must rebuild it. (A reused address can only make more ops live.)
-        self.mark_needed(self.saved_storages)
+        self.mark_needed(self.saved_storages.ever())
         escaped = self._escaped_needed()
         self.mark_needed(escaped)
         self._settle_shrinking_reads(escaped)
@@ -351,23 +345,15 @@ class _State:
     def _release_forward_refs(self) -> None:
         """Drop the weak references only the forward reads (Note [weak references to storages])."""
         # Note [weak references to storages]
-        # A weak reference to a storage keeps its C++ object alive (not its memory). Held
-        # on after the storage is freed, those small objects sit between the freed
-        # activations and fragment glibc's heap: later allocations take fresh pages
-        # instead of reusing freed ones. Held to the end of the backward (as they once
-        # were), a Qwen3-MoE layer keeping nothing had a backward 2.8 ms (8%) slower than
-        # full recompute's; held to the end of the forward, the same layer keeping
-        # attention and router had a forward 0.5-1.0 ms slower, the demo layer 0.8 ms
-        # (eager_vs_compiled.py's sizes, one thread).
-        # So: what autograd saved is kept by address only (`saved_storages`: every
-        # address is needed, freed or not; a freed address reused later can only make
-        # more ops live); the storages a kept span made are kept by weak reference (an
-        # address freed and reused within the forward must not count as made there)
-        # until the span ends, when the freed ones are forgotten (a freed storage is not
-        # in the set either way), and the rest when the forward ends: the recompute reads
-        # none of them.
+        # A weak reference to a storage keeps its C++ object alive (not its memory). The
+        # forward holds one per storage a kept span made and per tensor autograd saved, so
+        # that an address freed and reused within the forward is not mistaken for the first
+        # storage. Held on to the end of the backward, those small objects sit between the
+        # freed activations and fragment glibc's heap: the backward then allocates fresh
+        # pages instead of reusing them (a Qwen3-MoE layer keeping nothing: backward 2.8 ms,
+        # 8%, slower than full recompute's). The recompute needs none of them.
         self.produced = _StorageSet()
-        self.saved_storages = set()
+        self.saved_storages = _StorageSet()
         self.random_derived = _StorageSet()
 
 
