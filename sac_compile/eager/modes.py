@@ -21,6 +21,7 @@ from .._compat.ops import HigherOrderOperator, is_effectful
 from ..markers import ops
 from ..policy import MATMULS, communicates, is_collective, is_costly
 from .op_facts import (
+    _NO_WRITES,
     _all_float_tensors,
     _arg_storages,
     _autocast_weight_cast,
@@ -63,6 +64,7 @@ class _OpInfo:
         "lift_fresh",
         "matmul",
         "seeded",
+        "to_copy",
         "view",
         "written",
     )
@@ -82,6 +84,7 @@ class _OpInfo:
         self.effectful = is_effectful(func)
         self.matmul = getattr(func, "overloadpacket", None) in MATMULS
         self.lift_fresh = func in _LIFT_FRESH
+        self.to_copy = func is torch.ops.aten._to_copy.default  # (autocast's casts: _autocast_weight_cast)
 
 
 _INFO: dict[int, _OpInfo] = {}  # by id(op): an op's own hash is a Python call
@@ -135,17 +138,19 @@ class _EngineMode(TorchDispatchMode):
 
 @dynamo_free
 class _CachingMode(_EngineMode):
+    # (runs for every op of a kept span: calls and lookups here are per op, the helpers
+    # of op_facts are inlined where the common case - one tensor out - is a line)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
         session, kept = self._count()
-        info = _info(func)
-        if info.ignored or _autocast_weight_cast(func, args):
+        info = _INFO.get(id(func)) or _info(func)
+        if info.ignored or (info.to_copy and _autocast_weight_cast(func, args)):
             return func(*args, **kwargs)
         regions = session.open_names() if session is not None else ()
         save = session is not None and session.saves(func, regions)
         inputs = _arg_storages(args) + _arg_storages(kwargs.values()) if kwargs else _arg_storages(args)
-        writes = _writes(func, args, kwargs, info.written)
+        writes = _writes(func, args, kwargs, info.written) if info.written else _NO_WRITES
         random = info.seeded is not None and _is_random(func, args, kwargs, info.seeded)
         out = func(*args, **kwargs)
         grad = torch.is_grad_enabled()
@@ -187,7 +192,7 @@ class _CachingMode(_EngineMode):
             # Whatever the policy: a kept region's write into a tensor from outside
             # the scope (a buffer, an input) happens once, in the forward.
             cached = True
-        entry = _Entry(func, regions, cached, inputs=inputs, shrink_of=shrink_of, span=st.span)
+        entry = _Entry(func, regions, cached, inputs, shrink_of, st.span)
         if random and st.preserve_rng_state:
             entry.rng_after = _rng_state((args, kwargs, out))  # set again if the recompute skips the draw
         if external_writes and cached:
@@ -195,7 +200,8 @@ class _CachingMode(_EngineMode):
             cached = entry.cached = entry.served_write is None and cached
             if entry.served_write is not None:
                 st.note_external_writes(entry, external_writes)
-        out_tensors = [out] if isinstance(out, torch.Tensor) else _tensors(out)
+        single = isinstance(out, torch.Tensor)
+        out_tensors = [out] if single else _tensors(out)
         objects = _storage_objects(out_tensors)
         out_storages = entry.storages = tuple(o._cdata for o in objects if o is not None)
         if entry.served_write is not None:
@@ -211,7 +217,7 @@ class _CachingMode(_EngineMode):
             st.stats.cached_ops += 1
         else:
             if not (writes.in_place or writes.out or info.collective):
-                if isinstance(out, torch.Tensor):
+                if single:
                     if out.is_floating_point() or out.is_complex():
                         entry.skippable = True
                         entry.value = _Geometry(out)
@@ -223,10 +229,10 @@ class _CachingMode(_EngineMode):
             # lift_fresh returns its input: a torch.tensor(...) literal made in the scope
             if o is not None and (o._cdata not in inputs or info.lift_fresh):
                 st.add_produced(o)
-        if random or (st.random_derived and any(s in st.random_derived for s in inputs)):
+        if random or (st.random_derived._refs and any(s in st.random_derived for s in inputs)):
             for t in out_tensors + writes.in_place:
                 st.random_derived.add_tensor(t)
-        st.entries[_key(info, func, args)].append(entry)
+        st.entries[sac_storage_key(func, args) if info.keyed else id(func)].append(entry)
         st.order.append(entry)
         st.span_entries.append(entry)
         return out
