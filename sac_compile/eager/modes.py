@@ -138,13 +138,12 @@ class _EngineMode(TorchDispatchMode):
 
 @dynamo_free
 class _CachingMode(_EngineMode):
-    # (runs for every op of a kept span: calls and lookups here are per op, the helpers
-    # of op_facts are inlined where the common case - one tensor out - is a line)
+    # (runs for every op of a kept span: what can be read off the op once is in _OpInfo)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
         session, kept = self._count()
-        info = _INFO.get(id(func)) or _info(func)
+        info = _info(func)
         if info.ignored or (info.to_copy and _autocast_weight_cast(func, args)):
             return func(*args, **kwargs)
         regions = session.open_names() if session is not None else ()
@@ -232,7 +231,7 @@ class _CachingMode(_EngineMode):
         if random or (st.random_derived._refs and any(s in st.random_derived for s in inputs)):
             for t in out_tensors + writes.in_place:
                 st.random_derived.add_tensor(t)
-        st.entries[sac_storage_key(func, args) if info.keyed else id(func)].append(entry)
+        st.entries[_key(info, func, args)].append(entry)
         st.order.append(entry)
         st.span_entries.append(entry)
         return out
