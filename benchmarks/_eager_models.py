@@ -55,6 +55,18 @@ class Subject:
         return model
 
 
+def add_size_arguments(parser) -> None:
+    """The models' sizes (``eager_vs_compiled.py``, ``eager_layer.py``)."""
+    parser.add_argument("--demo-d", type=int, default=128)
+    parser.add_argument("--demo-layers", type=int, default=4)
+    parser.add_argument("--demo-seq", type=int, default=128)
+    parser.add_argument("--demo-batch", type=int, default=8)
+    parser.add_argument("--hf-layers", type=int, default=4)
+    parser.add_argument("--hf-hidden", type=int, default=256)
+    parser.add_argument("--hf-seq", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=4)
+
+
 def demo(args) -> Subject:
     torch.manual_seed(0)
     model = MoETransformer(vocab=256, d=args.demo_d, n_layers=args.demo_layers)

@@ -1,9 +1,9 @@
 """One decoder layer under the eager engine, forward and backward timed apart (issue #17).
 
 A whole-model step on a shared CPU does not resolve a few percent; one layer, timed many
-times, does. Per model (the demo, transformers Llama and Qwen3-MoE, at
-``eager_vs_compiled.py``'s sizes times ``--scale`` in width and sequence), interleaved in
-one run: no checkpoint, full recompute (non-reentrant ``torch.utils.checkpoint``), the
+times, does. Per model (the demo, transformers Llama and Qwen3-MoE, at the sizes of
+``eager_vs_compiled.py``, set by the same options, times ``--scale`` in width and
+sequence), interleaved in one run: no checkpoint, full recompute (non-reentrant ``torch.utils.checkpoint``), the
 engine with the model's keep set, PyTorch's SAC making the engine's decisions
 (``sac_compile.testing.baselines.Checkpointed``), and PyTorch's SAC saving nothing.
 Printed: median forward, backward and step ms of each, and the two ratios issue #17 asks
@@ -92,21 +92,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--scale", type=int, default=1, help="width and sequence times this")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: as is)")
     parser.add_argument("--cpu-time", action="store_true", help="time the thread's CPU time")
+    _eager_models.add_size_arguments(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     s = args.scale
-    sizes = argparse.Namespace(
-        demo_d=128 * s,
-        demo_layers=4,
-        demo_seq=128 * s,
-        demo_batch=8,
-        hf_layers=4,
-        hf_hidden=256 * s,
-        hf_seq=256 * s,
-        hf_batch=4,
-    )
+    sizes = argparse.Namespace(**vars(args))
+    for name in ("demo_d", "demo_seq", "hf_hidden", "hf_seq"):
+        setattr(sizes, name, getattr(args, name) * s)
     subjects = {
         "demo": lambda: _eager_models.demo(sizes),
         "llama": lambda: _eager_models.transformers_model(sizes, "llama"),

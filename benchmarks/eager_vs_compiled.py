@@ -89,14 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="the eager engine's models (issue #17), of: demo, llama, qwen3-moe; '' for none",
     )
     parser.add_argument("--no-stack", action="store_true", help="skip the eager vs compiled stack")
-    parser.add_argument("--demo-d", type=int, default=128)
-    parser.add_argument("--demo-layers", type=int, default=4)
-    parser.add_argument("--demo-seq", type=int, default=128)
-    parser.add_argument("--demo-batch", type=int, default=8)
-    parser.add_argument("--hf-layers", type=int, default=4)
-    parser.add_argument("--hf-hidden", type=int, default=256)
-    parser.add_argument("--hf-seq", type=int, default=256)
-    parser.add_argument("--hf-batch", type=int, default=4)
+    _eager_models.add_size_arguments(parser)
     args = parser.parse_args(argv)
     found = {} if args.no_stack else stack(args)
     if args.models:
