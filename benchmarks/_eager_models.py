@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from _timing import interleaved_medians
+from _timing import interleaved_times, ratio_interval
 
 import sac_compile as sc
 from sac_compile import hf
@@ -119,14 +120,20 @@ def measure(subject: Subject, iters: int) -> dict:
 
     for model in models.values():
         run(model)  # warm up
-    medians = interleaved_medians({n: functools.partial(run, m) for n, m in models.items()}, iters)
+    times = interleaved_times({n: functools.partial(run, m) for n, m in models.items()}, iters)
+    medians = {n: statistics.median(t) for n, t in times.items()}
     base = medians["no checkpoint"]
     rows = {n: {"step_ms": t * 1e3, "ratio": t / base} for n, t in medians.items()}
-    engine, torch_sac = rows[f"engine keep={keep}"], rows[f"torch SAC keep={keep}"]
+    eng, sac = f"engine keep={keep}", f"torch SAC keep={keep}"
+    engine, torch_sac = rows[eng], rows[sac]
     full = rows["full recompute"]
     summary = {
         "engine_vs_full": engine["ratio"] / full["ratio"],
+        "engine_vs_full_95": ratio_interval(times, lambda m: m[eng] / m["full recompute"]),
         "overhead_vs_torch_sac": (engine["ratio"] - 1) / (torch_sac["ratio"] - 1),
+        "overhead_vs_torch_sac_95": ratio_interval(
+            times, lambda m: (m[eng] - m["no checkpoint"]) / (m[sac] - m["no checkpoint"])
+        ),
     }
     # what the engine intercepts in one layer's step, against the ops the layer runs
     layer, h = subject.layer_call(copy.deepcopy(subject.model))
@@ -145,9 +152,11 @@ def report(name: str, keep: set, result: dict, iters: int) -> None:
     for n, r in result["rows"].items():
         print(f"{n:<28} {r['step_ms']:>8.1f} {r['ratio']:>10.2f}")
     n = result["intercepted"]
+    lo, hi = result["engine_vs_full_95"]
+    olo, ohi = result["overhead_vs_torch_sac_95"]
     print(
-        f"engine / full recompute: {result['engine_vs_full']:.2f}x step; engine overhead / torch SAC "
-        f"overhead: {result['overhead_vs_torch_sac']:.2f}x"
+        f"engine / full recompute: {result['engine_vs_full']:.2f}x step (95%: {lo:.2f}-{hi:.2f}); engine "
+        f"overhead / torch SAC overhead: {result['overhead_vs_torch_sac']:.2f}x ({olo:.2f}-{ohi:.2f})"
     )
     print(
         f"one layer's step: {result['layer_ops']} ops in its forward; the engine intercepted "

@@ -44,6 +44,7 @@ import time
 
 import _eager_models
 import torch
+from _timing import ratio_interval
 from torch.utils.checkpoint import checkpoint
 
 from sac_compile.eager import checkpoint_with_regions
@@ -113,9 +114,9 @@ def measure(subject: _eager_models.Subject, iters: int, clock) -> dict:
     return {
         "rows": rows,
         "engine_vs_full": eng / full,
-        "engine_vs_full_95": _interval(steps_of, lambda m: m["engine"] / m["full recompute"]),
+        "engine_vs_full_95": ratio_interval(steps_of, lambda m: m["engine"] / m["full recompute"]),
         "overhead_vs_torch_sac": (eng - none) / (sac - none),
-        "overhead_vs_torch_sac_95": _interval(
+        "overhead_vs_torch_sac_95": ratio_interval(
             steps_of,
             lambda m: (m["engine"] - m["no checkpoint"]) / (m["torch SAC"] - m["no checkpoint"]),
         ),
@@ -129,19 +130,6 @@ def measure(subject: _eager_models.Subject, iters: int, clock) -> dict:
         "torch_sac_own_ms": sac_nothing - full,
         "free_engine_vs_torch_sac": (sac - none - (sac_nothing - full)) / (sac - none),
     }
-
-
-def _interval(steps_of: dict, ratio, draws: int = 1000) -> tuple[float, float]:
-    """The 2.5th and 97.5th percentiles of ``ratio`` (a function of each configuration's
-    median step) over ``draws`` resamples of the interleaved rounds, with replacement."""
-    n = len(next(iter(steps_of.values())))
-    rng = random.Random(1)
-    found = []
-    for _ in range(draws):
-        pick = [rng.randrange(n) for _ in range(n)]
-        found.append(ratio({k: statistics.median(v[i] for i in pick) for k, v in steps_of.items()}))
-    found.sort()
-    return found[int(0.025 * draws)], found[int(0.975 * draws) - 1]
 
 
 def main(argv: list[str] | None = None) -> dict:
