@@ -71,6 +71,66 @@ class TestEager:
         assert torch.equal(marked(x), plain(x))
         assert sc.autograd_saved_bytes(marked, x) == sc.autograd_saved_bytes(plain, x) > 0
 
+    def test_plain_eager_dispatches_no_marker_op(self):
+        """No sink, no tracer, no mode: a region marker (a `with` block, a declared module)
+        dispatches nothing (Note [markers unseen in plain eager]); the profiler, which hooks
+        the dispatcher without a Python mode, sees no marker op."""
+        block = torch.nn.Linear(4, 4)
+        sc.declare_regions(block, {"": "whole"})
+        x = torch.randn(2, 4)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with sc.region("r"):
+                block(x)
+        names = {e.name for e in prof.events()}
+        assert "aten::linear" in names or "aten::addmm" in names  # (the profiler saw the ops)
+        assert not {n for n in names if n.startswith("sac_compile::")}
+
+    def test_markers_reach_dispatch_and_function_modes(self):
+        """Anything that records ops (make_fx's proxy mode, FakeTensorMode, a mode of yours)
+        still sees the markers in plain eager code."""
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Dispatched(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.seen.append(func)
+                return func(*args, **(kwargs or {}))
+
+        class Called(TorchFunctionMode):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                self.seen.append(func)
+                return func(*args, **(kwargs or {}))
+
+        block = torch.nn.Linear(4, 4)
+        sc.declare_regions(block, {"": "whole"})
+        x = torch.randn(2, 4)
+        for mode, enter, exit_ in (
+            (Dispatched(), ops.REGION_ENTER, ops.REGION_EXIT),
+            (Called(), torch.ops.sac_compile.region_enter, torch.ops.sac_compile.region_exit),
+        ):
+            with mode:
+                block(x)
+            markers = [f for f in mode.seen if f in (enter, exit_)]
+            assert markers == [enter, exit_], type(mode).__name__
+
+    def test_make_fx_records_eager_markers(self):
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        def f(x):
+            with sc.region("r"):
+                return x.sin()
+
+        graph = make_fx(f)(torch.randn(3)).graph
+        assert _marker_sequence(graph) == [("region_enter", ("r",)), ("region_exit", ("r",))]
+
     def test_sink_sees_markers_in_program_order(self):
         seen = []
         token = ops._MARKER_SINK.set(lambda kind, payload: seen.append((kind, payload)))

@@ -16,6 +16,7 @@ __all__ = [
     "functional_all_to_all",
     "is_effectful",
     "is_view_op",
+    "modes_active",
     "op_name",
 ]
 
@@ -23,6 +24,19 @@ __all__ = [
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
 HigherOrderOperator = torch._ops.HigherOrderOperator
+
+
+# The C calls behind torch.utils._python_dispatch's and torch.overrides' "is a mode
+# active" checks: the length of the TorchDispatchMode stack, and whether a
+# TorchFunctionMode is enabled (torch.device(...) as a context manager installs one).
+_dispatch_mode_depth = torch._C._len_torch_dispatch_stack
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+
+
+def modes_active() -> bool:
+    """Whether a Python dispatch mode or torch-function mode is active: something that may
+    see an op with no tensor argument (make_fx's proxy mode, FakeTensorMode, a mode of yours)."""
+    return _dispatch_mode_depth() > 0 or _function_mode_enabled()
 
 
 def is_view_op(target: Any) -> bool:

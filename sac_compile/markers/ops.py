@@ -22,8 +22,9 @@ without that pass traces them, :mod:`sac_compile.diagnostics.trace_watch` report
 Eagerly the ops call the active *marker sink*, a callable in a ``ContextVar``
 that the eager engine installs inside its checkpointed function; outside any
 scope there is no sink and a marker is a no-op. Eager callers emit a region marker
-through :func:`enter_region` / :func:`exit_region`: with a sink installed they hand it
-the marker directly (no op dispatch) and then call its ``settle()``, where the engine
+through :func:`enter_region` / :func:`exit_region`: with no sink and nothing recording
+ops they dispatch nothing (Note [markers unseen in plain eager]); with a sink installed
+they hand it the marker directly (no op dispatch) and then call its ``settle()``, where the engine
 pushes or pops its dispatch mode, outside any op's dispatch (a mode could not pop itself
 while dispatching the exit marker).
 """
@@ -37,6 +38,7 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .._compat import inductor
+from .._compat.ops import modes_active
 from ..diagnostics import trace_watch
 
 __all__ = [
@@ -68,34 +70,45 @@ def _emit(kind: str, payload: tuple) -> None:
         sink(kind, payload)
 
 
-def _direct(kind: str, name: str) -> bool:
-    """Eagerly, inside the eager engine (a sink is installed): hand the marker to the sink
-    and let it settle, without dispatching the op. A custom op's Python dispatch costs
-    about 20 us, and the engine sees two markers per region per pass; only tracers need
-    the op itself, and they take the op path (under Dynamo ``is_compiling()`` reads True,
-    so the context variable is never read in traced code)."""
+def _region_marker(kind: str, name: str, op: Callable[[str], None]) -> None:
+    """Emit a region marker. Under Dynamo (``is_compiling()`` reads True, so the context
+    variable is never read in traced code) the op is called, for the graph. Eagerly inside
+    the eager engine (a sink is installed) the sink gets the marker directly and settles:
+    a custom op's Python dispatch costs microseconds, and the engine sees two markers per
+    region per pass. Eagerly with no sink the op is called only when something may record
+    it (Note [markers unseen in plain eager])."""
     if torch.compiler.is_compiling():
-        return False
+        op(name)
+        return
     sink = _MARKER_SINK.get()
-    if sink is None:
-        return False
-    sink(kind, (name,))
-    settle = getattr(sink, "settle", None)
-    if settle is not None:
-        settle()
-    return True
+    if sink is not None:
+        sink(kind, (name,))
+        settle = getattr(sink, "settle", None)
+        if settle is not None:
+            settle()
+    elif modes_active():
+        op(name)
+
+
+# Note [markers unseen in plain eager]
+# Eagerly with no sink installed a marker op does nothing: its implementation hands the
+# marker to the sink. Dispatching it matters only to what records ops: make_fx's proxy
+# mode (AOTAutograd tracing eager code), FakeTensorMode, any TorchDispatchMode of yours
+# (all on the dispatch mode stack), and torch-function modes, which see torch.ops calls.
+# With none of them active the dispatch is skipped: in plain eager code (inference, or
+# training without a checkpoint) each declared module call cost two custom-op
+# dispatches, most of what its hooks took.
 
 
 def enter_region(name: str) -> None:
-    """Emit ``region_enter(name)``; inside the eager engine, straight to its sink."""
-    if not _direct("region_enter", name):
-        torch.ops.sac_compile.region_enter(name)
+    """Emit ``region_enter(name)``: in traced code the op; eagerly inside the eager engine,
+    straight to its sink; in plain eager code with nothing recording ops, nothing."""
+    _region_marker("region_enter", name, torch.ops.sac_compile.region_enter)
 
 
 def exit_region(name: str) -> None:
-    """Emit ``region_exit(name)``; inside the eager engine, straight to its sink."""
-    if not _direct("region_exit", name):
-        torch.ops.sac_compile.region_exit(name)
+    """Emit ``region_exit(name)`` (see :func:`enter_region`)."""
+    _region_marker("region_exit", name, torch.ops.sac_compile.region_exit)
 
 
 def _sink_method(method: str) -> Callable | None:

@@ -74,7 +74,8 @@ class region:
     Use as ``with region("attn"): ...`` or as a decorator ``@region("attn")`` on a
     function or a ``forward`` method. Regions nest and overlap; the same name may
     be open more than once (entries are counted). Outside any checkpoint scope a
-    marker is a no-op; in compiled code the markers are erased by the tagging
+    marker is a no-op, not even dispatched unless something records ops (Note
+    [markers unseen in plain eager]); in compiled code the markers are erased by the tagging
     pass and cost nothing at run time. Exported and traced programs hold no
     marker (Note [markers export as nothing]); ``torch.jit.script`` compiles a
     ``with region(...)`` block to nothing.
