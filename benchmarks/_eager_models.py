@@ -104,6 +104,37 @@ def transformers_model(args, family: str) -> Subject:
     return Subject(f"transformers {family}", model, path, hf.regions_for(model), keep, loss, layer_call)
 
 
+def engine_ratios(times: dict, engine: str, torch_sac: str) -> dict:
+    """Issue #17's two ratios from per-round step times (``_timing.interleaved_times``) of
+    ``"no checkpoint"``, ``"full recompute"``, ``engine`` and ``torch_sac`` (PyTorch's SAC
+    making the engine's decisions): engine / full recompute step, and the engine's step
+    overhead over no checkpoint / PyTorch SAC's; each of medians, with its 95% interval."""
+
+    def vs_full(m: dict) -> float:
+        return m[engine] / m["full recompute"]
+
+    def overhead(m: dict) -> float:
+        return (m[engine] - m["no checkpoint"]) / (m[torch_sac] - m["no checkpoint"])
+
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "engine_vs_full": vs_full(medians),
+        "engine_vs_full_95": ratio_interval(times, vs_full),
+        "overhead_vs_torch_sac": overhead(medians),
+        "overhead_vs_torch_sac_95": ratio_interval(times, overhead),
+    }
+
+
+def ratios_line(r: dict, digits: int) -> str:
+    """:func:`engine_ratios`' result as printed (the step ratio to ``digits`` places)."""
+    lo, hi = r["engine_vs_full_95"]
+    olo, ohi = r["overhead_vs_torch_sac_95"]
+    return (
+        f"engine / full recompute: {r['engine_vs_full']:.{digits}f}x step (95%: {lo:.{digits}f}-{hi:.{digits}f}); "
+        f"engine overhead / torch SAC overhead: {r['overhead_vs_torch_sac']:.2f}x ({olo:.2f}-{ohi:.2f})"
+    )
+
+
 def measure(subject: Subject, iters: int) -> dict:
     keep = "+".join(sorted(subject.keep))
     configs = {
@@ -124,17 +155,7 @@ def measure(subject: Subject, iters: int) -> dict:
     medians = {n: statistics.median(t) for n, t in times.items()}
     base = medians["no checkpoint"]
     rows = {n: {"step_ms": t * 1e3, "ratio": t / base} for n, t in medians.items()}
-    eng, sac = f"engine keep={keep}", f"torch SAC keep={keep}"
-    engine, torch_sac = rows[eng], rows[sac]
-    full = rows["full recompute"]
-    summary = {
-        "engine_vs_full": engine["ratio"] / full["ratio"],
-        "engine_vs_full_95": ratio_interval(times, lambda m: m[eng] / m["full recompute"]),
-        "overhead_vs_torch_sac": (engine["ratio"] - 1) / (torch_sac["ratio"] - 1),
-        "overhead_vs_torch_sac_95": ratio_interval(
-            times, lambda m: (m[eng] - m["no checkpoint"]) / (m[sac] - m["no checkpoint"])
-        ),
-    }
+    summary = engine_ratios(times, f"engine keep={keep}", f"torch SAC keep={keep}")
     # what the engine intercepts in one layer's step, against the ops the layer runs
     layer, h = subject.layer_call(copy.deepcopy(subject.model))
     with torch.no_grad(), CountOps() as plain:
@@ -152,12 +173,7 @@ def report(name: str, keep: set, result: dict, iters: int) -> None:
     for n, r in result["rows"].items():
         print(f"{n:<28} {r['step_ms']:>8.1f} {r['ratio']:>10.2f}")
     n = result["intercepted"]
-    lo, hi = result["engine_vs_full_95"]
-    olo, ohi = result["overhead_vs_torch_sac_95"]
-    print(
-        f"engine / full recompute: {result['engine_vs_full']:.2f}x step (95%: {lo:.2f}-{hi:.2f}); engine "
-        f"overhead / torch SAC overhead: {result['overhead_vs_torch_sac']:.2f}x ({olo:.2f}-{ohi:.2f})"
-    )
+    print(ratios_line(result, 2))
     print(
         f"one layer's step: {result['layer_ops']} ops in its forward; the engine intercepted "
         f"{n.get(('forward', 'kept'), 0)} (forward, kept regions), {n.get(('forward', 'outside'), 0)} (forward, "

@@ -44,7 +44,6 @@ import time
 
 import _eager_models
 import torch
-from _timing import ratio_interval
 from torch.utils.checkpoint import checkpoint
 
 from sac_compile.eager import checkpoint_with_regions
@@ -110,16 +109,10 @@ def measure(subject: _eager_models.Subject, iters: int, clock) -> dict:
     }
     none, full, eng, sac, sac_nothing, bare = (rows[k]["step_ms"] for k in steps)
     gain = sac_nothing - sac  # what the decisions save a cost-free engine over full recompute
-    free = full - gain
+    free = full - gain  # that engine's step
     return {
         "rows": rows,
-        "engine_vs_full": eng / full,
-        "engine_vs_full_95": ratio_interval(steps_of, lambda m: m["engine"] / m["full recompute"]),
-        "overhead_vs_torch_sac": (eng - none) / (sac - none),
-        "overhead_vs_torch_sac_95": ratio_interval(
-            steps_of,
-            lambda m: (m["engine"] - m["no checkpoint"]) / (m["torch SAC"] - m["no checkpoint"]),
-        ),
+        **_eager_models.engine_ratios(steps_of, "engine", "torch SAC"),
         "decisions_gain_ms": gain,
         "engine_own_ms": eng - free,
         "budget_085_ms": 0.85 * (sac - none) - (free - none),
@@ -128,7 +121,7 @@ def measure(subject: _eager_models.Subject, iters: int, clock) -> dict:
         # beyond that is its own interception of every op. An engine that made the same
         # decisions at no cost of its own would pay PyTorch SAC's overhead less that.
         "torch_sac_own_ms": sac_nothing - full,
-        "free_engine_vs_torch_sac": (sac - none - (sac_nothing - full)) / (sac - none),
+        "free_engine_vs_torch_sac": (free - none) / (sac - none),
     }
 
 
@@ -165,12 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'configuration':<16} {'fwd ms':>8} {'bwd ms':>8} {'step ms':>8}")
         for name, row in r["rows"].items():
             print(f"{name:<16} {row['fwd_ms']:>8.2f} {row['bwd_ms']:>8.2f} {row['step_ms']:>8.2f}")
-        lo, hi = r["engine_vs_full_95"]
-        olo, ohi = r["overhead_vs_torch_sac_95"]
-        print(
-            f"engine / full recompute: {r['engine_vs_full']:.3f}x step (95%: {lo:.3f}-{hi:.3f}); "
-            f"engine overhead / torch SAC overhead: {r['overhead_vs_torch_sac']:.2f}x ({olo:.2f}-{ohi:.2f})"
-        )
+        print(_eager_models.ratios_line(r, 3))
         print(
             f"torch SAC's own cost (saving nothing, over full recompute): {r['torch_sac_own_ms']:.2f} ms; "
             f"an engine with no cost of its own: {r['free_engine_vs_torch_sac']:.2f}x torch SAC's overhead"
