@@ -5,7 +5,8 @@ Dynamo, AOTAutograd and Inductor load on the first compile (``tests/test_archite
 checks it). Layout (imports point down this list; ``tests/test_architecture.py`` checks
 that too):
 
-* ``_compat`` - every private PyTorch API, one module per subsystem;
+* ``_compat``, ``_transformers`` - every private PyTorch API, one module per subsystem; what
+  we rely on of transformers' checkpointing conventions;
 * ``keep``, ``records``, ``policy`` - keep sets, the tagging pass's records, region policies
   and op classification (shared by both engines);
 * ``diagnostics`` - reporting; everything below reports into it;
@@ -13,7 +14,8 @@ that too):
 * ``declare`` - regions declared by module path;
 * ``passes``, ``compiler`` - the tagging pass; the backends and their compile session;
 * ``eager`` - the eager engine;
-* ``seam``, ``config``, ``hf`` - wrapping layers, whole-model configs, transformers;
+* ``seam``, ``config``, ``contexts``, ``hf`` - wrapping layers, whole-model configs, a
+  ``context_fn`` for ``torch.utils.checkpoint``, transformers;
 * ``inspection`` - partition reports, ``capture_partition``, measurements.
 
 ``sac_compile.testing`` (demo and test models, the rank runner, parity reports) is not
@@ -22,6 +24,7 @@ imported by ``import sac_compile``.
 
 from .compiler import baseline_backend, make_sac_backend, sac_backend
 from .config import SacConfig
+from .contexts import region_context_fn
 from .declare import RegionDeclarations, declare_regions, declared_regions, undeclare_regions
 from .diagnostics import SacDiagnosticError, set_strict, strict
 from .inspection import PartitionReport, autograd_saved_bytes, capture_partition, collectives_run
@@ -52,6 +55,7 @@ __all__ = [
     "remove_selective_checkpointing",  # undo it (and declare_regions) on a module tree
     "LEGACY_ATTR",  # module attribute opting into reentrant checkpointing
     "SacConfig",  # one frozen config applied to a whole model
+    "region_context_fn",  # context_fn for a torch.utils.checkpoint you call (transformers' switch)
     # Diagnostics (logger "sac_compile", WARNING)
     "SacDiagnosticError",
     "set_strict",

@@ -51,13 +51,16 @@ import torch.nn as nn
 
 from ._compat.dynamo import unwrap_compiled
 from .config import SacConfig
+from .declare import declare_regions
 from .keep import ALL_REGIONS, normalize_keep
+from .policy import SAVE_COSTLY
 
 __all__ = [
     "LAYERS",
     "REGION_NAMES",
     "LayerCall",
     "batch",
+    "checkpointing_kwargs",
     "config_for",
     "decoder_layers",
     "layer_call",
@@ -277,6 +280,52 @@ def config_for(model: nn.Module, keep: Any = (), **options: Any) -> SacConfig:
     declared (:func:`regions_for`). A ``keep`` name that no layer of this model has is a
     ``ValueError`` here, at configuration time."""
     path, regions = _read(model)  # the layer list is found once
+    keep_set = _checked_keep(model, keep, regions)
+    return SacConfig(layers=f"{path}.*", keep=keep_set, regions=regions, **options)
+
+
+def checkpointing_kwargs(
+    model: nn.Module,
+    keep: Any = (),
+    *,
+    policy: Any = SAVE_COSTLY,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+) -> dict[str, Any]:
+    """Keyword arguments for transformers' own activation-checkpointing switch that keep
+    ``model``'s regions in ``keep``; declares the regions on ``model`` (:func:`regions_for`).
+
+    >>> kwargs = checkpointing_kwargs(model, keep={"attn"})             # doctest: +SKIP
+    >>> model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # doctest: +SKIP
+    >>> TrainingArguments(..., gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs)  # doctest: +SKIP
+
+    transformers calls ``torch.utils.checkpoint.checkpoint(layer.forward, ..., **kwargs)``
+    for each decoder layer (turning cache writes off while training, honouring
+    ``every_n_layers``); the ``context_fn`` among these kwargs
+    (:func:`sac_compile.region_context_fn`) runs the eager engine there, and under
+    ``torch.compile`` with the ``"sac_compile"`` backend marks each checkpoint as a scope
+    with this keep set. ``offload=True`` moves what the checkpoint saves of each layer's
+    inputs to the host; the values kept regions hold stay where they were made.
+
+    A ``keep`` name no layer of ``model`` has is a ``ValueError``, as in :func:`config_for`.
+    """
+    from .contexts import region_context_fn
+
+    _, regions = _read(model)
+    keep_set = _checked_keep(model, keep, regions)
+    declare_regions(unwrap_compiled(model), regions)
+    context_fn = region_context_fn(
+        keep_set, policy=policy, preserve_rng_state=preserve_rng_state, early_stop=early_stop
+    )
+    return {
+        "use_reentrant": False,
+        "context_fn": context_fn,
+        "preserve_rng_state": preserve_rng_state,
+        "early_stop": early_stop,
+    }
+
+
+def _checked_keep(model: nn.Module, keep: Any, regions: dict[str, str]):
     keep_set = normalize_keep(keep)
     if keep_set is not ALL_REGIONS:
         have = set(regions.values())
@@ -287,7 +336,7 @@ def config_for(model: nn.Module, keep: Any = (), **options: Any) -> SacConfig:
                 f"{', '.join(repr(m) for m in missing)}; its layers have {', '.join(sorted(have))} "
                 f"(sac_compile.hf.regions_for(model) lists where)"
             )
-    return SacConfig(layers=f"{path}.*", keep=keep_set, regions=regions, **options)
+    return keep_set
 
 
 _COMMON = dict(
@@ -298,7 +347,6 @@ _COMMON = dict(
     num_key_value_heads=2,
     max_position_embeddings=128,
     tie_word_embeddings=False,
-    use_cache=False,
 )
 
 

@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from . import _transformers as transformers_layers
 from ._compat import frames
 from ._compat.dynamo import drop_compiled_call, has_compiled_call, unwrap_compiled
 from ._compat.nn import CALL_IMPL, next_call_impl
@@ -55,7 +56,7 @@ from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, exporting, seam_scope_args
 from .policy import SAVE_COSTLY, RegionPolicy, format_scope, policy_key, validate_budget, validate_policy
-from .records import SEAM_PREFIX
+from .records import SEAM_PREFIX, user_class_name
 
 __all__ = [
     "LEGACY_ATTR",
@@ -312,6 +313,8 @@ def _seam_call_impl(self, *args, **kwargs):
     call = next_call_impl(_seam_class(self), self)
     if exporting():  # See Note [markers export as nothing] in sac_compile/markers/regions.py.
         return call(*args, **kwargs)
+    if self.training and torch.is_grad_enabled() and transformers_layers.is_checkpointing_layer(self):
+        args, kwargs = _transformers_training_call(self, args, kwargs)
     legacy = getattr(self, LEGACY_ATTR, False) is True
     if torch.compiler.is_compiling():
         # See Note [straight-line under compile] in sac_compile/markers/regions.py.
@@ -328,6 +331,42 @@ def _seam_call_impl(self, *args, **kwargs):
         # fail on its context_fn instead of running the layer). Run it eagerly.
         return _eager_uncompiled()(self, config, call, legacy, args, kwargs)
     return _eager(self, config, call, legacy, args, kwargs)
+
+
+def _transformers_training_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A transformers decoder layer checkpointed while training: cache writes off, as under
+    transformers' own checkpointing (:mod:`sac_compile._transformers`); refused when that
+    checkpointing is on too (two nested checkpoints)."""
+    if transformers_layers.own_checkpointing_on(self):
+        raise ValueError(_twice_message(self))
+    args, kwargs, turned = transformers_layers.training_call(self, args, kwargs)
+    if turned and not torch.compiler.is_compiling():
+        transformers_layers.note_caches_off(user_class_name(type(self)), turned)
+    return args, kwargs
+
+
+def _twice_message(module: nn.Module) -> str:
+    return (
+        f"{user_class_name(type(module))} is checkpointed twice: by sac_compile (apply_selective_checkpointing / "
+        "SacConfig) and by transformers' own activation checkpointing (gradient_checkpointing=True: "
+        "model.activation_checkpointing_enable(), TrainingArguments(gradient_checkpointing=True)), which "
+        "would nest a full-recompute checkpoint inside the selective one. Use one: either call "
+        "model.activation_checkpointing_disable(), or drop the SacConfig and turn transformers' switch on "
+        "with activation_checkpointing_kwargs=sac_compile.hf.checkpointing_kwargs(model, keep=...)"
+    )
+
+
+def _where(self, args: tuple, kwargs: dict) -> tuple[str, str]:
+    """The layer a recompute error names, and what to say of its cache arguments (a cache
+    written in the forward is written again in the recompute, which then runs other ops)."""
+    caches = transformers_layers.cache_arguments(args, kwargs)
+    hint = ""
+    if caches:
+        hint = (
+            f". It was called with the cache {', '.join(caches)}: a cache written in the forward is written "
+            "again in the recompute; call the layer without one while training (use_cache=False)"
+        )
+    return user_class_name(type(self)), hint
 
 
 def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: dict):
@@ -366,6 +405,7 @@ def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: di
         "keep": config.keep,
         "policy": config.policy,
         "preserve_rng_state": config.preserve_rng_state,
+        "where": _where(self, args, kwargs),
     }
     if diagnosed.engine_done(self, config.keep):
         return checkpoint_with_regions(call, *args, **engine_kwargs)

@@ -20,13 +20,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sac_compile"
 # Lower layers first; a module may import only from its own layer or below (and never
 # from its own layer in a cycle). ``testing`` (fixtures) sits on top of everything.
 LAYERS: list[tuple[str, ...]] = [
-    ("_compat",),
+    ("_compat", "_transformers"),
     ("keep", "records", "policy"),
     ("diagnostics",),
     ("markers",),
     ("declare", "passes"),
     ("compiler", "eager"),
-    ("seam", "config"),
+    ("seam", "config", "contexts"),
     ("hf", "inspection"),
     ("__init__",),
     ("testing",),

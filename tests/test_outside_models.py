@@ -22,8 +22,8 @@ from sac_compile.policy import SAVE_ALL  # noqa: E402
 from .models import net_forward_bytes  # noqa: E402
 
 
-# use_cache=False, as transformers sets under gradient checkpointing: a recompute would append
-# to the KV cache a second time.
+# Default configs (use_cache=True): the seam turns cache writes off while training, as
+# transformers' own checkpointing does (a recompute would append to the KV cache again).
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -42,7 +42,6 @@ def _neox():
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=128,
-        use_cache=False,
     )
     return GPTNeoXForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
@@ -50,9 +49,7 @@ def _neox():
 def _falcon():
     from transformers import FalconConfig, FalconForCausalLM
 
-    cfg = FalconConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, use_cache=False
-    )
+    cfg = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
     return FalconForCausalLM._from_config(cfg, attn_implementation="sdpa")
 
 
@@ -87,14 +84,14 @@ def _ids():
 def _step(model, ids, seed=3):
     torch.manual_seed(seed)
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters()]
 
 
 def _held(model, ids, seed=3):
     torch.manual_seed(seed)
-    return net_forward_bytes(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+    return net_forward_bytes(lambda: model(input_ids=ids, labels=ids).loss)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

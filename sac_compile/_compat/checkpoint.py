@@ -32,6 +32,8 @@ __all__ = [
     "sac_storage_key",
     "top_saved_tensors_hooks",
     "checkpoint_early_stop",
+    "checkpoint_is_traced",
+    "selective_checkpoint_contexts",
     "checkpoint_internal_hooks",
     "dynamo_free",
     "mark_dynamo_free",
@@ -79,6 +81,25 @@ def checkpoint_early_stop(early_stop: bool = True) -> bool:
     overrides the argument (``_enable_checkpoint_early_stop``, None when not set)."""
     flag = getattr(torch.utils.checkpoint, "_enable_checkpoint_early_stop", None)
     return bool(early_stop) if flag is None else bool(flag)
+
+
+_is_compiling = private("torch.utils.checkpoint", "_is_compiling")
+_TRACING_MODES = (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.FUNCTIONAL)
+
+
+def checkpoint_is_traced() -> bool:
+    """Whether a checkpoint called now runs inside AOTAutograd (``torch.compile``): PyTorch's
+    own test (``torch.utils.checkpoint._is_compiling``: a proxy mode is active, so its
+    ``context_fn`` must return dispatch modes), or a fake or functional tensor mode is active
+    (AOTAutograd's metadata pass runs the graph with fake tensors and no proxy mode; the
+    eager engine must not run there)."""
+    if _is_compiling(None, (), {}):
+        return True
+    return any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_MODES)
+
+
+# Public: PyTorch's selective-checkpoint context pair (a caching and a cached dispatch mode).
+selective_checkpoint_contexts = torch.utils.checkpoint.create_selective_checkpoint_contexts
 
 
 def top_saved_tensors_hooks() -> tuple[Any, Any] | None:

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from .engine import EagerSession, EngineStats, checkpoint_with_regions
+from .engine import EagerSession, EngineStats, checkpoint_with_regions, engine_contexts
 
-__all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions"]
+__all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions", "engine_contexts"]

@@ -91,7 +91,7 @@ from .modes import _CachedMode, _CachingMode, _WatchMode
 from .session import _SESSION, EagerSession
 from .state import EngineStats, _State
 
-__all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions"]
+__all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions", "engine_contexts"]
 
 
 @contextlib.contextmanager
@@ -195,6 +195,108 @@ class _Spans:
             self.watch = None
 
 
+class _Pass:
+    """One pass of the engine over the checkpointed function, as a context manager: the
+    forward (``forward=True``, entered as the checkpoint's forward context) or a recompute
+    (entered as its recompute context, once per recompute). Installs the marker session
+    and sink for the pass and, in the forward, notes what autograd saves; on the way out
+    the forward settles what the recompute needs (:meth:`_State.finalize`)."""
+
+    def __init__(
+        self,
+        state: _State,
+        bodies: Bodies,
+        keep: KeepSet,
+        policy: RegionPolicy,
+        forward: bool,
+        early_stop: bool,
+        on_forward=None,
+    ) -> None:
+        self.state, self.bodies, self.keep, self.policy = state, bodies, keep, policy
+        self.forward, self.early_stop = forward, early_stop
+        self.on_forward = on_forward
+        self._hooks: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> _Pass:
+        state = self.state
+        self.spans = _Spans(state, self.forward)
+        self.session = EagerSession(self.keep, self.policy, self.spans, self.bodies, self.forward)
+        self._tokens = (_SESSION.set(self.session), ops._MARKER_SINK.set(self.session))
+        self._hooks = contextlib.ExitStack()
+        if self.forward:
+            state.early_stop = checkpoint_early_stop(self.early_stop)
+            self._hooks.enter_context(_chained_pack_hook(state))
+        else:
+            self.spans.start_recompute()
+            self.bodies.start_recompute()
+            self._hooks.enter_context(_recompute_pack_hook(self.spans))
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        state, session = self.state, self.session
+        try:
+            try:
+                if self.forward and exc_type is not None:
+                    self.bodies.abort()  # (inside our pack hook: a body put its hooks back)
+            finally:
+                self._hooks.close()
+            if self.forward and exc_type is None:
+                session.end_span()  # a kept region left open ends with the function
+                state.stats.regions_entered = session.entered
+                state.stats.unbalanced = session.close()
+                self.bodies.finalize(state.early_stop)
+                state.finalize()
+                if self.on_forward is not None:
+                    self.on_forward(state.stats)
+        finally:
+            state.pack_hook = None  # (it holds the checkpoint's frame: no cycle through us)
+            if not self.forward:
+                self.bodies.end_recompute()
+            # (the recompute stops early by raising once autograd has what it needs)
+            session.end_span(aborted=True)
+            self.spans.close()
+            s_token, m_token = self._tokens
+            ops._MARKER_SINK.reset(m_token)
+            _SESSION.reset(s_token)
+
+
+class _Recomputes:
+    """The recompute context: a fresh :class:`_Pass` each time it is entered (a second
+    backward with ``retain_graph=True`` recomputes again)."""
+
+    def __init__(self, make) -> None:
+        self._make = make
+        self._passes: list[_Pass] = []
+
+    def __enter__(self) -> None:
+        p = self._make()
+        self._passes.append(p)
+        p.__enter__()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._passes.pop().__exit__(exc_type, exc, tb)
+
+
+def engine_contexts(
+    keep: KeepSet,
+    policy: RegionPolicy = SAVE_COSTLY,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    on_forward=None,
+    where: tuple[str, str] = ("", ""),
+) -> tuple[_State, _Pass, _Recomputes]:
+    """``(state, forward context, recompute context)`` of one eager engine checkpoint: the
+    two contexts are what a non-reentrant ``torch.utils.checkpoint`` enters around the
+    forward and each recompute of its function (its ``context_fn``). ``on_forward(stats)``,
+    if given, is called with the forward's :class:`EngineStats` as the forward ends; ``where``:
+    ``(name, hint)`` of the checkpointed function (a layer), for recompute errors."""
+    state = _State(preserve_rng_state)
+    state.where = where
+    bodies = Bodies(state)
+    forward = _Pass(state, bodies, keep, policy, True, early_stop, on_forward)
+    return state, forward, _Recomputes(lambda: _Pass(state, bodies, keep, policy, False, early_stop))
+
+
 def checkpoint_with_regions(
     fn,
     *args: Any,
@@ -203,57 +305,22 @@ def checkpoint_with_regions(
     preserve_rng_state: bool = True,
     early_stop: bool = True,
     stats_out: list | None = None,
+    where: tuple[str, str] = ("", ""),
     **kwargs: Any,
 ):
     """Run ``fn(*args, **kwargs)`` under the eager engine keeping the regions in ``keep``
     as ``policy`` decides (see :mod:`sac_compile.policy`). ``early_stop`` and the other
     keyword arguments of ``torch.utils.checkpoint.checkpoint`` (``debug``,
-    ``determinism_check``) go to it, as under plain checkpointing; the rest go to ``fn``."""
-    state = _State(preserve_rng_state)
-    bodies = Bodies(state)
-
-    def run(*a: Any, **k: Any):
-        forward = not state.forward_done
-        spans = _Spans(state, forward)
-        session = EagerSession(keep, policy, spans, bodies, forward)
-        s_token = _SESSION.set(session)
-        m_token = ops._MARKER_SINK.set(session)
-        try:
-            if forward:
-                state.early_stop = checkpoint_early_stop(early_stop)
-                with _chained_pack_hook(state):
-                    try:
-                        out = fn(*a, **k)
-                    except BaseException:
-                        bodies.abort()
-                        raise
-                session.end_span()  # a kept region left open ends with the function
-                state.stats.regions_entered = session.entered
-                state.stats.unbalanced = session.close()
-                bodies.finalize(state.early_stop)
-                state.finalize()
-            else:
-                spans.start_recompute()
-                bodies.start_recompute()
-                with _recompute_pack_hook(spans):
-                    out = fn(*a, **k)
-            return out
-        finally:
-            state.pack_hook = None  # (it holds the checkpoint's frame: no cycle through us)
-            if not forward:
-                bodies.end_recompute()
-            # (the recompute stops early by raising once autograd has what it needs)
-            session.end_span(aborted=True)
-            spans.close()
-            ops._MARKER_SINK.reset(m_token)
-            _SESSION.reset(s_token)
-
+    ``determinism_check``) go to it, as under plain checkpointing; the rest go to ``fn``.
+    ``where``: ``(name, hint)`` of the checkpointed function, for recompute errors."""
+    state, forward, recompute = engine_contexts(keep, policy, preserve_rng_state, early_stop, where=where)
     out = checkpoint(
-        run,
+        fn,
         *args,
         use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
         early_stop=early_stop,
+        context_fn=lambda: (forward, recompute),
         **kwargs,
     )
     if stats_out is not None:

@@ -275,9 +275,11 @@ class _CachedMode(_EngineMode):
         self.counter[key] += 1
         entries = st.entries.get(key, [])
         if idx >= len(entries):
+            name, hint = st.where
             raise RuntimeError(
-                f"sac_compile: {func} ran during recompute but not in the forward "
-                "(the checkpointed function is not deterministic in the ops it runs)"
+                f"sac_compile: {func} ran during the recompute{f' of {name}' if name else ''} but not in "
+                "the forward: the checkpointed function ran other ops the second time (state it reads "
+                f"changed between the forward and the backward){hint}"
             )
         e = entries[idx]
         if e.served_write is not None and st.same_write_targets(

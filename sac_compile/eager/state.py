@@ -112,6 +112,7 @@ class _State:
         self.packs = 0  # tensors the checkpoint saved so far (forward)
         self.pack_hook: Any = None  # (forward) our pack hook, on top of the checkpoint's
         self.early_stop = True  # the checkpoint stops its recompute at the last saved tensor
+        self.where = ("", "")  # (name, hint) of the checkpointed function, for recompute errors
         self.recompute_hooks = 1  # saved-tensor hook pairs the recompute pushed: the checkpoint's, ours
         self.write_targets = _StorageSet()  # written by served writes (outside tensors)
         # (recompute) served writes into outside tensors still ahead:

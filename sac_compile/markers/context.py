@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _transformers as transformers_layers
 from .._compat import dynamo, frames
 from . import ops
 from . import regions as _regions
@@ -48,8 +49,9 @@ class Enclosing:
     decorated: tuple[str, ...] = ()
     #: checkpoint scopes of wrapped layers, outermost first: (scope id, scope text)
     scopes: tuple[tuple[int, str], ...] = ()
-    #: the compiled callable contains wrapped layers: code outside every scope is not
-    #: the user's checkpoint unit and stays untagged
+    #: the compiled callable contains wrapped layers (or layers transformers' own switch
+    #: checkpoints): code outside every scope is not the user's checkpoint unit and stays
+    #: untagged
     wrapped_inside: bool = False
     #: (region, module path, class name) of each declared region among ``regions``, for
     #: diagnostics (the path is relative to the compiled callable)
@@ -105,8 +107,9 @@ def enclosing_context(compiled_self: object = None) -> Enclosing:
     # the compiled callable (a module, a module's method, or a function taking modules),
     # else the outermost module called inside the compile
     root = dynamo.unwrap_compiled(roots[-1]) if roots else None
-    wrapped_inside = root is not None and any(
-        getattr(m, "_sac_seam", None) is not None for m in root.modules()
+    wrapped_inside = root is not None and (
+        any(getattr(m, "_sac_seam", None) is not None for m in root.modules())
+        or transformers_layers.checkpoints_inside(root)
     )
     paths = {id(m): p for p, m in root.named_modules()} if root is not None and owners else {}
     region_owners = tuple(

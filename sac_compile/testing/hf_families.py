@@ -25,7 +25,6 @@ _COMMON: dict[str, Any] = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
     intermediate_size=64,
-    use_cache=False,
     pad_token_id=0,
     bos_token_id=0,
     eos_token_id=0,

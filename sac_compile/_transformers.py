@@ -1,0 +1,121 @@
+"""What sac-compile relies on of Hugging Face ``transformers``' checkpointing conventions,
+in one place (transformers is never imported here: these are duck-typed reads of its
+modules, so code without transformers pays nothing).
+
+transformers 5.x checkpoints each decoder layer in ``GradientCheckpointingLayer.forward``
+(``transformers/modeling_layers.py``): when the layer's ``gradient_checkpointing`` flag is
+set, in training and with grad enabled, it calls ``_gradient_checkpointing_func`` on the
+layer's forward, and first turns cache writes off (``use_cache=False``; ``cache`` and
+``layer_past`` set to None unless the class sets ``_can_checkpoint_with_cache``: a layer
+that only reads the cache), with a one-time message. A layer that wrote its KV cache in
+the forward would write it again in the recompute (the recompute then runs other ops).
+
+The seam wraps a layer's ``__call__``, outside that forward, so it applies the same
+treatment itself (:func:`training_call`), in eager and traced calls alike; the message
+is logged once per layer class, from eager code only (a logging call in traced code is a
+graph break). transformers' own switch (``activation_checkpointing_enable``, the
+``Trainer``) applies its own, and :func:`checkpoints_inside` tells the compile backend
+that a model it compiles checkpoints its layers that way.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = [
+    "cache_arguments",
+    "checkpoints_inside",
+    "is_checkpointing_layer",
+    "note_caches_off",
+    "own_checkpointing_on",
+    "training_call",
+]
+
+log = logging.getLogger("sac_compile")
+
+# The keyword arguments GradientCheckpointingLayer.forward turns off (name -> value off).
+_CACHE_KWARGS = {"use_cache": False, "cache": None, "layer_past": None, "past_key_values": None}
+_READ_ONLY_OK = ("use_cache",)  # all a cache-reading layer (_can_checkpoint_with_cache) loses
+_noted: set[str] = set()
+
+
+def is_checkpointing_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``GradientCheckpointingLayer`` (its class carries
+    the ``_can_checkpoint_with_cache`` flag that class defines)."""
+    return hasattr(type(module), "_can_checkpoint_with_cache") and hasattr(module, "gradient_checkpointing")
+
+
+def own_checkpointing_on(module: nn.Module) -> bool:
+    """Whether transformers' own checkpointing is switched on for this layer."""
+    return getattr(module, "gradient_checkpointing", False) is True
+
+
+def checkpoints_inside(root: nn.Module) -> bool:
+    """Whether transformers' own checkpointing is on for some layer under ``root``."""
+    return any(is_checkpointing_layer(m) and own_checkpointing_on(m) for m in root.modules())
+
+
+@functools.cache
+def _cache_positions(cls: type) -> dict[str, int]:
+    """``{name: index in the call's positional arguments}`` of the cache parameters of
+    ``cls.forward`` (GPT-2 and RecurrentGemma pass the cache positionally). The signature
+    is the layer's own: transformers' wrappers keep it (``functools.wraps``)."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters)[1:]  # less self
+    except (TypeError, ValueError):
+        return {}
+    return {name: i for i, name in enumerate(params) if name in _CACHE_KWARGS}
+
+
+def training_call(
+    module: nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any], list[str]]:
+    """``(args, kwargs, what was turned off)`` for a checkpointed call of a transformers layer
+    in training with grad enabled: cache writes off, as transformers' own checkpointing turns
+    them off (see the module docstring), whether passed by keyword or by position; the
+    arguments given are not changed."""
+    turned: list[str] = []
+    names = _READ_ONLY_OK if type(module)._can_checkpoint_with_cache else _CACHE_KWARGS
+    positions = _cache_positions(type(module))
+    for name in names:
+        off = _CACHE_KWARGS[name]
+        i = positions.get(name)
+        if i is not None and i < len(args):
+            if args[i] is not None and args[i] is not False:
+                args = args[:i] + (off,) + args[i + 1 :]
+                turned.append(f"{name}={off}")
+        elif name in kwargs and kwargs[name] is not None and kwargs[name] is not False:
+            if not any(t.startswith(name) for t in turned):
+                kwargs = dict(kwargs)
+                kwargs[name] = off
+                turned.append(f"{name}={off}")
+    return args, kwargs, turned
+
+
+def note_caches_off(layer: str, turned: list[str]) -> None:
+    """Log, once per layer class, that a checkpointed layer was called with caching off."""
+    if layer not in _noted:
+        _noted.add(layer)
+        log.warning(
+            "sac_compile: caching is incompatible with activation checkpointing in %s: calling it with %s "
+            "while training, as transformers' own checkpointing does (a cache written in the forward "
+            "would be written again in the recompute)",
+            layer,
+            ", ".join(turned),
+        )
+
+
+def cache_arguments(args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """``name (class)`` of each argument that is a transformers cache object (a ``Cache``:
+    its class name ends in "Cache" and it has ``get_seq_length``), for error messages."""
+    found = []
+    items = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    for name, value in items:
+        if type(value).__name__.endswith("Cache") and hasattr(value, "get_seq_length"):
+            found.append(f"{name} ({type(value).__name__})")
+    return found
