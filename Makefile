@@ -59,6 +59,7 @@ bench: install
 	$(PY) benchmarks/hf_moe_keep_sets.py
 	$(PY) benchmarks/ep_moe.py
 	-$(PY) benchmarks/hf_families.py --compiled  # exits 1: JetMoE's compiled router (graph-reused)
+	$(PY) benchmarks/integrations.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

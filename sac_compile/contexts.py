@@ -41,6 +41,7 @@ from .diagnostics import eager as diagnosed
 from .eager import engine_contexts
 from .keep import format_keep, normalize_keep, parse_keep
 from .policy import SAVE_COSTLY, format_scope, parse_scope, validate_budget, validate_policy
+from .records import user_class_name
 
 __all__ = ["region_context_fn"]
 
@@ -90,8 +91,9 @@ def _region_contexts(scope: str, preserve_rng_state: bool, early_stop: bool):
     on_forward = None
     if module is not None and not diagnosed.engine_done(module, keep):
         on_forward = functools.partial(diagnosed.check_engine_call, module, keep)
+    where = (user_class_name(type(module)) if module is not None else "", "")
     _, forward, recompute = engine_contexts(
-        keep, policy, preserve_rng_state, early_stop, on_forward=on_forward
+        keep, policy, preserve_rng_state, early_stop, on_forward=on_forward, where=where
     )
     return forward, recompute
 

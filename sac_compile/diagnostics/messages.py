@@ -170,8 +170,9 @@ def no_pass(region: str, where: str, backend_name: str, note: str = "") -> Diagn
         region,
         where,
         f"its markers were compiled by torch.compile with backend {backend_name}, which does not run "
-        "sac_compile's tagging pass, so the region keeps nothing (and no checkpointing happens "
-        f"in the graph){note}. Compile with backend=sac_compile.sac_backend or make_sac_backend(keep=...).",
+        "sac_compile's tagging pass, so the region keeps nothing (a checkpoint in the graph recomputes "
+        f"everything; a wrapped layer is not checkpointed at all){note}. Compile with "
+        'backend="sac_compile" (sac_compile.sac_backend) or make_sac_backend(keep=...).',
     )
 
 
