@@ -216,6 +216,16 @@ def _step(model: nn.Module, ids: torch.Tensor):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same_step(model: nn.Module, ref: nn.Module, ids: torch.Tensor) -> None:
+    """One training step of each: the same loss and gradients, bit for bit."""
+    loss_ref, g_ref = _step(ref, ids)
+    loss, g = _step(model, ids)
+    assert torch.equal(loss, loss_ref)
+    assert g.keys() == g_ref.keys()
+    for n in g_ref:
+        assert torch.equal(g[n], g_ref[n]), n
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_eager_sac_keeping_every_region_is_bit_identical(family, monkeypatch):
     from sac_compile import seam
@@ -234,13 +244,7 @@ def test_eager_sac_keeping_every_region_is_bit_identical(family, monkeypatch):
     # cache changes GPT-2's ops: its gradients differ in the last bit)
     ref.config.use_cache = False
     hf.config_for(model, keep=sc.ALL_REGIONS).apply(model)
-    ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    loss_ref, g_ref = _step(ref, ids)
-    loss, g = _step(model, ids)
-    assert torch.equal(loss, loss_ref)
-    assert g.keys() == g_ref.keys()
-    for n in g_ref:
-        assert torch.equal(g[n], g_ref[n]), n
+    _assert_same_step(model, ref, torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1)))
     # every layer ran under the engine, entering the regions read for it, and kept something
     n_layers = len(model.get_submodule(hf.decoder_layers(model)[:-2]))
     assert len(engine_calls) == n_layers and all(stats for stats in engine_calls), engine_calls
@@ -263,11 +267,7 @@ def test_a_default_config_trains_as_under_transformers_own_checkpointing(family)
     else:
         ref.config.use_cache = False
     hf.config_for(model, keep=sc.ALL_REGIONS).apply(model)
-    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    loss_ref, g_ref = _step(ref, ids)
-    loss, g = _step(model, ids)
-    assert torch.equal(loss, loss_ref)
-    assert g.keys() == g_ref.keys() and all(torch.equal(g[n], g_ref[n]) for n in g_ref)
+    _assert_same_step(model, ref, torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1)))
 
 
 # one family per layout (dense, MoE with shared experts, mixed dense/MoE layers, hybrid
