@@ -46,6 +46,8 @@ __all__ = [
     "storage_holders",
     "tree_leaves",
     "tree_map",
+    "stand_in_maker",
+    "storage_tensor",
 ]
 
 # torch.utils._python_dispatch.TorchDispatchMode: the base class of dispatch modes
@@ -254,3 +256,45 @@ def mark_dynamo_free(mode: Any) -> None:
         skip = private("torch._dynamo.eval_frame", "skip_code")
         for code in cls._dynamo_free_codes:
             skip(code)
+
+
+# Note [tensor subclasses in the eager engine]
+# A traceable wrapper subclass (DTensor, as tensor parallelism makes it) has no storage of its
+# own: the engine's dispatch modes see the subclass's ops (a mode runs before the subclass's
+# own dispatch) and autograd saves the subclass tensors, but the bytes live in the inner
+# tensors it wraps. The engine names a subclass tensor's storage by its first inner tensor's
+# (``__tensor_flatten__``, the subclass protocol AOTAutograd uses), and makes a stand-in of a
+# dropped subclass output by ``__tensor_unflatten__`` around stand-ins of the inner tensors
+# (``torch.utils._python_dispatch.is_traceable_wrapper_subclass``, a private module).
+_is_wrapper_subclass = private("torch.utils._python_dispatch", "is_traceable_wrapper_subclass")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def storage_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for a traceable wrapper subclass the (first) inner tensor holding its bytes."""
+    while type(t) not in _PLAIN and _is_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        if not names:
+            break
+        t = getattr(t, names[0])
+    return t
+
+
+def stand_in_maker(t: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A function making an uninitialised stand-in of ``t``: a tensor of its geometry, dtype
+    and device; for a traceable wrapper subclass the same subclass and metadata around
+    stand-ins of its inner tensors. It holds no reference to ``t``'s bytes."""
+    if type(t) in _PLAIN or not _is_wrapper_subclass(t):
+        shape, stride, dtype, device = t.shape, t.stride(), t.dtype, t.device
+        return lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    names, ctx = t.__tensor_flatten__()
+    # (an inner attribute may be an opaque object, not a tensor: DTensor's device_mesh in 2.13)
+    values = {n: getattr(t, n) for n in names}
+    makers = {n: stand_in_maker(v) for n, v in values.items() if isinstance(v, torch.Tensor)}
+    opaque = {n: v for n, v in values.items() if n not in makers}
+    cls, size, stride = type(t), t.shape, t.stride()
+
+    def make() -> torch.Tensor:
+        return cls.__tensor_unflatten__({**opaque, **{n: f() for n, f in makers.items()}}, ctx, size, stride)
+
+    return make

@@ -38,7 +38,7 @@ from .._compat.checkpoint import (
     top_saved_tensors_hooks,
     tree_map,
 )
-from .op_facts import _rng_state, _set_rng_state, _storage, _tensors
+from .op_facts import _rng_state, _set_rng_state, _storage, _tensors, _untyped_storage
 
 __all__ = ["Bodies"]
 
@@ -148,7 +148,7 @@ class Bodies:
         def pack(t: torch.Tensor) -> Any:
             s = _storage(t)
             if s is not None and s not in body.saved:
-                storage = t.untyped_storage()
+                storage = _untyped_storage(t)
                 body.saved[s] = (StorageWeakRef(storage), storage.nbytes())
             return below[0](t) if below is not None else t.detach()
 
@@ -215,7 +215,7 @@ class Bodies:
             for k in _leaves_of(body.outputs):
                 s = _storage(k.value)
                 if s is not None and s not in held:
-                    held[s] = k.value.untyped_storage().nbytes()
+                    held[s] = _untyped_storage(k.value).nbytes()
             nbytes = sum(held.values())
             st.stats.held_bytes += nbytes
             st.stats.held_by_region[body.region] += nbytes

@@ -338,7 +338,7 @@ def _serve_leaf(leaf: Any, st: _State) -> Any:
         val = leaf.get_val(False)
         return detach_helper(val) if isinstance(val, torch.Tensor) else val
     if isinstance(leaf, _Geometry):
-        t = torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype, device=leaf.device)
+        t = leaf.make()
         st.stand_ins.add_tensor(t)
         return t
     return leaf

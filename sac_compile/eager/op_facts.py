@@ -10,14 +10,22 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._compat.checkpoint import tree_leaves, tree_map
+from .._compat.checkpoint import stand_in_maker, storage_tensor, tree_leaves, tree_map
+
+
+def _untyped_storage(t: torch.Tensor) -> Any:
+    """The storage holding ``t``'s bytes (a tensor subclass's: its inner tensor's, Note
+    [tensor subclasses in the eager engine] in sac_compile/_compat/checkpoint.py), or None
+    (sparse, ...)."""
+    try:
+        return storage_tensor(t).untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None
 
 
 def _storage(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (NotImplementedError, RuntimeError):
-        return None
+    s = _untyped_storage(t)
+    return None if s is None else s._cdata
 
 
 class _StorageSet:
@@ -31,11 +39,10 @@ class _StorageSet:
         self._refs: dict[int, StorageWeakRef] = {}
 
     def add_tensor(self, t: torch.Tensor) -> None:
-        try:
-            ref = StorageWeakRef(t.untyped_storage())
-        except (NotImplementedError, RuntimeError):
-            return
-        self._refs[ref.cdata] = ref
+        storage = _untyped_storage(t)
+        if storage is not None:
+            ref = StorageWeakRef(storage)
+            self._refs[ref.cdata] = ref
 
     def add_storage(self, storage: Any) -> None:
         ref = StorageWeakRef(storage)
@@ -146,13 +153,7 @@ def _arg_storages(args: Any) -> tuple[int, ...]:
 
 def _storage_objects(tensors: list[torch.Tensor]) -> list:
     """The untyped storage of each tensor (None where it has none: sparse, ...)."""
-    out = []
-    for t in tensors:
-        try:
-            out.append(t.untyped_storage())
-        except (NotImplementedError, RuntimeError):
-            out.append(None)
-    return out
+    return [_untyped_storage(t) for t in tensors]
 
 
 def _map_leaves(fn: Any, tree: Any) -> Any:
@@ -324,9 +325,10 @@ def _all_float_tensors(out: Any) -> bool:
 
 
 class _Geometry:
-    """Shape, strides, dtype and device of a dropped cached output."""
+    """What the stand-in of a dropped cached output needs: its shape, strides, dtype and
+    device (and, for a tensor subclass, its kind and metadata); ``make()`` builds one."""
 
-    __slots__ = ("device", "dtype", "shape", "stride")
+    __slots__ = ("make",)
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+        self.make = stand_in_maker(t)

@@ -12,7 +12,7 @@ import torch
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.checkpoint import storage_holders
 from ..keep import NO_REGION, RNG
-from .op_facts import _Geometry, _leaves, _map_leaves, _storage, _StorageSet
+from .op_facts import _Geometry, _leaves, _map_leaves, _storage, _StorageSet, _untyped_storage
 
 __all__ = ["EngineStats"]
 
@@ -337,7 +337,7 @@ class _State:
                 # a view of an input or parameter costs no memory of its own
                 if s not in seen and s in self.produced:
                     seen.add(s)
-                    nbytes = t.untyped_storage().nbytes()
+                    nbytes = _untyped_storage(t).nbytes()
                     self.stats.held_bytes += nbytes
                     key = "+".join(e.regions) or NO_REGION
                     self.stats.held_by_region[key] += nbytes
