@@ -10,15 +10,18 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .._compat.checkpoint import TorchDispatchMode
+from .._compat.checkpoint import TorchDispatchMode, storage_tensor
 from ..policy import communicates
 
 __all__ = ["autograd_saved_bytes", "collectives_run"]
 
 
 def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int] | None:
+    """``(address, weak reference, bytes)`` of the storage holding ``t``'s bytes (a tensor
+    subclass's, a DTensor's: its inner tensor's, Note [tensor subclasses in the eager engine]
+    in sac_compile/_compat/checkpoint.py)."""
     try:
-        s = t.untyped_storage()
+        s = storage_tensor(t).untyped_storage()
     except (NotImplementedError, RuntimeError):
         return None
     if s.device.type == "meta":
