@@ -82,7 +82,7 @@ def test_tensor_parallel_eager_every_keep_set():
     """Red before: ``AttributeError: 'Tensor' object has no attribute 'placements'`` in
     ColwiseParallel's output hook (the engine tracked storages of plain tensors only, so it
     took a DTensor kept value for dead and handed a plain stand-in to the recompute)."""
-    _check(run_ranks(_configurations, False, timeout=600))
+    _check(run_ranks(_configurations, False))
 
 
 def _held_bytes_without_tp(keeps: list) -> dict:
@@ -108,7 +108,7 @@ def test_each_rank_holds_its_shards_and_full_recompute_the_layer_inputs():
     """Eager, per rank: full recompute holds what it holds without TP (the layer inputs and
     RNG state: they are replicated); a kept region holds less than without TP (its sharded
     values are half per rank), more than full recompute."""
-    tp = run_ranks(_configurations, False, timeout=600)[0]
+    tp = run_ranks(_configurations, False)[0]
     whole = _held_bytes_without_tp(KEEPS)
     assert tp[()][2] == whole[()]
     for keep in (("attn",), ("mlp",), ("attn", "mlp"), None):
@@ -121,7 +121,62 @@ def test_tensor_parallel_compiled_every_keep_set():
     before, on 2.15: 0.71x the no-checkpoint bytes, from ``autograd_saved_bytes`` counting
     the DTensor weights' shards as held and missing DTensors autograd saved)."""
     keeps = [k for k in KEEPS if not (TORCH_213 and k in ((), ("mlp",)))]
-    results = run_ranks(_configurations, True, keeps, timeout=900)
+    results = run_ranks(_configurations, True, keeps)
     _check(results)
     if not TORCH_213:
         assert results[0][()][2] == 2 * 2 * 16 * 32 * 4  # two layers' inputs, [2, 16, 32] fp32
+
+
+def _fsdp2_x_tp(rank: int, world_size: int, keep: tuple[str, ...], compile: bool) -> dict:
+    """torchtitan's 2-D layout on a (dp=2, tp=2) mesh: TP inside each block, then the seam,
+    then ``fully_shard`` over dp (each block, then the root); SGD steps on per-dp-rank halves
+    of the batch against one process running the whole batch unsharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import sac_compile as sc
+    from sac_compile.testing.tp import REGIONS, LlamaStack, parallelize
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = LlamaStack(n=2, d=32)
+    model = LlamaStack(n=2, d=32)
+    model.load_state_dict(ref.state_dict())
+    parallelize(model, mesh["tp"])
+    sc.declare_regions(model, REGIONS)
+    for layer in model.layers:
+        sc.apply_selective_checkpointing(
+            layer, keep=set(keep), compile={"inner": "aot_eager"} if compile else False
+        )
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    dp_rank = mesh["dp"].get_local_rank()
+    worst_loss = worst_grad = 0.0
+    for _ in range(2):
+        x = torch.randn(4, 16, 32, generator=g)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = model(x.chunk(2)[dp_rank]).pow(2).mean()
+        loss.backward()
+        ref_loss = ref(x).pow(2).mean()
+        ref_loss.backward()
+        mean_loss = loss.detach().clone()
+        torch.distributed.all_reduce(mean_loss, group=mesh["dp"].get_group())
+        worst_loss = max(worst_loss, abs(mean_loss.item() / 2 - ref_loss.item()))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            worst_grad = max(worst_grad, (p.grad.full_tensor() - q.grad).abs().max().item())
+        opt.step()
+        ref_opt.step()
+    return {"loss": worst_loss, "grad": worst_grad}
+
+
+@pytest.mark.parametrize(
+    "keep, compile",
+    [(("attn",), False), pytest.param(("attn", "mlp"), True, marks=pytest.mark.slow)],
+    ids=["attn-eager", "attn+mlp-compiled"],
+)
+def test_fsdp2_x_tensor_parallel_matches_a_single_process(keep, compile):
+    for r in run_ranks(_fsdp2_x_tp, keep, compile, world_size=4):
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
