@@ -1,5 +1,6 @@
 """DTensor tensor parallelism on two gloo ranks: a Llama-style stack sharded as torchtitan
-shards Llama (``sac_compile.testing.tp``), every block wrapped by the seam.
+shards Llama (``sac_compile.testing.tp``: Colwise / Rowwise, and with sequence parallelism
+its full plan), every block wrapped by the seam.
 
 Each keep set against the same sharded model without checkpointing: gradients equal (the
 full gradients, all-gathered), and the bytes each rank holds for the backward ordered full
@@ -23,7 +24,7 @@ KEEPS: list[tuple[str, ...] | None] = [None, (), ("attn",), ("mlp",), ("attn", "
 TORCH_213 = torch.__version__.startswith("2.13")
 
 
-def _configurations(rank: int, world_size: int, compile: bool, keeps: list = KEEPS) -> dict:
+def _configurations(rank: int, world_size: int, compile: bool, keeps: list = KEEPS, sp: bool = False) -> dict:
     """Per keep set (None: no checkpoint): ``(loss difference, largest gradient difference,
     bytes held)``, the differences to no checkpoint (plain numbers: tensors do not outlive a
     rank's exit on their way back)."""
@@ -36,22 +37,25 @@ def _configurations(rank: int, world_size: int, compile: bool, keeps: list = KEE
     mesh = init_device_mesh("cpu", (world_size,))
     torch.manual_seed(1)
     x = torch.randn(2, 16, 32)
+    if sp:  # sequence parallel: the residual stream is this rank's chunk of the sequence
+        x = x.chunk(world_size, dim=1)[rank]
     runs = {}
     for keep in keeps:
+        torch._dynamo.reset()  # each configuration compiled afresh (not as a dynamic-shape recompile)
         torch.manual_seed(0)
-        stack = parallelize(LlamaStack(n=2, d=32), mesh)
+        stack = parallelize(LlamaStack(n=2, d=32), mesh, sequence_parallel=sp)
         sc.declare_regions(stack, REGIONS)
         for layer in stack.layers:
             if keep is not None:
-                sc.apply_selective_checkpointing(
-                    layer, keep=set(keep), compile={"inner": "aot_eager"} if compile else False
-                )
+                options = {"inner": "aot_eager", "dynamic": False}
+                sc.apply_selective_checkpointing(layer, keep=set(keep), compile=options if compile else False)
             elif compile:  # compiled, no checkpoint: the same compile without the tagging pass
-                layer.compile(backend=baseline_backend("aot_eager"))
+                layer.compile(backend=baseline_backend("aot_eager"), dynamic=False)
         held = sc.autograd_saved_bytes(stack, x, exclude=list(stack.parameters()))
         stack.zero_grad()
         loss = stack(x).sum()
         loss.backward()
+        loss = getattr(loss, "full_tensor", loss.detach)()
         # (the norms are not sharded: plain tensors)
         grads = {n: getattr(p.grad, "full_tensor", p.grad.clone)() for n, p in stack.named_parameters()}
         runs[keep] = (loss.detach(), grads, held)
@@ -78,11 +82,15 @@ def _check(results: list[dict]) -> None:
         assert max(per_rank[k][2] for k in (("attn",), ("mlp",)) if k in per_rank) < both
 
 
-def test_tensor_parallel_eager_every_keep_set():
+PLANS = pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sequence-parallel"])
+
+
+@PLANS
+def test_tensor_parallel_eager_every_keep_set(sp):
     """Red before: ``AttributeError: 'Tensor' object has no attribute 'placements'`` in
     ColwiseParallel's output hook (the engine tracked storages of plain tensors only, so it
     took a DTensor kept value for dead and handed a plain stand-in to the recompute)."""
-    _check(run_ranks(_configurations, False))
+    _check(run_ranks(_configurations, False, KEEPS, sp))
 
 
 def _held_bytes_without_tp(keeps: list) -> dict:
@@ -116,14 +124,17 @@ def test_each_rank_holds_its_shards_and_full_recompute_the_layer_inputs():
 
 
 @pytest.mark.slow
-def test_tensor_parallel_compiled_every_keep_set():
-    """Compiled per layer (``aot_eager``): full recompute holds the layer inputs only (red
-    before, on 2.15: 0.71x the no-checkpoint bytes, from ``autograd_saved_bytes`` counting
-    the DTensor weights' shards as held and missing DTensors autograd saved)."""
+@PLANS
+def test_tensor_parallel_compiled_every_keep_set(sp):
+    """Compiled per layer (``aot_eager``, ``dynamic=False``: with sequence parallelism a
+    dynamic-shape recompile fails in DTensor's sharding propagation, "unhashable type:
+    non-nested SymInt", without checkpointing too): full recompute holds the layer inputs
+    only (red before, on 2.15: 0.71x the no-checkpoint bytes, from ``autograd_saved_bytes``
+    counting the DTensor weights' shards as held and missing DTensors autograd saved)."""
     keeps = [k for k in KEEPS if not (TORCH_213 and k in ((), ("mlp",)))]
-    results = run_ranks(_configurations, True, keeps)
+    results = run_ranks(_configurations, True, keeps, sp)
     _check(results)
-    if not TORCH_213:
+    if not TORCH_213 and not sp:
         assert results[0][()][2] == 2 * 2 * 16 * 32 * 4  # two layers' inputs, [2, 16, 32] fp32
 
 

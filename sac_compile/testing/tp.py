@@ -69,20 +69,37 @@ class LlamaStack(nn.Module):
         return x
 
 
-def tp_plan() -> dict[str, Any]:
-    """torchtitan's Llama tensor-parallel plan for one block (no sequence parallelism)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def tp_plan(sequence_parallel: bool = False) -> dict[str, Any]:
+    """torchtitan's Llama tensor-parallel plan for one block; with ``sequence_parallel`` its
+    full plan: the norms ``SequenceParallel`` (activations sharded on the sequence between
+    the blocks), the attention's and feed forward's inputs gathered
+    (``PrepareModuleInput``), ``wo`` / ``w2`` reduce-scattering back to sequence shards."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
+    rowwise = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
     plan: dict[str, Any] = {f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
     plan.update({f"feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")})
-    plan.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+    plan.update({"attention.wo": rowwise, "feed_forward.w2": rowwise})
+    if sequence_parallel:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()})
+        plan.update({"attention": gather, "feed_forward": gather})
     return plan
 
 
-def parallelize(stack: LlamaStack, mesh: Any) -> LlamaStack:
-    """Shard every block of ``stack`` over the 1-D ``mesh`` with :func:`tp_plan`."""
+def parallelize(stack: LlamaStack, mesh: Any, sequence_parallel: bool = False) -> LlamaStack:
+    """Shard every block of ``stack`` over the 1-D ``mesh`` with :func:`tp_plan`. With
+    ``sequence_parallel`` the residual stream between the blocks is each rank's chunk of
+    the sequence (``x.chunk(world_size, dim=1)[rank]``, as torchtitan's embedding hands it
+    on), DTensors only inside the norms and projections."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     for layer in stack.layers:
-        parallelize_module(layer, mesh, tp_plan())
+        parallelize_module(layer, mesh, tp_plan(sequence_parallel))
     return stack
