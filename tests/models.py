@@ -10,7 +10,17 @@ import torch.nn as nn
 import sac_compile as sc
 from sac_compile.testing.models import Attention, Block, ScopedStack, Stack
 
-__all__ = ["MLP", "Attention", "Block", "ScopedStack", "Stack", "grads", "net_forward_bytes", "run_step"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "Block",
+    "ScopedStack",
+    "Stack",
+    "grads",
+    "lm_step",
+    "net_forward_bytes",
+    "run_step",
+]
 
 
 class MLP(nn.Module):
@@ -47,6 +57,16 @@ def run_step(fn, module: nn.Module, *inputs: torch.Tensor):
     out.sum().backward()
     g = [None if t is None else t.clone() for t in grads(module, *inputs)]
     return out.detach(), g
+
+
+def lm_step(model: nn.Module, ids: torch.Tensor):
+    """One training step of a transformers causal LM on ``ids`` (as labels too): ``(loss,
+    {parameter name: gradient})``, names as the unwrapped model has them."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    named = getattr(model, "_orig_mod", model).named_parameters()
+    return loss.detach(), {n: p.grad.clone() for n, p in named if p.grad is not None}
 
 
 def net_forward_bytes(fn) -> int:

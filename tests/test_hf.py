@@ -18,6 +18,8 @@ import sac_compile as sc  # noqa: E402
 from sac_compile import hf  # noqa: E402
 from sac_compile.testing.parity import parity_report  # noqa: E402
 
+from .models import lm_step  # noqa: E402
+
 MODELS = {
     "llama": (lambda: hf.tiny_llama(), ("attn", "mlp")),
     "qwen3moe-grouped_mm": (
@@ -36,14 +38,6 @@ def _pair(name: str):
     return ref, model, regions
 
 
-def _step(model: nn.Module, ids: torch.Tensor):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    named = getattr(model, "_orig_mod", model).named_parameters()
-    return loss.detach(), {n: p.grad.clone() for n, p in named if p.grad is not None}
-
-
 def _layer0(model: nn.Module) -> tuple[hf.LayerCall, torch.Tensor]:
     return hf.layer_call(model, hf.batch(model))
 
@@ -53,9 +47,9 @@ def test_eager_sac_is_bit_identical_to_the_unwrapped_model(name):
     ref, model, (a, b) = _pair(name)
     hf.config_for(model, keep={a, b}).apply(model)
     ids = hf.batch(model)
-    loss_ref, g_ref = _step(ref, ids)
+    loss_ref, g_ref = lm_step(ref, ids)
     for _ in range(2):  # a second step reuses everything
-        loss, g = _step(model, ids)
+        loss, g = lm_step(model, ids)
         assert torch.equal(loss, loss_ref)
         assert g.keys() == g_ref.keys()
         assert all(torch.equal(g[k], g_ref[k]) for k in g), [k for k in g if not torch.equal(g[k], g_ref[k])]
@@ -73,8 +67,8 @@ def test_compiled_per_layer_sac_matches_the_unwrapped_model(name, inner):
     ref, model, (a, b) = _pair(name)
     hf.config_for(model, keep={a}, compile={"inner": inner}).apply(model)
     ids = hf.batch(model)
-    loss_ref, g_ref = _step(ref, ids)
-    loss, g = _step(model, ids)
+    loss_ref, g_ref = lm_step(ref, ids)
+    loss, g = lm_step(model, ids)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     assert g.keys() == g_ref.keys()
     for k in g:
@@ -86,10 +80,10 @@ def test_whole_model_fullgraph_compile_with_declared_regions(name):
     ref, model, (a, _) = _pair(name)
     hf.config_for(model, keep={a}).apply(model)
     ids = hf.batch(model)
-    loss_ref, g_ref = _step(ref, ids)
+    loss_ref, g_ref = lm_step(ref, ids)
     with sc.collect_records() as recs:
         compiled = torch.compile(model, backend=sc.make_sac_backend({a}, inner="aot_eager"), fullgraph=True)
-        loss, g = _step(compiled, ids)
+        loss, g = lm_step(compiled, ids)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     for k in g:
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
@@ -159,8 +153,8 @@ def test_eager_experts_under_compile_are_reported_not_silently_uncompiled(caplog
     _, model, _ = _pair("qwen3moe-eager")
     hf.config_for(model, keep={"experts"}, compile={"inner": "aot_eager"}).apply(model)
     ids = hf.batch(model)
-    _step(model, ids)
-    _step(model, ids)
+    lm_step(model, ids)
+    lm_step(model, ids)
     msgs = [r.getMessage() for r in caplog.records if r.name == "sac_compile"]
     assert any("[graph-break] region 'experts'" in m for m in msgs), msgs
     assert not any("[unbalanced]" in m for m in msgs), msgs

@@ -23,7 +23,7 @@ import sac_compile as sc  # noqa: E402
 from sac_compile import hf  # noqa: E402
 from sac_compile.contexts import region_context_fn  # noqa: E402
 
-from .models import Block  # noqa: E402
+from .models import Block, lm_step  # noqa: E402
 
 INNER = "aot_eager"
 
@@ -47,14 +47,6 @@ def _llama(layers: int = 2):
 
 def _ids():
     return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-
-
-def _step(model: nn.Module, ids: torch.Tensor):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    named = getattr(model, "_orig_mod", model).named_parameters()
-    return loss.detach(), {n: p.grad.clone() for n, p in named if p.grad is not None}
 
 
 def _bit_identical(a, b) -> bool:
@@ -82,11 +74,11 @@ def test_a_default_config_trains_through_the_seam_like_transformers_own_checkpoi
 
     monkeypatch.setattr(_transformers, "_noted", set())  # (noted once per process)
     ids = _ids()
-    want = _step(_transformers_own(), ids)
+    want = lm_step(_transformers_own(), ids)
     model = _llama()
     hf.config_for(model, keep={"attn"}).apply(model)
     with caplog.at_level(logging.WARNING, logger="sac_compile"):
-        got = [_step(model, ids) for _ in range(2)]
+        got = [lm_step(model, ids) for _ in range(2)]
     assert all(_bit_identical(g, want) for g in got)
     notes = [r.getMessage() for r in caplog.records if "caching is incompatible" in r.getMessage()]
     assert notes == [
@@ -99,7 +91,7 @@ def test_a_default_config_trains_through_the_seam_like_transformers_own_checkpoi
 @pytest.mark.parametrize("how", ["per-layer", "whole-model"])
 def test_a_default_config_trains_compiled_like_transformers_own_checkpointing(how):
     ids = _ids()
-    want_loss, want = _step(_transformers_own(), ids)
+    want_loss, want = lm_step(_transformers_own(), ids)
     model = _llama()
     if how == "per-layer":
         hf.config_for(model, keep={"attn"}, compile={"inner": INNER}).apply(model)
@@ -108,7 +100,7 @@ def test_a_default_config_trains_compiled_like_transformers_own_checkpointing(ho
         model = torch.compile(model, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER))
     with sc.collect_records() as recs:
         for _ in range(2):
-            loss, got = _step(model, ids)
+            loss, got = lm_step(model, ids)
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
@@ -166,12 +158,12 @@ def test_a_recompute_running_other_ops_names_the_op_the_layer_and_the_cache():
 def test_transformers_switch_keeps_regions_eagerly_bit_identical_to_its_own_checkpointing():
     ids = _ids()
     own = _transformers_own()
-    want = _step(own, ids)
+    want = lm_step(own, ids)
     model = _llama()
     model.activation_checkpointing_enable(
         activation_checkpointing_kwargs=hf.checkpointing_kwargs(model, keep={"attn"})
     )
-    assert _bit_identical(_step(model, ids), want)
+    assert _bit_identical(lm_step(model, ids), want)
     none, full, kept = _held(_llama(), ids), _held(own, ids), _held(model, ids)
     assert full < kept < none, (full, kept, none)
     every = _llama()
@@ -193,7 +185,7 @@ def test_every_n_layers_is_honoured():
     )
     assert _held(all_layers, ids) < _held(model, ids) < _held(_llama(layers=4), ids)
     ref = _llama(layers=4)
-    assert _bit_identical(_step(model, ids), _step(ref, ids))
+    assert _bit_identical(lm_step(model, ids), lm_step(ref, ids))
 
 
 def test_the_kwargs_refuse_a_region_the_model_lacks():
@@ -208,7 +200,7 @@ def test_transformers_switch_compiled_marks_each_checkpoint_as_a_scope_with_its_
     (the backend's own, every region, does not apply), and the loss outside every scope stays
     untagged (red before: a "whole graph" scope recomputed the loss graph)."""
     ids = _ids()
-    want_loss, want = _step(_transformers_own(), ids)
+    want_loss, want = lm_step(_transformers_own(), ids)
     model = _llama()
     model.activation_checkpointing_enable(
         activation_checkpointing_kwargs=hf.checkpointing_kwargs(model, keep={"attn"})
@@ -216,7 +208,7 @@ def test_transformers_switch_compiled_marks_each_checkpoint_as_a_scope_with_its_
     compiled = torch.compile(model, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER))
     with sc.strict(), sc.collect_records() as recs:  # no diagnosis: none of them misfires
         for _ in range(2):
-            loss, got = _step(compiled, ids)
+            loss, got = lm_step(compiled, ids)
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
