@@ -82,15 +82,9 @@ def _check(results: list[dict]) -> None:
         assert max(per_rank[k][2] for k in (("attn",), ("mlp",)) if k in per_rank) < both
 
 
-PLANS = pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sequence-parallel"])
-
-
-@PLANS
-def test_tensor_parallel_eager_every_keep_set(sp):
-    """Red before: ``AttributeError: 'Tensor' object has no attribute 'placements'`` in
-    ColwiseParallel's output hook (the engine tracked storages of plain tensors only, so it
-    took a DTensor kept value for dead and handed a plain stand-in to the recompute)."""
-    _check(run_ranks(_configurations, False, KEEPS, sp))
+def _both_plans(rank: int, world_size: int, compile: bool, keeps: list) -> dict:
+    """:func:`_configurations` with and without sequence parallelism, in one spawn of the ranks."""
+    return {sp: _configurations(rank, world_size, compile, keeps, sp) for sp in (False, True)}
 
 
 def _held_bytes_without_tp(keeps: list) -> dict:
@@ -112,30 +106,36 @@ def _held_bytes_without_tp(keeps: list) -> dict:
     return out
 
 
-def test_each_rank_holds_its_shards_and_full_recompute_the_layer_inputs():
-    """Eager, per rank: full recompute holds what it holds without TP (the layer inputs and
-    RNG state: they are replicated); a kept region holds less than without TP (its sharded
-    values are half per rank), more than full recompute."""
-    tp = run_ranks(_configurations, False)[0]
-    whole = _held_bytes_without_tp(KEEPS)
+def test_tensor_parallel_eager_every_keep_set():
+    """Both plans (Colwise / Rowwise, and with sequence parallelism), every keep set. Per
+    rank, full recompute holds what it holds without TP (the layer inputs and RNG state:
+    replicated), a kept region less than without TP (its values are sharded). Red before:
+    ``AttributeError: 'Tensor' object has no attribute 'placements'`` in ColwiseParallel's
+    output hook (the engine tracked storages of plain tensors only, so it took a DTensor
+    kept value for dead and handed a plain stand-in to the recompute)."""
+    results = run_ranks(_both_plans, False, KEEPS)
+    for sp in (False, True):
+        _check([r[sp] for r in results])
+    tp, whole = results[0][False], _held_bytes_without_tp(KEEPS)
     assert tp[()][2] == whole[()]
     for keep in (("attn",), ("mlp",), ("attn", "mlp"), None):
         assert tp[keep][2] < whole[keep], (keep, tp[keep][2], whole[keep])
 
 
 @pytest.mark.slow
-@PLANS
-def test_tensor_parallel_compiled_every_keep_set(sp):
+def test_tensor_parallel_compiled_every_keep_set():
     """Compiled per layer (``aot_eager``, ``dynamic=False``: with sequence parallelism a
     dynamic-shape recompile fails in DTensor's sharding propagation, "unhashable type:
-    non-nested SymInt", without checkpointing too): full recompute holds the layer inputs
-    only (red before, on 2.15: 0.71x the no-checkpoint bytes, from ``autograd_saved_bytes``
-    counting the DTensor weights' shards as held and missing DTensors autograd saved)."""
+    non-nested SymInt", without checkpointing too), both plans: full recompute holds the
+    layer inputs only (red before, on 2.15: 0.71x the no-checkpoint bytes, from
+    ``autograd_saved_bytes`` counting the DTensor weights' shards as held and missing the
+    DTensors autograd saved)."""
     keeps = [k for k in KEEPS if not (TORCH_213 and k in ((), ("mlp",)))]
-    results = run_ranks(_configurations, True, keeps, sp)
-    _check(results)
-    if not TORCH_213 and not sp:
-        assert results[0][()][2] == 2 * 2 * 16 * 32 * 4  # two layers' inputs, [2, 16, 32] fp32
+    results = run_ranks(_both_plans, True, keeps)
+    for sp in (False, True):
+        _check([r[sp] for r in results])
+    if not TORCH_213:
+        assert results[0][False][()][2] == 2 * 2 * 16 * 32 * 4  # two layers' inputs, [2, 16, 32] fp32
 
 
 def _fsdp2_x_tp(rank: int, world_size: int, keep: tuple[str, ...], compile: bool) -> dict:
