@@ -20,7 +20,7 @@ KEEPS: list[tuple[str, ...] | None] = [None, (), ("attn",), ("mlp",), ("attn", "
 # torch 2.13's AOTAutograd saves a DeviceMesh among the tensors when a checkpoint recomputes a
 # tensor-parallel attention under torch.compile ("expected all tensors_saved_with_vc_check to
 # be Tensors"): PyTorch's own bug, reproduced without sac_compile by
-# examples/repros/tp_checkpoint_compile.py; 2.15 fixes it.
+# examples/repros/tp_checkpoint_compile.py; 2.14.1 and 2.15 run it.
 TORCH_213 = torch.__version__.startswith("2.13")
 
 

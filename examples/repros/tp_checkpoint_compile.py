@@ -1,5 +1,5 @@
 """PyTorch only (no sac_compile): torch 2.13's AOTAutograd fails a tensor-parallel block under
-``torch.utils.checkpoint`` + ``torch.compile``; torch 2.15 runs it.
+``torch.utils.checkpoint`` + ``torch.compile``; torch 2.14.1 and 2.15 run it.
 
 A Llama-style block (RMSNorm, SDPA attention with separate q/k/v/o, SwiGLU), sharded as
 torchtitan shards Llama (ColwiseParallel q/k/v and w1/w3, RowwiseParallel o and w2), on a
@@ -7,7 +7,7 @@ one-rank gloo mesh; the whole block checkpointed (full recompute, as torchtitan'
 
     torch 2.13.0: AssertionError: expected all tensors_saved_with_vc_check to be Tensors, got
                   types: [..., <class 'torch.distributed.device_mesh.DeviceMesh'>]
-    torch 2.15.0: ok
+    torch 2.14.1, 2.15.0: ok
 
 The partitioner saves the DeviceMesh (an opaque graph input) for the backward when the
 recomputed attention needs it, and 2.13's runtime counts it among the saved tensors. Without
