@@ -82,6 +82,7 @@ def training_call(
     turned: list[str] = []
     names = _READ_ONLY_OK if type(module)._can_checkpoint_with_cache else _CACHE_KWARGS
     positions = _cache_positions(type(module))
+    new_kwargs = None
     for name in names:
         off = _CACHE_KWARGS[name]
         i = positions.get(name)
@@ -90,11 +91,10 @@ def training_call(
                 args = args[:i] + (off,) + args[i + 1 :]
                 turned.append(f"{name}={off}")
         elif name in kwargs and kwargs[name] is not None and kwargs[name] is not False:
-            if not any(t.startswith(name) for t in turned):
-                kwargs = dict(kwargs)
-                kwargs[name] = off
-                turned.append(f"{name}={off}")
-    return args, kwargs, turned
+            new_kwargs = dict(kwargs) if new_kwargs is None else new_kwargs
+            new_kwargs[name] = off
+            turned.append(f"{name}={off}")
+    return args, kwargs if new_kwargs is None else new_kwargs, turned
 
 
 def note_caches_off(layer: str, turned: list[str]) -> None:
