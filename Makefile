@@ -18,6 +18,9 @@ else
 VENV   ?= .venv-torch$(TORCH)
 PIP_ENV := PIP_CONSTRAINT=$(abspath $(VENV))/no-constraints.txt
 endif
+# torchtitan and the two packages of its own that require torch: --no-deps, so that no
+# other torch is pulled (examples/torchtitan, tests/test_torchtitan.py)
+TORCHTITAN := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sac-compile-installed
 # pytest-xdist workers; Inductor's own compile pool is kept to one thread per worker.
@@ -35,7 +38,8 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	: > $(VENV)/no-constraints.txt
 	$(PIP_ENV) $(PY) -m pip install --quiet --upgrade pip
 	$(PIP_ENV) $(PY) -m pip install --quiet torch==$(TORCH)
-	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test,demo]'
+	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test,demo,torchtitan]'
+	$(PIP_ENV) $(PY) -m pip install --quiet --no-deps $(TORCHTITAN)
 	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
 	touch $(STAMP)
 
@@ -60,6 +64,9 @@ bench: install
 	$(PY) benchmarks/ep_moe.py
 	-$(PY) benchmarks/hf_families.py --compiled  # exits 1: JetMoE's compiled router (graph-reused)
 	$(PY) benchmarks/integrations.py
+	$(PY) examples/torchtitan/compare.py  # torchtitan's trainer, 1 process eager
+	$(PY) examples/torchtitan/compare.py --compile
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/torchtitan/compare.py --tp 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -4,6 +4,7 @@ autograd's hooks and by the garbage collector), and collectives counted by a dis
 from __future__ import annotations
 
 import gc
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -48,7 +49,9 @@ def autograd_saved_bytes(fn, *args: Any, exclude: Any = (), warmup: bool = True)
     that a Python object still references afterwards (the garbage collector: what a
     checkpoint holds, its inputs and RNG state, and the eager engine's cache, which
     autograd's hooks never see). Storages of ``fn``'s output and of the tensors in
-    ``exclude`` (pass the parameters) are left out. Runs ``fn(*args).sum().backward()``,
+    ``exclude`` (pass the parameters) are left out. A storage counts at its size once ``fn``
+    has returned, so one freed in place during the call (FSDP2 resizes the unsharded
+    parameters a layer's graph saves to 0 after its forward) holds nothing. Runs ``fn(*args).sum().backward()``,
     first once unmeasured when ``warmup`` (what a first call makes and keeps — a
     compilation's constants, lazy state — is not held for the backward); gradients
     accumulate accordingly. Agrees with ``torch.profiler``'s memory events within 1%
@@ -59,12 +62,12 @@ def autograd_saved_bytes(fn, *args: Any, exclude: Any = (), warmup: bool = True)
         fn(*args).sum().backward()
     skip = {s[0] for t in exclude if (s := _storage(t)) is not None}
     before = _live_storages()
-    packed: dict[int, tuple[StorageWeakRef, int]] = {}
+    packed: dict[int, tuple[StorageWeakRef, int, weakref.ref]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = _storage(t)
         if s is not None:
-            packed[s[0]] = s[1:]
+            packed[s[0]] = (*s[1:], weakref.ref(t))
         return t
 
     # What exists now is frozen for the call (gc.freeze), so that the second scan walks
@@ -81,7 +84,14 @@ def autograd_saved_bytes(fn, *args: Any, exclude: Any = (), warmup: bool = True)
     made = {c: v for c, v in after.items() if c not in before or before[c][0].expired()}
     if (s := _storage(out)) is not None:
         skip.add(s[0])  # the output is fn's, not held for the backward
-    held = {c: n for c, (ref, n) in {**made, **packed}.items() if c not in skip and not ref.expired()}
+    # A saved storage counts at its size once fn has returned: one that was freed in place
+    # meanwhile (FSDP's resharding: the unsharded parameters a compiled graph saves are
+    # resized to 0 after the layer's forward and gathered again for its backward) holds nothing.
+    # (Where the Python object is gone, autograd holds the tensor alone: its size when packed.)
+    for c, (ref, n, saved) in packed.items():
+        t = saved()
+        made[c] = (ref, s[2] if t is not None and (s := _storage(t)) is not None else n)
+    held = {c: n for c, (ref, n) in made.items() if c not in skip and not ref.expired()}
     out.sum().backward()
     return sum(held.values())
 

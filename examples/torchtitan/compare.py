@@ -1,0 +1,243 @@
+"""torchtitan's trainer with sac-compile beside its own activation checkpointing, one run.
+
+    python examples/torchtitan/compare.py                    # 1 process, eager
+    python examples/torchtitan/compare.py --compile          # torchtitan compiles each block
+    torchrun --nproc-per-node 2 examples/torchtitan/compare.py --tp 2 [--compile]
+
+Every configuration is a torchtitan ``Trainer`` built from the same command line (the CPU
+debug Llama-3 of ``cpu.py``, ``--debug.seed 0``), differing only in activation
+checkpointing: none, torchtitan's ``full`` and ``selective``, and the ``sac_compile_ac``
+override with several keep sets. Each trains ``--steps`` steps on the same batches
+(``loss`` is the last step's, ``max |dloss|`` the largest difference from no checkpoint
+over all steps), then one more batch measures the bytes held for the backward on this rank
+(``sac_compile.autograd_saved_bytes``: autograd's saves plus what checkpoints hold,
+parameters and buffers (the RoPE table) excluded; FSDP's unsharded parameters count only while
+they are allocated), then ``--iters`` further steps run interleaved (each round in a
+shuffled order) for the step time, a median ratio to no checkpoint with its 95% bootstrap
+interval. Compiled, torchtitan's compile uses ``inductor`` for its own policies and
+``--compile.backend sac_compile`` for the override (what a user passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
+
+import cpu  # noqa: E402
+
+MiB = 2**20
+SAC = "sac_compile_ac.sac_compile"
+CONFIGS = {
+    "no checkpoint": ["activation-checkpoint:none"],
+    "torchtitan full": ["activation-checkpoint:full"],
+    "torchtitan selective": [],  # the debug config's own choice
+    "sac keep {} (full)": ["--override.imports", SAC + '={"keep": []}'],
+    "sac keep attn": ["--override.imports", SAC + '={"keep": ["attn"]}'],
+    "sac keep mlp": ["--override.imports", SAC + '={"keep": ["mlp"]}'],
+    "sac keep attn+mlp": ["--override.imports", SAC + '={"keep": ["attn", "mlp"]}'],
+    # --compile only: the seam compiles each block (make_sac_backend), torchtitan's compile is off
+    # (the way for a FlexAttention model, for which torchtitan refuses a backend by name)
+    "sac keep attn (seam compiles)": ["--override.imports", SAC + '={"keep": ["attn"], "compile": true}'],
+}
+SEAM_COMPILES = "sac keep attn (seam compiles)"
+
+
+def _argv(name: str, args: argparse.Namespace) -> list[str]:
+    argv = ["--module", "cpu", "--config", "llama3_debugmodel_cpu", "--debug.seed", "0"]
+    argv += ["--training.steps", str(args.steps + args.iters + 2), "--metrics.log-freq", "1000000"]
+    argv += ["--training.seq-len", str(args.seq_len), "--training.local-batch-size", str(args.batch)]
+    if args.tp > 1:
+        argv += [
+            "--parallelism.tensor-parallel-degree",
+            str(args.tp),
+            "--parallelism.spmd-backend",
+            "full_dtensor",
+        ]
+    if args.compile and name != SEAM_COMPILES:
+        argv += ["--compile.enable", "--compile.components", "model"]
+        if name.startswith("sac"):
+            argv += ["--compile.backend", "sac_compile"]
+    return argv + CONFIGS[name]  # a tyro subcommand (activation-checkpoint:...) goes last
+
+
+class Run:
+    """One configuration's trainer, its batches and what it measured."""
+
+    def __init__(self, name: str, args: argparse.Namespace):
+        from torchtitan.config import ConfigManager
+
+        self.name = name
+        self.trainer = ConfigManager().parse_args(_argv(name, args)).build()
+        self.batches = self.trainer.batch_generator(self.trainer.dataloader)
+        self.losses: list[float] = []
+
+    def step(self, record: bool = False) -> None:
+        trainer = self.trainer
+        trainer.step += 1
+        if record:
+            forward_backward = trainer.forward_backward_step
+
+            def recorded(**kwargs):
+                loss = forward_backward(**kwargs)
+                self.losses.append(
+                    float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss)
+                )
+                return loss
+
+            trainer.forward_backward_step = recorded
+        try:
+            trainer.train_step(self.batches)
+        finally:
+            trainer.__dict__.pop("forward_backward_step", None)
+
+    def held_bytes(self) -> int:
+        import sac_compile as sc
+
+        trainer = self.trainer
+        input_dict, labels = next(self.batches)
+        input_dict = {k: v.to(trainer.device) for k, v in input_dict.items()}
+        inputs, labels, extra = trainer.post_dataloading_process(input_dict, labels.to(trainer.device))
+        tokens = (labels != -100).sum()
+        model = trainer.model_parts[0]
+
+        def loss():
+            out, _ = trainer.loss_fn(model(inputs, **extra), labels, tokens)
+            return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+        held = sc.autograd_saved_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
+        trainer.optimizers.zero_grad()
+        return held
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch that many ranks)")
+    parser.add_argument("--compile", action="store_true", help="torchtitan compiles each block")
+    parser.add_argument("--steps", type=int, default=4, help="training steps whose losses are compared")
+    parser.add_argument("--iters", type=int, default=15, help="interleaved timed steps per configuration")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument(
+        "--layers", type=int, default=None, help="keep the first N of the debug model's 6 layers"
+    )
+    parser.add_argument("--configs", default=None, help="comma-separated subset of: " + ", ".join(CONFIGS))
+    parser.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    args = parser.parse_args(argv)
+    if args.configs is None:
+        args.configs = ",".join(n for n in CONFIGS if args.compile or n != SEAM_COMPILES)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    if SEAM_COMPILES in names and not args.compile:
+        parser.error(f"'{SEAM_COMPILES}' is a compiled configuration: add --compile")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
+
+    cpu.install()
+    if not os.environ.get(cpu.ASSETS_ENV):
+        os.environ[cpu.ASSETS_ENV] = cpu.write_assets(tempfile.mkdtemp(prefix="sac-torchtitan-"))
+    if args.layers is not None:  # read by cpu.llama3_debugmodel_cpu
+        os.environ[cpu.LAYERS_ENV] = str(args.layers)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        parser.error(
+            f"--tp {args.tp} needs {args.tp} ranks (torchrun --nproc-per-node {args.tp}); WORLD_SIZE={world}"
+        )
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("WORLD_SIZE", "1")
+    import torch
+    import torch.distributed as dist
+    from _timing import interleaved_times, ratio_interval
+
+    # Seven trainers in one process compile the same block code (CheckpointWrapper.forward)
+    # once per policy and backend: more cache entries than Dynamo's default limit of 8,
+    # which a training process with one trainer never reaches.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 1024
+    _share_parallel_dims()
+    runs = [Run(name, args) for name in names]
+    rank = dist.get_rank()
+    for _ in range(args.steps):
+        for run in runs:
+            run.step(record=True)
+    held = {run.name: run.held_bytes() for run in runs}
+    times = interleaved_times({run.name: run.step for run in runs}, args.iters)
+    for run in runs:
+        run.trainer.close()
+
+    base = names[0]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    results = {}
+    for run in runs:
+        lo, hi = ratio_interval(times, lambda m, k=run.name: m[k] / m[base])
+        results[run.name] = {
+            "losses": run.losses,
+            "max_dloss": max(abs(a - b) for a, b in zip(run.losses, runs[0].losses)),
+            "held_bytes": held[run.name],
+            "step_ratio": med[run.name] / med[base],
+            "step_interval": [lo, hi],
+        }
+    if rank == 0:
+        mode = "compiled (torchtitan's per-block compile)" if args.compile else "eager"
+        print(
+            f"\ntorchtitan {_version()} debug Llama-3 on CPU, torch {torch.__version__}, {mode}, "
+            f"TP={args.tp}, batch {args.batch} x seq {args.seq_len}; held = this rank's bytes "
+            f"for the backward; step = median of {args.iters} interleaved steps / '{base}'\n"
+        )
+        print(
+            f"| configuration | loss (step {args.steps}) | max abs dloss | held MiB | vs none | step (95%) |"
+        )
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, r in results.items():
+            lo, hi = r["step_interval"]
+            print(
+                f"| {name} | {r['losses'][-1]:.5f} | {r['max_dloss']:.1e} | {r['held_bytes'] / MiB:.3f} | "
+                f"{r['held_bytes'] / results[base]['held_bytes']:.2f} | {r['step_ratio']:.2f}x ({lo:.2f}-{hi:.2f}) |"
+            )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+def _share_parallel_dims() -> None:
+    """Every trainer of this process uses the first one's ``ParallelDims`` (its device meshes).
+
+    One trainer per process is what torchtitan expects: a second one building meshes of its
+    own gets parameters on a mesh that is not the one ``fully_shard`` is handed (under
+    ``spmd_backend=full_dtensor``: "Expected param's DTensor mesh to be the same mesh").
+    """
+    from torchtitan.trainer import Trainer
+
+    build = Trainer.init_distributed
+    shared = []
+
+    def init_distributed(self):
+        if not shared:
+            shared.append(build(self))
+        return shared[0]
+
+    Trainer.init_distributed = init_distributed
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("torchtitan")
+
+
+if __name__ == "__main__":
+    main()

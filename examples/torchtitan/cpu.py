@@ -1,0 +1,160 @@
+"""What torchtitan 0.3.0 needs to train on a CPU: shims, synthetic assets, a CPU config.
+
+torchtitan targets GPUs and torch nightlies. None of this is needed on a GPU with the
+torch release torchtitan asks for; the plugin (``sac_compile_ac.py``) does not depend
+on any of it. Each shim is one function, named for what it works around:
+
+* ``device_is_cpu``: ``torchtitan.tools.utils`` picks the accelerator with
+  ``torch._utils._get_available_device_type() or "cuda"`` at import, so on a machine
+  without one it asks for CUDA. The shim sets ``device_type = "cpu"`` and a device
+  module with the handful of calls torchtitan makes (``set_device``,
+  ``memory_stats``, ...), before any other torchtitan module binds the names.
+* ``gpu_kernels_absent``: ``torchtitan.distributed.minimal_async_ep.kernels`` imports
+  ``triton`` at module level (Triton kernels of its expert-parallel dispatch, never
+  run by a dense model). Where ``triton`` is not installed (the CPU wheel of torch),
+  the module is replaced by one whose names raise when *called*.
+* ``set_timeout_alias``: the trainer calls ``torch.distributed.set_timeout`` after the
+  first step, which torch < 2.15 does not have; the alias sets the timeout of a gloo
+  group the way that call does (``_set_default_timeout`` of its backend).
+
+``write_assets(folder)`` writes a word-level tokenizer (``tokenizer.json`` of the
+``tokenizers`` library, 2,048 ids: the debug model's vocabulary) and a JSON-lines text
+corpus, standing in for the ``tests/assets`` folder of torchtitan's repository (not in
+its wheel). ``llama3_debugmodel_cpu`` is torchtitan's ``llama3_debugmodel`` with
+SDPA instead of FlexAttention (no CPU backward for the latter here), shorter
+sequences, the assets above, and no validation or checkpoint saving; pass this module
+as ``--module`` and the function as ``--config``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import sys
+import types
+
+import torch
+
+ASSETS_ENV = "SAC_TORCHTITAN_ASSETS"  # where write_assets put the tokenizer and corpus
+LAYERS_ENV = "SAC_TORCHTITAN_LAYERS"  # optional: keep the first N of the debug model's 6 layers
+VOCAB = 2048  # torchtitan's debug model: vocab_size=2048
+
+
+def _cpu_device_module() -> types.ModuleType:
+    module = types.ModuleType("sac_torchtitan_cpu_device")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    module.set_device = lambda device: None
+    module.current_device = lambda: 0
+    module.device_count = lambda: 1
+    module.synchronize = lambda device=None: None
+    module.empty_cache = lambda: None
+    module.reset_peak_memory_stats = lambda device=None: None
+    module.memory_stats = lambda device=None: {}
+    module.get_device_name = lambda device=None: "cpu"
+    module.get_device_properties = lambda device=None: types.SimpleNamespace(name="cpu", total_memory=total)
+    module.is_available = lambda: True
+    return module
+
+
+def device_is_cpu() -> None:
+    if "torchtitan.trainer" in sys.modules:
+        raise RuntimeError("cpu.install() must run before torchtitan.trainer is imported")
+    import torchtitan.tools.utils as utils
+
+    utils.device_type = "cpu"
+    utils.device_module = _cpu_device_module()
+
+
+def gpu_kernels_absent() -> None:
+    if importlib.util.find_spec("triton") is not None:
+        return
+    name = "torchtitan.distributed.minimal_async_ep.kernels"
+    stub = types.ModuleType(name)
+
+    def __getattr__(attr: str):
+        if attr.startswith("__"):  # module protocol (``__file__``, ...): absent, as on any module
+            raise AttributeError(attr)
+
+        def unavailable(*args, **kwargs):
+            raise RuntimeError(f"{name}.{attr} is a Triton GPU kernel; triton is not installed")
+
+        return unavailable
+
+    stub.__getattr__ = __getattr__
+    sys.modules[name] = stub
+
+
+def set_timeout_alias() -> None:
+    import torch.distributed as dist
+
+    if hasattr(dist, "set_timeout"):
+        return
+
+    def set_timeout(timeout, group=None):
+        group = group or dist.distributed_c10d._get_default_group()
+        for backend in (dist.Backend.GLOO,):
+            try:
+                group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
+            except (RuntimeError, AttributeError):  # not a gloo group: leave its timeout
+                del backend
+
+    dist.set_timeout = set_timeout
+
+
+def install() -> None:
+    """Every shim above, in the order they must run (before importing torchtitan.trainer)."""
+    device_is_cpu()
+    gpu_kernels_absent()
+    set_timeout_alias()
+
+
+def write_assets(folder: str) -> str:
+    """A tokenizer and a text corpus under ``folder`` (idempotent); returns ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer_dir = os.path.join(folder, "tokenizer")
+    corpus_dir = os.path.join(folder, "corpus")
+    os.makedirs(tokenizer_dir, exist_ok=True)
+    os.makedirs(corpus_dir, exist_ok=True)
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<unk>"]
+    words = [f"w{i}" for i in range(VOCAB - len(specials))]
+    vocab = {token: i for i, token in enumerate(specials + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(os.path.join(tokenizer_dir, "tokenizer.json"))
+    with open(os.path.join(tokenizer_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": specials[0], "eos_token": specials[1], "add_bos_token": True}, f)
+    rng = random.Random(0)  # a corpus with structure to learn: words follow in runs
+    with open(os.path.join(corpus_dir, "train.json"), "w") as f:
+        for _ in range(400):
+            start = rng.randrange(len(words))
+            text = " ".join(words[(start + 3 * i) % len(words)] for i in range(rng.randrange(200, 400)))
+            f.write(json.dumps({"text": text}) + "\n")
+    return folder
+
+
+def llama3_debugmodel_cpu():
+    """torchtitan's ``llama3_debugmodel`` sized and set up for a CPU (see the module docstring)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    folder = os.environ.get(ASSETS_ENV)
+    if not folder:
+        raise RuntimeError(f"set {ASSETS_ENV} to a folder cpu.write_assets wrote (the launcher does)")
+    config = llama3_debugmodel()
+    layers = os.environ.get(LAYERS_ENV)
+    if layers:
+        del config.model_spec.model.layers[int(layers) :]
+    for layer in config.model_spec.model.layers:  # torchtitan refuses attn_backend="sdpa" by name
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.hf_assets_path = os.path.join(folder, "tokenizer")
+    config.dataloader.dataset_path = os.path.join(folder, "corpus")
+    config.training.seq_len = 256
+    config.training.local_batch_size = 2
+    config.training.steps = 4
+    config.validator.enable = False
+    config.checkpoint.enable = False
+    config.metrics.enable_tensorboard = False
+    return config
