@@ -94,11 +94,7 @@ def set_timeout_alias() -> None:
 
     def set_timeout(timeout, group=None):
         group = group or dist.distributed_c10d._get_default_group()
-        for backend in (dist.Backend.GLOO,):
-            try:
-                group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)
-            except (RuntimeError, AttributeError):  # not a gloo group: leave its timeout
-                del backend
+        group._get_backend(torch.device("cpu"))._set_default_timeout(timeout)  # gloo's
 
     dist.set_timeout = set_timeout
 
