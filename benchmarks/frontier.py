@@ -35,39 +35,17 @@ import sys
 import torch
 from _baselines import BudgetBackend
 from _timing import interleaved_medians
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 import sac_compile as sc
 from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
+from sac_compile.inspection.flops import CountFlops, saved_bytes_and_backward_flops
 
 aten = torch.ops.aten
-_RNG_HOPS = {"run_with_rng_state", "run_and_save_rng_state", "graphsafe_run_with_rng_state"}
 
 
-# --- counting recomputed FLOPs ---------------------------------------------------------------
-
-
-def op_flops(func, args, kwargs, out) -> int:
-    """Matmul / attention / grouped-matmul FLOPs of one op (0 for everything else)."""
-    packet = getattr(func, "overloadpacket", None)
-    if packet in flop_registry:
-        return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu:  # not in PyTorch's registry
-        return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
-    if packet is getattr(aten, "_grouped_mm", None) or _is_hf_grouped_mm(func):
-        a, b = args[0], args[1]
-        if a.dim() == 2 and b.dim() == 3:  # tokens x k  @  experts x k x n
-            return 2 * a.shape[0] * a.shape[1] * b.shape[2]
-        return 2 * math.prod(out.shape) * a.shape[-1]
-    return 0
-
-
-def _is_hf_grouped_mm(func) -> bool:
-    """transformers' opaque grouped-matmul custom op (used under torch.compile in float32)."""
-    return str(getattr(func, "_name", "")) == "transformers::grouped_mm_fallback"
+# --- counting recomputed FLOPs (sac_compile.inspection.flops) ----------------------------------
 
 
 def _hf_grouped_mm():
@@ -76,47 +54,13 @@ def _hf_grouped_mm():
     return None if op is None else op.default
 
 
-class CountFlops(TorchDispatchMode):
-    supports_higher_order_operators = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if isinstance(func, torch._ops.HigherOrderOperator) and func.name() in _RNG_HOPS:
-            # (rng_state, op, *args): the recomputed seeded op runs inside, unseen otherwise
-            inner, inner_args = args[1], args[2:]
-            inner_out = out[1] if func.name() == "run_and_save_rng_state" else out
-            self.flops += op_flops(inner, inner_args, kwargs, inner_out)
-        elif isinstance(func, torch._ops.OpOverload):
-            self.flops += op_flops(func, args, kwargs, out)
-        return out
-
-
 def _loss(out) -> torch.Tensor:
     return (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
 
 
 def measure(fn, x: torch.Tensor, params) -> tuple[int, int]:
     """(saved bytes, backward FLOPs) of one forward + backward of ``fn(x)``."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _loss(fn(x))
-    counter = CountFlops()
-    with counter:
-        loss.backward()
-    return sum(storages.values()), counter.flops
+    return saved_bytes_and_backward_flops(fn, x, exclude=params)
 
 
 def measure_eager(unit, x: torch.Tensor, keep) -> tuple[int, int]:

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("compiler", "eager"),
     ("seam", "config", "contexts"),
     ("hf", "inspection"),
+    ("planning",),
     ("__init__",),
     ("testing",),
 ]

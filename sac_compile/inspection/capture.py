@@ -18,7 +18,7 @@ from ..compiler import backend as _backend
 from ..compiler import session
 from .report import PartitionReport, build_partition
 
-__all__ = ["capture_partition"]
+__all__ = ["capture_partition", "fresh_compile"]
 
 
 class _FreshBackend:
@@ -43,6 +43,20 @@ def _resolve_backend(backend: Any) -> _backend.SacBackend:
     )
 
 
+@contextlib.contextmanager
+def fresh_compile(fn, backend: Any):
+    """``fn`` compiled afresh with ``backend`` (a sac backend, or ``"inductor"`` / ``"aot_eager"``
+    without checkpointing), for use inside the ``with`` block: both compile caches off (a
+    cache hit would skip the tagging pass), a backend object of its own and its own
+    ``isolate_recompiles`` bucket, so its cache entries do not count against the
+    ``recompile_limit`` of your own ``torch.compile`` calls on ``fn``'s code."""
+    sac = _resolve_backend(backend)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inductor.pass_skipping_caches_disabled())
+        stack.enter_context(dynamo.dynamo_config().patch(accumulated_recompile_limit=1 << 20))
+        yield torch.compile(fn, backend=_FreshBackend(sac), isolate_recompiles=True)
+
+
 def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> PartitionReport:
     """Compile ``fn`` with ``backend``, run forward and backward once, report the partition.
 
@@ -53,14 +67,11 @@ def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> Par
     ``recompile_limit`` of your own ``torch.compile`` calls (they stay in memory). ``fn``'s output must be a tensor or a
     structure of tensors; backward runs on the sum of its floating-point parts.
     """
-    sac = _resolve_backend(_backend.sac_backend if backend is None else backend)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(inductor.pass_skipping_caches_disabled())
-        stack.enter_context(dynamo.dynamo_config().patch(accumulated_recompile_limit=1 << 20))
         units = stack.enter_context(session.capture_units())
-        # isolate_recompiles: the capture's entries do not count against the
-        # recompile_limit of the user's own torch.compile calls on fn's code.
-        compiled = torch.compile(fn, backend=_FreshBackend(sac), isolate_recompiles=True)
+        compiled = stack.enter_context(
+            fresh_compile(fn, _backend.sac_backend if backend is None else backend)
+        )
         out = compiled(*args, **kwargs)
         loss = _scalar_loss(out)
         if loss is not None and loss.requires_grad:

@@ -1,0 +1,90 @@
+"""Recomputed FLOPs, counted: the matmul / attention / grouped-matmul FLOPs a backward runs.
+
+A dispatch mode over the backward of an ``aot_eager``-compiled function sees every op the
+partitioner put there, recomputed ones included; subtracting the no-checkpoint backward's
+count leaves what checkpointing recomputes. Only the ops that dominate a layer's cost are
+counted (``costly_flops``), so the figure is noise-free and comparable across configurations.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from .._compat.checkpoint import TorchDispatchMode
+from .._compat.ops import HigherOrderOperator, OpOverload, op_name
+
+__all__ = ["CountFlops", "costly_flops", "saved_bytes_and_backward_flops"]
+
+aten = torch.ops.aten
+# The partitioner wraps a recomputed seeded op (the CPU SDPA kernel among them) in one of
+# these: (rng_state, op, *args); the op inside is dispatched unseen otherwise.
+_RNG_HOPS = {"run_with_rng_state", "run_and_save_rng_state", "graphsafe_run_with_rng_state"}
+_HF_GROUPED_MM = "transformers.grouped_mm_fallback"  # transformers' opaque grouped-mm custom op
+
+
+def costly_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Matmul / attention / grouped-matmul FLOPs of one op call (0 for every other op)."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet in flop_registry:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:  # not in PyTorch's registry
+        return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+    if packet is getattr(aten, "_grouped_mm", None) or op_name(func) == _HF_GROUPED_MM:
+        a, b = args[0], args[1]
+        if a.dim() == 2 and b.dim() == 3:  # tokens x k  @  experts x k x n
+            return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+        return 2 * math.prod(out.shape) * a.shape[-1]
+    return 0
+
+
+class CountFlops(TorchDispatchMode):
+    """``with CountFlops() as c: ...``: ``c.flops`` is the :func:`costly_flops` of every op run."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(func, HigherOrderOperator) and func.name() in _RNG_HOPS:
+            inner, inner_args = args[1], args[2:]
+            inner_out = out[1] if func.name() == "run_and_save_rng_state" else out
+            self.flops += costly_flops(inner, inner_args, kwargs, inner_out)
+        elif isinstance(func, OpOverload):
+            self.flops += costly_flops(func, args, kwargs, out)
+        return out
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
+
+
+def saved_bytes_and_backward_flops(fn, *args: Any, exclude: Any = ()) -> tuple[int, int]:
+    """``(bytes autograd saves, costly backward FLOPs)`` of one forward + backward of ``fn(*args)``.
+
+    Bytes are the distinct storages the forward's saved-tensors hooks see, at their size when
+    saved, those of ``exclude`` (pass the parameters) left out; the backward runs under
+    :class:`CountFlops`. A first output that is a tuple or list is reduced by its first item.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _loss(fn(*args))
+    counter = CountFlops()
+    with counter:
+        loss.backward()
+    return sum(storages.values()), counter.flops

@@ -1,0 +1,267 @@
+"""``plan``: the least recompute that fits a memory target, chosen from measured candidates.
+
+A keep set is a user's guess, and PyTorch's ``activation_memory_budget`` is a fraction of an
+unknown quantity. :func:`plan` measures instead: it compiles the module (one checkpoint
+scope, ``aot_eager``, no codegen, both compile caches off) once per candidate — every keep
+set over the module's regions (all subsets up to :data:`MAX_EXHAUSTIVE_REGIONS` regions;
+beyond, the empty set, each region alone, every region, and each region left out) crossed
+with knapsack budgets and region policies — and counts, for each, the bytes autograd saves
+for the backward (distinct storages, parameters and buffers excluded, the module's inputs
+included) and the matmul / attention / grouped-matmul FLOPs its backward recomputes
+(:mod:`sac_compile.inspection.flops`). It returns the candidate with the least recompute
+whose bytes fit ``memory`` (ties: fewer bytes), with the whole table.
+
+Guarantees (``tests/test_planning.py``): the chosen plan's measured bytes never exceed
+``memory``; for one module and candidate set, a larger ``memory`` never gives more
+recompute (the choice is a minimum over a feasible set that only grows); when nothing fits,
+a ``ValueError`` names the smallest reachable bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_budget, validate_policy
+
+__all__ = ["MAX_EXHAUSTIVE_REGIONS", "Candidate", "Plan", "plan"]
+
+#: Up to this many regions every keep set is a candidate (2**n of them).
+MAX_EXHAUSTIVE_REGIONS = 4
+#: Knapsack budgets tried beside each keep set (``None``: the keep set alone).
+DEFAULT_BUDGETS: tuple[float | None, ...] = (None, 0.1, 0.2, 0.3, 0.5, 0.7)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One measured configuration."""
+
+    keep: frozenset[str]
+    budget: float | None
+    policy: RegionPolicy
+    saved_bytes: int
+    recompute_flops: int
+    pareto: bool = False  # no other candidate has <= bytes and <= FLOPs, one of them strictly
+
+    @property
+    def label(self) -> str:
+        keep = "+".join(sorted(self.keep)) or "{} (full)"
+        parts = [f"keep {keep}"]
+        if self.budget is not None:
+            parts.append(f"budget {self.budget:g}")
+        if self.policy is not SAVE_COSTLY:
+            parts.append(_policy_name(self.policy))
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen candidate (``keep``, ``budget``, ``policy`` and its figures) and the table."""
+
+    memory: int  # the target, in bytes
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    no_checkpoint_bytes: int
+    regions: tuple[str, ...]
+    search: str  # "exhaustive" or how keep sets were picked
+
+    @property
+    def keep(self) -> frozenset[str]:
+        return self.chosen.keep
+
+    @property
+    def budget(self) -> float | None:
+        return self.chosen.budget
+
+    @property
+    def policy(self) -> RegionPolicy:
+        return self.chosen.policy
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.chosen.saved_bytes
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.chosen.recompute_flops
+
+    def format(self) -> str:
+        """The candidate table, sorted by bytes: ``*`` Pareto, ``>`` the choice."""
+        lines = [
+            f"plan: memory {self.memory:,} B ({self.memory / max(self.no_checkpoint_bytes, 1):.2f} of the "
+            f"no-checkpoint {self.no_checkpoint_bytes:,} B); regions {', '.join(self.regions) or '(none)'}; "
+            f"{len(self.candidates)} candidates ({self.search})",
+            f"  {'':2}{'configuration':<44}{'saved B':>14}{'vs none':>9}{'recomputed FLOP':>18}",
+        ]
+        for c in sorted(self.candidates, key=lambda c: (c.saved_bytes, c.recompute_flops)):
+            mark = (">" if c is self.chosen else " ") + ("*" if c.pareto else " ")
+            ratio = c.saved_bytes / max(self.no_checkpoint_bytes, 1)
+            lines.append(f"  {mark}{c.label:<44}{c.saved_bytes:>14,}{ratio:>9.2f}{c.recompute_flops:>18,}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def select(self, memory: int | float) -> Plan:
+        """The same candidates, chosen for another ``memory`` (nothing measured again)."""
+        return _choose(_target(memory, self.no_checkpoint_bytes), self.candidates, self)
+
+    def config(self, layers: str, regions: dict[str, str] | None = None, **options: Any):
+        """A :class:`~sac_compile.SacConfig` applying the plan to every layer matching ``layers``
+        (compiled per layer when the plan has a budget: budgets act in compiled code only)."""
+        from .config import SacConfig
+
+        compile_ = options.pop("compile", self.budget is not None)
+        if self.budget is not None and compile_ is False:
+            raise ValueError(
+                f"the plan has budget={self.budget:g}, which only compiled code honours; "
+                "leave compile at its default (True for such a plan) or plan with budgets=(None,)"
+            )
+        return SacConfig(
+            layers=layers,
+            keep=self.keep,
+            regions=regions or {},
+            compile=compile_,
+            policy=self.policy,
+            budget=self.budget,
+            **options,
+        )
+
+
+def plan(
+    module: nn.Module,
+    *example_args: Any,
+    memory: int | float,
+    budgets: Iterable[float | None] = DEFAULT_BUDGETS,
+    policies: Sequence[RegionPolicy] = (SAVE_COSTLY,),
+    **example_kwargs: Any,
+) -> Plan:
+    """Measure candidates on ``module(*example_args, **example_kwargs)`` and choose one.
+
+    Args:
+        module: one checkpoint scope's worth of model (a decoder layer), its regions marked
+            or declared.
+        memory: bytes the backward may hold for the scope (``int``), or a fraction of the
+            no-checkpoint bytes (``float`` in [0, 1]).
+        budgets: knapsack budgets tried with each keep set (``None``: none).
+        policies: region policies tried (``SAVE_COSTLY``, ``SAVE_ALL``, your own).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"plan measures an nn.Module (one layer), got {type(module).__name__}")
+    budgets = tuple(dict.fromkeys(validate_budget(b) for b in budgets))  # 0 is no budget
+    if not budgets:
+        raise ValueError("plan needs at least one budget (None for the keep set alone)")
+    if not policies:
+        raise ValueError("plan needs at least one region policy (sac_compile.SAVE_COSTLY)")
+    policies = tuple(validate_policy(p) for p in policies)
+    _target(memory, 0)  # its type and range, before anything is compiled
+
+    def run(backend) -> tuple[int, int]:
+        return _measure(module, backend, example_args, example_kwargs)
+
+    from .compiler.backend import baseline_backend, make_sac_backend
+    from .keep import ALL_REGIONS
+
+    base_bytes, base_flops = run(baseline_backend("aot_eager"))
+    target = _target(memory, base_bytes)
+    regions = _regions(module, example_args, example_kwargs, make_sac_backend(ALL_REGIONS, inner="aot_eager"))
+    keep_sets, search = _keep_sets(regions)
+    found = []
+    for policy, keep, budget in itertools.product(policies, keep_sets, budgets):
+        if policy is not policies[0] and not keep:
+            continue  # a policy only decides inside kept regions: keep={} is the same for all
+        saved, flops = run(make_sac_backend(set(keep), policy=policy, budget=budget, inner="aot_eager"))
+        found.append(Candidate(frozenset(keep), budget, policy, saved, max(flops - base_flops, 0)))
+    table = Plan(target, found[0], tuple(_mark_pareto(found)), base_bytes, tuple(regions), search)
+    return _choose(target, table.candidates, table)
+
+
+def _choose(target: int, candidates: tuple[Candidate, ...], table: Plan) -> Plan:
+    """The least recompute within ``target`` bytes (ties: fewer bytes, no budget, fewer regions)."""
+    fitting = [c for c in candidates if c.saved_bytes <= target]
+    if not fitting:
+        smallest = min(c.saved_bytes for c in candidates)
+        base = table.no_checkpoint_bytes
+        raise ValueError(
+            f"no candidate fits memory={target:,} B: the smallest reachable is {smallest:,} B "
+            f"({smallest / max(base, 1):.2f} of the no-checkpoint {base:,} B); "
+            "raise memory, or checkpoint smaller scopes"
+        )
+    chosen = min(fitting, key=lambda c: (c.recompute_flops, c.saved_bytes, c.budget is not None, len(c.keep)))
+    return Plan(target, chosen, candidates, table.no_checkpoint_bytes, table.regions, table.search)
+
+
+def _target(memory: Any, base_bytes: int) -> int:
+    if isinstance(memory, bool) or not isinstance(memory, (int, float)):
+        raise TypeError(
+            f"plan(memory={memory!r}): bytes (an int) or a fraction of the no-checkpoint bytes (a float)"
+        )
+    if isinstance(memory, float):
+        if not 0.0 <= memory <= 1.0:
+            raise ValueError(
+                f"plan(memory={memory!r}): a float is a fraction in [0, 1]; pass bytes as an int"
+            )
+        return int(memory * base_bytes)
+    if memory < 0:
+        raise ValueError(f"plan(memory={memory!r}): bytes must be >= 0")
+    return memory
+
+
+def _keep_sets(regions: Sequence[str]) -> tuple[list[tuple[str, ...]], str]:
+    if len(regions) <= MAX_EXHAUSTIVE_REGIONS:
+        sets = [c for n in range(len(regions) + 1) for c in itertools.combinations(regions, n)]
+        return sets, "exhaustive"
+    every = tuple(regions)
+    sets = [(), every, *((r,) for r in regions), *(tuple(x for x in regions if x != r) for r in regions)]
+    return sets, f"{len(regions)} regions: none, each alone, all, all but each"
+
+
+def _mark_pareto(found: list[Candidate]) -> list[Candidate]:
+    out = []
+    for c in found:
+        dominated = any(
+            o.saved_bytes <= c.saved_bytes
+            and o.recompute_flops <= c.recompute_flops
+            and (o.saved_bytes < c.saved_bytes or o.recompute_flops < c.recompute_flops)
+            for o in found
+        )
+        out.append(Candidate(c.keep, c.budget, c.policy, c.saved_bytes, c.recompute_flops, not dominated))
+    return out
+
+
+def _policy_name(policy: RegionPolicy) -> str:
+    if policy is SAVE_ALL:
+        return "SAVE_ALL"
+    return getattr(policy, "__name__", repr(policy))
+
+
+def _measure(module, backend, args, kwargs) -> tuple[int, int]:
+    from .inspection.capture import fresh_compile
+    from .inspection.flops import saved_bytes_and_backward_flops
+
+    exclude = [*module.parameters(), *module.buffers()]
+    with fresh_compile(module, backend) as compiled:
+        saved, flops = saved_bytes_and_backward_flops(lambda: compiled(*args, **kwargs), exclude=exclude)
+    module.zero_grad(set_to_none=True)
+    for a in [*args, *kwargs.values()]:
+        if isinstance(a, torch.Tensor) and a.grad is not None:
+            a.grad = None
+    return saved, flops
+
+
+def _regions(module, args, kwargs, backend) -> list[str]:
+    from .inspection.capture import capture_partition
+
+    report = capture_partition(module, *args, backend=backend, **kwargs)
+    module.zero_grad(set_to_none=True)
+    names: list[str] = []
+    for g in report.graphs:
+        for name in g.record.regions if g.record is not None else ():
+            if name not in names:
+                names.append(name)
+    return names

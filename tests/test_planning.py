@@ -1,0 +1,133 @@
+"""``sac_compile.planning.plan``: measured candidates, the choice and its guarantees."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sac_compile as sc
+from sac_compile.inspection.capture import capture_partition
+from sac_compile.inspection.flops import saved_bytes_and_backward_flops
+from sac_compile.planning import MAX_EXHAUSTIVE_REGIONS, plan
+from sac_compile.testing.models import Block
+
+BUDGETS = (None, 0.2, 0.5)
+
+
+@functools.lru_cache(maxsize=1)
+def _block_plan():
+    torch.manual_seed(0)
+    block = Block(32, heads=4)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    return block, x, plan(block, x, memory=0.5, budgets=BUDGETS)
+
+
+def test_every_keep_set_and_budget_is_measured_and_the_choice_fits():
+    block, x, p = _block_plan()
+    assert p.regions == ("attn", "mlp") and p.search == "exhaustive"
+    labels = {(c.keep, c.budget) for c in p.candidates}
+    keeps = [frozenset(), frozenset({"attn"}), frozenset({"mlp"}), frozenset({"attn", "mlp"})]
+    assert labels == {(k, b) for k in keeps for b in BUDGETS}
+    assert p.memory == int(0.5 * p.no_checkpoint_bytes)
+    assert p.saved_bytes <= p.memory
+    fitting = [c for c in p.candidates if c.saved_bytes <= p.memory]
+    assert p.recompute_flops == min(c.recompute_flops for c in fitting)
+    assert p.chosen.pareto
+    full = next(c for c in p.candidates if not c.keep and c.budget is None)
+    both = next(c for c in p.candidates if c.keep == {"attn", "mlp"} and c.budget is None)
+    assert full.saved_bytes < both.saved_bytes < p.no_checkpoint_bytes
+    assert full.recompute_flops > both.recompute_flops
+    assert "keep attn+mlp" in p.format() and ">*" in p.format()
+
+
+def test_the_chosen_plan_saves_what_the_partition_report_says():
+    """The planner's bytes against an independent count: the partition report of the same
+    configuration compiled again (parameters excluded, the layer input included)."""
+    block, x, p = _block_plan()
+    backend = sc.make_sac_backend(p.keep, policy=p.policy, budget=p.budget, inner="aot_eager")
+    report = capture_partition(block, x, backend=backend)
+    assert report.saved_bytes == p.saved_bytes
+    saved, _ = saved_bytes_and_backward_flops(
+        torch.compile(block, backend=sc.make_sac_backend(p.keep, budget=p.budget, inner="aot_eager")),
+        x,
+        exclude=list(block.parameters()),
+    )
+    assert saved == p.saved_bytes
+
+
+def test_more_memory_never_gives_more_recompute_and_the_bytes_always_fit():
+    _, _, p = _block_plan()
+    smallest = min(c.saved_bytes for c in p.candidates)
+    last = None
+    for memory in range(smallest, p.no_checkpoint_bytes + 1, 512):
+        chosen = p.select(memory)
+        assert chosen.saved_bytes <= memory
+        if last is not None:
+            assert chosen.recompute_flops <= last
+        last = chosen.recompute_flops
+    assert p.select(1.0).recompute_flops == 0  # the whole no-checkpoint budget: no recompute
+    assert p.select(float(p.memory) / p.no_checkpoint_bytes).memory <= p.memory
+
+
+def test_nothing_fits_names_the_smallest_reachable_bytes():
+    _, _, p = _block_plan()
+    smallest = min(c.saved_bytes for c in p.candidates)
+    with pytest.raises(ValueError, match=f"smallest reachable is {smallest:,} B"):
+        p.select(smallest - 1)
+
+
+def test_bad_arguments_are_refused_before_anything_is_compiled():
+    block = Block(32, heads=4)
+    x = torch.randn(2, 16, 32)
+    with pytest.raises(TypeError, match="nn.Module"):
+        plan(lambda t: t, x, memory=0.5)
+    with pytest.raises(ValueError, match="budget"):
+        plan(block, x, memory=0.5, budgets=(1.5,))
+    with pytest.raises(ValueError, match="at least one budget"):
+        plan(block, x, memory=0.5, budgets=())
+    with pytest.raises(ValueError, match="fraction in \\[0, 1\\]"):
+        plan(block, x, memory=2.0)
+    _, _, p = _block_plan()
+    with pytest.raises(TypeError, match="bytes \\(an int\\) or a fraction"):
+        p.select(True)
+    with pytest.raises(ValueError, match="fraction in \\[0, 1\\]"):
+        p.select(1.5)
+
+
+def test_config_applies_the_plan_and_compiles_when_it_has_a_budget():
+    _, _, p = _block_plan()
+    budgeted = next(c for c in p.candidates if c.budget is not None and c.saved_bytes < p.no_checkpoint_bytes)
+    q = p.select(budgeted.saved_bytes)
+    cfg = q.config(layers="layers.*")
+    assert cfg.keep == q.keep and cfg.budget == q.budget and cfg.policy is q.policy
+    assert bool(cfg.compile) is (q.budget is not None)
+    if q.budget is not None:
+        with pytest.raises(ValueError, match="only compiled code"):
+            q.config(layers="layers.*", compile=False)
+
+
+class _FiveRegions(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(d, d) for _ in range(5))
+
+    def forward(self, x):
+        for i, lin in enumerate(self.linears):
+            with sc.region(f"r{i}"):
+                x = torch.tanh(lin(x))
+        return x
+
+
+@pytest.mark.slow
+def test_many_regions_are_searched_not_enumerated():
+    torch.manual_seed(0)
+    m = _FiveRegions()
+    x = torch.randn(8, 16, requires_grad=True)
+    p = plan(m, x, memory=1.0, budgets=(None,))
+    assert len(p.regions) == 5 > MAX_EXHAUSTIVE_REGIONS
+    assert "none, each alone, all, all but each" in p.search
+    assert len(p.candidates) == 2 + 2 * 5
+    assert p.recompute_flops == 0
