@@ -109,7 +109,7 @@ class Plan:
 
     def select(self, memory: int | float) -> Plan:
         """The same candidates, chosen for another ``memory`` (nothing measured again)."""
-        return _choose(_target(memory, self.no_checkpoint_bytes), self.candidates, self)
+        return _choose(_target(memory, self.no_checkpoint_bytes), self)
 
     def config(self, layers: str, regions: dict[str, str] | None = None, **options: Any):
         """A :class:`~sac_compile.SacConfig` applying the plan to every layer matching ``layers``
@@ -178,11 +178,13 @@ def plan(
         saved, flops = run(make_sac_backend(set(keep), policy=policy, budget=budget, inner="aot_eager"))
         found.append(Candidate(frozenset(keep), budget, policy, saved, max(flops - base_flops, 0)))
     table = Plan(target, found[0], tuple(_mark_pareto(found)), base_bytes, tuple(regions), search)
-    return _choose(target, table.candidates, table)
+    return _choose(target, table)
 
 
-def _choose(target: int, candidates: tuple[Candidate, ...], table: Plan) -> Plan:
-    """The least recompute within ``target`` bytes (ties: fewer bytes, no budget, fewer regions)."""
+def _choose(target: int, table: Plan) -> Plan:
+    """``table``'s candidate with the least recompute within ``target`` bytes (ties: fewer
+    bytes, no budget, fewer regions)."""
+    candidates = table.candidates
     fitting = [c for c in candidates if c.saved_bytes <= target]
     if not fitting:
         smallest = min(c.saved_bytes for c in candidates)

@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -78,25 +77,21 @@ class Run:
         self.trainer = ConfigManager().parse_args(_argv(name, args)).build()
         self.batches = self.trainer.batch_generator(self.trainer.dataloader)
         self.losses: list[float] = []
+        self.recording = False
+        forward_backward = self.trainer.forward_backward_step
+
+        def recorded(**kwargs):
+            loss = forward_backward(**kwargs)
+            if self.recording:
+                self.losses.append(float(_whole(loss.detach())))
+            return loss
+
+        self.trainer.forward_backward_step = recorded
 
     def step(self, record: bool = False) -> None:
-        trainer = self.trainer
-        trainer.step += 1
-        if record:
-            forward_backward = trainer.forward_backward_step
-
-            def recorded(**kwargs):
-                loss = forward_backward(**kwargs)
-                self.losses.append(
-                    float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss)
-                )
-                return loss
-
-            trainer.forward_backward_step = recorded
-        try:
-            trainer.train_step(self.batches)
-        finally:
-            trainer.__dict__.pop("forward_backward_step", None)
+        self.trainer.step += 1
+        self.recording = record
+        self.trainer.train_step(self.batches)
 
     def held_bytes(self) -> int:
         import sac_compile as sc
@@ -110,7 +105,7 @@ class Run:
 
         def loss():
             out, _ = trainer.loss_fn(model(inputs, **extra), labels, tokens)
-            return out.full_tensor() if hasattr(out, "full_tensor") else out
+            return _whole(out)
 
         held = sc.autograd_saved_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
         trainer.optimizers.zero_grad()
@@ -142,9 +137,6 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
 
-    cpu.install()
-    if not os.environ.get(cpu.ASSETS_ENV):
-        os.environ[cpu.ASSETS_ENV] = cpu.write_assets(tempfile.mkdtemp(prefix="sac-torchtitan-"))
     if args.layers is not None:  # read by cpu.llama3_debugmodel_cpu
         os.environ[cpu.LAYERS_ENV] = str(args.layers)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -152,10 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(
             f"--tp {args.tp} needs {args.tp} ranks (torchrun --nproc-per-node {args.tp}); WORLD_SIZE={world}"
         )
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    os.environ.setdefault("WORLD_SIZE", "1")
+    cpu.prepare()
     import torch
     import torch.distributed as dist
     from _timing import interleaved_times, ratio_interval
@@ -211,6 +200,11 @@ def main(argv: list[str] | None = None) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return results
+
+
+def _whole(t):
+    """A DTensor loss (tensor parallel) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _share_parallel_dims() -> None:

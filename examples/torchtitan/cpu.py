@@ -33,6 +33,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import types
 
 import torch
@@ -104,6 +105,18 @@ def install() -> None:
     device_is_cpu()
     gpu_kernels_absent()
     set_timeout_alias()
+
+
+def prepare() -> None:
+    """What both launchers do before torchtitan starts: the shims, the assets (once per
+    process tree: ``SAC_TORCHTITAN_ASSETS``), and a single-process rendezvous where no
+    launcher (torchrun) set one."""
+    install()
+    if not os.environ.get(ASSETS_ENV):
+        os.environ[ASSETS_ENV] = write_assets(tempfile.mkdtemp(prefix="sac-torchtitan-"))
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
 
 
 def write_assets(folder: str) -> str:

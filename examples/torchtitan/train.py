@@ -11,7 +11,6 @@ Every argument is torchtitan's. This folder is put on ``sys.path`` so ``--module
 
 import os
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -20,12 +19,7 @@ import cpu  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    cpu.install()
-    if not os.environ.get(cpu.ASSETS_ENV):
-        os.environ[cpu.ASSETS_ENV] = cpu.write_assets(tempfile.mkdtemp(prefix="sac-torchtitan-"))
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    cpu.prepare()
     from torchtitan.train import main as torchtitan_main
 
     sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
