@@ -306,6 +306,33 @@ def test_budget_saves_the_kept_values_then_fills_up_to_the_budget():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_every_region_kept_with_a_budget_saves_what_the_keep_set_alone_saves():
+    """Every costly op kept (the demo's MoE layer): PyTorch's knapsack has nothing to choose,
+    and its short-circuit saved the CPU SDPA kernel's output tuple (pytorch/pytorch#188014:
+    the forward failed with "expected all tensors_saved_with_vc_check to be Tensors"). The
+    partition is redone without the budget, which then changes nothing."""
+    from sac_compile.testing.models import MoETransformer
+
+    torch.manual_seed(0)
+    model = MoETransformer(vocab=64, d=32, n_layers=1, heads=4, n_experts=4, top_k=2)
+    sc.declare_regions(model, MoETransformer.REGIONS)
+    x = model.embed(torch.randint(0, 64, (2, 16))).detach().requires_grad_()
+    layer = model.layers[0]
+
+    def saved(**kw):
+        torch._dynamo.reset()
+        backend = sc.make_sac_backend(sc.ALL_REGIONS, inner="aot_eager", **kw)
+        return sc.capture_partition(layer, x, backend=backend).saved_bytes
+
+    assert saved(budget=0.3) == saved()
+    torch._dynamo.reset()
+    params = [x, *layer.parameters()]
+    ref = torch.autograd.grad(layer(x).sum(), params)
+    out = torch.compile(layer, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner="aot_eager", budget=0.3))(x)
+    for a, b in zip(torch.autograd.grad(out.sum(), params), ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("policy", [SAVE_COSTLY, SAVE_ALL], ids=["save_costly", "save_all"])
 @pytest.mark.parametrize("keep", [(), {"attn"}, {"mlp"}, sc.ALL_REGIONS], ids=["none", "attn", "mlp", "all"])
 def test_compiled_gradients_match_eager_for_every_policy(policy, keep):

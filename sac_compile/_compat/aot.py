@@ -4,8 +4,10 @@ graphs they produce. Imported on first use.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from . import private
 
 __all__ = [
     "aot_autograd",
+    "copy_joint",
     "forward_saved_outputs",
     "is_buffer_input",
     "is_rng_state_output",
@@ -36,11 +39,41 @@ def make_boxed_func(fn):
     return private("functorch.compile", "make_boxed_func")(fn)
 
 
-def min_cut_rematerialization_partition(joint, joint_inputs, **kwargs: Any):
+def min_cut_rematerialization_partition(joint, joint_inputs, *, fallback=None, **kwargs: Any):
     """The min-cut partitioner (``torch/_functorch/partitioners.py``): reads ``node.meta``
-    ``"recompute"`` (a ``CheckpointPolicy``) and ``"ac_graph_id"`` on forward nodes."""
+    ``"recompute"`` (a ``CheckpointPolicy``) and ``"ac_graph_id"`` on forward nodes.
+
+    Note [budget short-circuit]: with ``node.meta["memory_budget"]`` below 1, when every node
+    the min-cut bans from recompute is an input or tagged ``MUST_SAVE`` (nothing is left for
+    the knapsack to trade), ``choose_saved_values_set`` returns ``inputs + must_save_nodes``
+    itself, and a ``MUST_SAVE`` multi-output op (the CPU SDPA kernel) is then saved as a
+    tuple: the forward fails with "expected all tensors_saved_with_vc_check to be Tensors"
+    (pytorch/pytorch#188014). Keeping every region of an attention layer with ``budget=``
+    hits it under ``aot_eager``. When the partition saves a tuple, ``fallback()`` (the joint
+    graph tagged without the budget: the knapsack had no choice to make) is partitioned
+    instead.
+    """
     partition = private("torch._functorch.partitioners", "min_cut_rematerialization_partition")
-    return partition(joint, joint_inputs, **kwargs)
+    fw, bw = partition(joint, joint_inputs, **kwargs)
+    if fallback is None or not _saves_a_tuple(fw):
+        return fw, bw
+    return partition(fallback(), joint_inputs, **kwargs)
+
+
+def _saves_a_tuple(fw: torch.fx.GraphModule) -> bool:
+    out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
+    return any(isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), (tuple, list)) for v in values)
+
+
+def copy_joint(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a joint graph module that a pass and the partitioner may mutate: new nodes,
+    each ``node.meta`` copied shallowly (its fake tensors shared), the same submodules."""
+    with warnings.catch_warnings():
+        # deep-copying the graph's pytree codegen trips pytree's LeafSpec deprecation warning
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(joint.graph)
+    return torch.fx.GraphModule(joint, graph)
 
 
 def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:

@@ -211,9 +211,19 @@ class SacBackend:
 
     def _compile_aot_eager(self, gm, example_inputs, pass_, unit):
         def partition(joint, joint_inputs, **kwargs):
+            fallback = None
+            if pass_ is not None:  # a budget may come from the backend or a seam's scope
+                untagged = aot.copy_joint(joint)
+
+                def fallback():  # Note [budget short-circuit] in _compat/aot.py
+                    pass_.without_budget()(untagged.graph)
+                    return untagged
+
             if pass_ is not None:
                 pass_(joint.graph)
-            return aot.min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+            return aot.min_cut_rematerialization_partition(
+                joint, joint_inputs, compiler="inductor", fallback=fallback, **kwargs
+            )
 
         def compiler(kind):
             def compile_graph(g, _inputs):

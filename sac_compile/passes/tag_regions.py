@@ -123,6 +123,23 @@ class TagRegionsPass(custom_graph_pass_base()):
         if not rec.repeat:
             self.publish(rec)
 
+    def without_budget(self) -> Callable[[fx.Graph], None]:
+        """The same pass with no knapsack: ``budget=None``, and a scope's own ``budget=`` (from
+        the seam) dropped too (Note [budget short-circuit] in ``_compat/aot.py``)."""
+
+        def run(graph: fx.Graph) -> None:
+            TagRegionsPass(
+                self.keep,
+                policy=self.policy,
+                options_key=self.options_key,
+                context=self.context,
+                publish=self.publish,
+            )(graph)
+            for n in graph.nodes:
+                n.meta.pop("memory_budget", None)
+
+        return run
+
     def uuid(self) -> bytes:
         extra = (
             f"keep={format_keep(self.keep)}|policy={policy_key(self.policy)}|budget={self.budget!r}"
