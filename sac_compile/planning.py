@@ -1,24 +1,29 @@
 """``plan``: the least recompute that fits a memory target, chosen from measured candidates.
 
 A keep set is a user's guess, and PyTorch's ``activation_memory_budget`` is a fraction of an
-unknown quantity. :func:`plan` measures instead: it compiles the module (one checkpoint
-scope, ``aot_eager``, no codegen, both compile caches off) once per candidate — every keep
-set over the module's regions (all subsets up to :data:`MAX_EXHAUSTIVE_REGIONS` regions;
-beyond, the empty set, each region alone, every region, and each region left out) crossed
-with knapsack budgets and region policies — and counts, for each, the bytes autograd saves
-for the backward (distinct storages, parameters and buffers excluded, the module's inputs
-included) and the matmul / attention / grouped-matmul FLOPs its backward recomputes
-(:mod:`sac_compile.inspection.flops`). It returns the candidate with the least recompute
-whose bytes fit ``memory`` (ties: fewer bytes), with the whole table.
+unknown quantity. :func:`plan` measures instead. It traces the module once (Dynamo and
+AOTAutograd, one checkpoint scope, both compile caches off) and partitions each joint graph
+once per candidate — every keep set over the module's regions (all subsets up to
+:data:`MAX_EXHAUSTIVE_REGIONS` regions; beyond, the empty set, each region alone, every
+region, and each region left out) crossed with knapsack budgets and region policies — with
+the tagging pass and min-cut partitioner an ``aot_eager`` compile uses, without codegen.
+From each partition it reads the bytes the backward keeps (distinct storages, parameters and
+buffers excluded, the module's inputs included: the partition report's ``saved_bytes``) and
+the matmul / attention / grouped-matmul FLOPs its backward recomputes
+(:func:`~sac_compile.inspection.flops.graph_costly_flops` beyond the no-checkpoint
+backward's). It returns the candidate with the least recompute whose bytes fit ``memory``
+(ties: fewer bytes), with the whole table.
 
-Guarantees (``tests/test_planning.py``): the chosen plan's measured bytes never exceed
-``memory``; for one module and candidate set, a larger ``memory`` never gives more
-recompute (the choice is a minimum over a feasible set that only grows); when nothing fits,
-a ``ValueError`` names the smallest reachable bytes.
+Guarantees (``tests/test_planning.py``): every candidate's figures equal what autograd saves
+and what the backward runs when that configuration is compiled and run on its own; the chosen
+plan's bytes never exceed ``memory``; for one module and candidate set, a larger ``memory``
+never gives more recompute (the choice is a minimum over a feasible set that only grows);
+when nothing fits, a ``ValueError`` names the smallest reachable bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -161,22 +166,31 @@ def plan(
     policies = tuple(validate_policy(p) for p in policies)
     _target(memory, 0)  # its type and range, before anything is compiled
 
-    def run(backend) -> tuple[int, int]:
-        return _measure(module, backend, example_args, example_kwargs)
-
     from .compiler.backend import baseline_backend, make_sac_backend
     from .keep import ALL_REGIONS
 
-    base_bytes, base_flops = run(baseline_backend("aot_eager"))
+    none, every = "none", frozenset({"every region"})
+    first = _measure(
+        module,
+        example_args,
+        example_kwargs,
+        {none: baseline_backend("aot_eager"), every: make_sac_backend(ALL_REGIONS, inner="aot_eager")},
+    )
+    (base_bytes, base_flops), regions = first.figures[none], first.regions
     target = _target(memory, base_bytes)
-    regions = _regions(module, example_args, example_kwargs, make_sac_backend(ALL_REGIONS, inner="aot_eager"))
     keep_sets, search = _keep_sets(regions)
-    found = []
+    configs = {}
     for policy, keep, budget in itertools.product(policies, keep_sets, budgets):
         if policy is not policies[0] and not keep:
             continue  # a policy only decides inside kept regions: keep={} is the same for all
-        saved, flops = run(make_sac_backend(set(keep), policy=policy, budget=budget, inner="aot_eager"))
-        found.append(Candidate(frozenset(keep), budget, policy, saved, max(flops - base_flops, 0)))
+        backend = make_sac_backend(set(keep), policy=policy, budget=budget, inner="aot_eager")
+        configs[(frozenset(keep), budget, policy)] = backend
+    figures = _measure(module, example_args, example_kwargs, configs).figures
+    found = [
+        Candidate(keep, budget, policy, figures[k][0], max(figures[k][1] - base_flops, 0))
+        for k in configs
+        for keep, budget, policy in [k]
+    ]
     table = Plan(target, found[0], tuple(_mark_pareto(found)), base_bytes, tuple(regions), search)
     return _choose(target, table)
 
@@ -242,28 +256,64 @@ def _policy_name(policy: RegionPolicy) -> str:
     return getattr(policy, "__name__", repr(policy))
 
 
-def _measure(module, backend, args, kwargs) -> tuple[int, int]:
+class _PartitionEach:
+    """A Dynamo backend partitioning each graph once per configuration: one Dynamo trace and
+    one joint graph, a copy of it tagged and partitioned per configuration exactly as that
+    configuration's ``aot_eager`` compile would (``SacBackend.partition``), and the figures
+    read off the partitioned graphs (:func:`~sac_compile.inspection.report.build_partition`,
+    :func:`~sac_compile.inspection.flops.graph_costly_flops`). The compiled code is the
+    first configuration's."""
+
+    def __init__(self, configs: dict[Any, Any]) -> None:
+        self.configs = configs
+        self.figures: dict[Any, list[int]] = {key: [0, 0] for key in configs}  # bytes, backward FLOPs
+        self.regions: list[str] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        from ._compat import aot
+        from .compiler import backend as backends
+        from .compiler import session
+        from .diagnostics import trace_watch
+        from .inspection.flops import graph_costly_flops
+        from .inspection.report import build_partition
+
+        unit = backends.new_unit(gm, example_inputs)
+        trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
+
+        def partition(joint, joint_inputs, **kwargs):
+            chosen = None
+            for key, backend in self.configs.items():
+                one = dataclasses.replace(unit, records=[], graphs={}, saved_names=None)
+                pass_ = backend.tagging_pass(unit.context) if backend.checkpoint else None
+                with session.compiling(one):
+                    fw, bw = backend.partition(aot.copy_joint(joint), joint_inputs, pass_=pass_, **kwargs)
+                one.graphs = {"forward": backends.snapshot(fw), "backward": backends.snapshot(bw)}
+                part = build_partition(0, one)
+                self.figures[key][0] += part.activation_bytes + part.input_bytes
+                self.figures[key][1] += graph_costly_flops(bw)
+                for rec in one.records[-1:]:
+                    self.regions.extend(r for r in rec.regions if r not in self.regions)
+                chosen = chosen or (fw, bw)
+            return chosen
+
+        def compile_graph(g, _inputs):
+            return aot.make_boxed_func(g.forward)
+
+        return aot.aot_autograd(
+            fw_compiler=compile_graph,
+            bw_compiler=compile_graph,
+            inference_compiler=compile_graph,
+            partition_fn=partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+
+def _measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> _PartitionEach:
+    """Compile ``module`` afresh, partitioning every graph once per configuration; the
+    forward runs once (each graph compiles, and so partitions, when it is first reached)."""
     from .inspection.capture import fresh_compile
-    from .inspection.flops import saved_bytes_and_backward_flops
 
-    exclude = [*module.parameters(), *module.buffers()]
-    with fresh_compile(module, backend) as compiled:
-        saved, flops = saved_bytes_and_backward_flops(lambda: compiled(*args, **kwargs), exclude=exclude)
-    module.zero_grad(set_to_none=True)
-    for a in [*args, *kwargs.values()]:
-        if isinstance(a, torch.Tensor) and a.grad is not None:
-            a.grad = None
-    return saved, flops
-
-
-def _regions(module, args, kwargs, backend) -> list[str]:
-    from .inspection.capture import capture_partition
-
-    report = capture_partition(module, *args, backend=backend, **kwargs)
-    module.zero_grad(set_to_none=True)
-    names: list[str] = []
-    for g in report.graphs:
-        for name in g.record.regions if g.record is not None else ():
-            if name not in names:
-                names.append(name)
-    return names
+    measuring = _PartitionEach(configs)
+    with fresh_compile(module, measuring) as compiled:
+        compiled(*args, **kwargs)
+    return measuring

@@ -38,12 +38,13 @@ from ..policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_budget, val
 from . import session
 from .session import CompileUnit
 
-__all__ = ["SacBackend", "baseline_backend", "make_sac_backend", "sac_backend"]
+__all__ = ["SacBackend", "baseline_backend", "make_sac_backend", "new_unit", "sac_backend", "snapshot"]
 
 _INNER = ("inductor", "aot_eager")
 
 
-def _new_unit(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> CompileUnit:
+def new_unit(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> CompileUnit:
+    """The :class:`CompileUnit` of a Dynamo graph a backend is called with."""
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     compiled_self = dynamo.compiled_self()
     return CompileUnit(
@@ -183,7 +184,7 @@ class SacBackend:
         if unknown:
             raise TypeError(f"{self!r} got unexpected keyword arguments {sorted(unknown)}")
         patches = self.compile_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
-        unit = _new_unit(gm, example_inputs)
+        unit = new_unit(gm, example_inputs)
         capturing = session.capturing()
         pass_ = self.tagging_pass(unit.context) if self.checkpoint else None
         trace_watch.claim_trace()  # this graph is ours: its markers are not "no-pass"
@@ -209,28 +210,29 @@ class SacBackend:
         inner = functools.partial(_capturing_inner_compile, unit, capturing)
         return inductor.compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
 
+    def partition(self, joint, joint_inputs, pass_=None, **kwargs):
+        """Tag ``joint`` with ``pass_`` (this backend's tagging pass for the graph's context;
+        none for the baseline) and partition it, as ``inner="aot_eager"`` compiles do."""
+        fallback = None
+        if pass_ is not None:  # a budget may come from the backend or a seam's scope
+            untagged = aot.copy_joint(joint)
+
+            def fallback():  # Note [budget short-circuit] in _compat/aot.py
+                pass_.without_budget()(untagged.graph)
+                return untagged
+
+            pass_(joint.graph)
+        return aot.min_cut_rematerialization_partition(
+            joint, joint_inputs, compiler="inductor", fallback=fallback, **kwargs
+        )
+
     def _compile_aot_eager(self, gm, example_inputs, pass_, unit):
-        def partition(joint, joint_inputs, **kwargs):
-            fallback = None
-            if pass_ is not None:  # a budget may come from the backend or a seam's scope
-                untagged = aot.copy_joint(joint)
-
-                def fallback():  # Note [budget short-circuit] in _compat/aot.py
-                    pass_.without_budget()(untagged.graph)
-                    return untagged
-
-            if pass_ is not None:
-                pass_(joint.graph)
-            return aot.min_cut_rematerialization_partition(
-                joint, joint_inputs, compiler="inductor", fallback=fallback, **kwargs
-            )
-
         def compiler(kind):
             def compile_graph(g, _inputs):
                 if kind == "inference" and pass_ is not None:
                     # Inductor runs joint passes on inference graphs too; here we do it.
                     pass_(g.graph)
-                unit.graphs[kind] = _snapshot(g)
+                unit.graphs[kind] = snapshot(g)
                 if kind == "forward":
                     unit.saved_names = aot.forward_saved_outputs(g)
                 return aot.make_boxed_func(g.forward)
@@ -241,7 +243,7 @@ class SacBackend:
             fw_compiler=compiler("forward"),
             bw_compiler=compiler("backward"),
             inference_compiler=compiler("inference"),
-            partition_fn=partition,
+            partition_fn=functools.partial(self.partition, pass_=pass_),
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
@@ -255,7 +257,7 @@ def _capturing_inner_compile(unit: CompileUnit, capturing: bool, gm, example_inp
         kind = "forward"
         unit.saved_names = aot.forward_saved_outputs(gm)
     if capturing:
-        unit.graphs[kind] = _snapshot(gm)  # before Inductor's post-grad passes mutate gm
+        unit.graphs[kind] = snapshot(gm)  # before Inductor's post-grad passes mutate gm
     return inductor.compile_fx_inner(gm, example_inputs, **kwargs)
 
 
@@ -306,7 +308,7 @@ def _context_check(unit: CompileUnit) -> dict[str, Any]:
     return {"context": unit.context.regions, "read_context": running_regions}
 
 
-def _snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
+def snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
     """What the partition report needs of a partitioned graph, taken before codegen."""
     placeholders = []
     calls = []

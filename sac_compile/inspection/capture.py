@@ -24,7 +24,7 @@ __all__ = ["capture_partition", "fresh_compile"]
 class _FreshBackend:
     """A new backend object per capture, so Dynamo cannot reuse an earlier compile."""
 
-    def __init__(self, inner: _backend.SacBackend) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
 
     def __call__(self, gm, example_inputs):
@@ -45,12 +45,13 @@ def _resolve_backend(backend: Any) -> _backend.SacBackend:
 
 @contextlib.contextmanager
 def fresh_compile(fn, backend: Any):
-    """``fn`` compiled afresh with ``backend`` (a sac backend, or ``"inductor"`` / ``"aot_eager"``
-    without checkpointing), for use inside the ``with`` block: both compile caches off (a
+    """``fn`` compiled afresh with ``backend`` (a sac backend, ``"inductor"`` / ``"aot_eager"``
+    without checkpointing, or any backend callable), for use inside the ``with`` block: both compile caches off (a
     cache hit would skip the tagging pass), a backend object of its own and its own
     ``isolate_recompiles`` bucket, so its cache entries do not count against the
     ``recompile_limit`` of your own ``torch.compile`` calls on ``fn``'s code."""
-    sac = _resolve_backend(backend)
+    own = callable(backend) and not isinstance(backend, (str, _backend.SacBackend))
+    sac = backend if own else _resolve_backend(backend)
     with contextlib.ExitStack() as stack:
         stack.enter_context(inductor.pass_skipping_caches_disabled())
         stack.enter_context(dynamo.dynamo_config().patch(accumulated_recompile_limit=1 << 20))

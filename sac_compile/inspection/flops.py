@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-from .._compat.checkpoint import TorchDispatchMode
+from .._compat.checkpoint import TorchDispatchMode, tree_map
 from .._compat.ops import HigherOrderOperator, OpOverload, op_name
 
-__all__ = ["CountFlops", "costly_flops", "saved_bytes_and_backward_flops"]
+__all__ = ["CountFlops", "costly_flops", "graph_costly_flops", "saved_bytes_and_backward_flops"]
 
 aten = torch.ops.aten
 # The partitioner wraps a recomputed seeded op (the CPU SDPA kernel among them) in one of
@@ -60,6 +60,28 @@ class CountFlops(TorchDispatchMode):
         elif isinstance(func, OpOverload):
             self.flops += costly_flops(func, args, kwargs, out)
         return out
+
+
+def graph_costly_flops(gm: torch.fx.GraphModule) -> int:
+    """The :func:`costly_flops` of every call in a partitioned graph, read off the fake
+    tensors in ``node.meta["val"]`` without running it (what :class:`CountFlops` counts when
+    the graph runs under ``aot_eager``: the ops of an AOTAutograd graph are what dispatches)."""
+
+    def val(a: Any) -> Any:
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    total = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        args, kwargs = tree_map(val, n.args), tree_map(val, dict(n.kwargs))
+        out = n.meta.get("val")
+        if isinstance(n.target, HigherOrderOperator) and n.target.name() in _RNG_HOPS:
+            inner_out = out[1] if n.target.name() == "run_and_save_rng_state" and out is not None else out
+            total += costly_flops(args[1], args[2:], kwargs, inner_out)
+        elif isinstance(n.target, OpOverload):
+            total += costly_flops(n.target, args, kwargs, out)
+    return total
 
 
 def _loss(out: Any) -> torch.Tensor:
