@@ -5,7 +5,9 @@ One decoder layer of each model, compiled on its own, every configuration side b
 * PyTorch: no checkpoint, full recompute, op-list SAC (``create_selective_checkpoint_contexts``
   saving the matmul / attention / grouped-matmul ops, the rest ``PREFER_RECOMPUTE``), and an
   ``activation_memory_budget`` sweep (the partitioner's knapsack, 0.0 ... 1.0);
-* sac-compile: every keep set over the model's regions, and each single region kept plus ``budget=``.
+* sac-compile: every keep set over the model's regions, and each single region kept plus ``budget=``;
+* ``sac_compile.plan`` at every budget point's bytes (one measured table per layer, its time
+  printed), with the Inductor step ratio of each point and each plan.
 
 Figures are noise-free: *saved bytes* are the distinct storages autograd saves for the layer's
 backward (``saved_tensors_hooks``, parameters excluded, the layer input included), and
@@ -31,6 +33,7 @@ import itertools
 import json
 import math
 import sys
+import time
 
 import torch
 from _baselines import BudgetBackend
@@ -208,6 +211,11 @@ def run_unit(name: str, args) -> dict:
         base = rows["no checkpoint"]["bw_flops"]
         for row in rows.values():
             row["flops"] = row["bw_flops"] - base
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        table = sc.plan(unit, x, memory=1.0, eager=False)
+        plan_seconds = time.perf_counter() - start
+        planned = planner_rows(table, rows)
         # eager: PyTorch without checkpointing, full recompute, and the engine per keep set
         torch._dynamo.reset()
         eager_none_bytes, eager_base = measure(unit, x, params)
@@ -225,15 +233,91 @@ def run_unit(name: str, args) -> dict:
                 fn = dict((c[0], c) for c in configurations(regions, [], [], "inductor"))[cname][2](unit)
                 rows[cname]["inductor_bytes"] = measure(fn, x, params)[0]
                 fns[cname] = fn
+            for b, budget in ((f"budget {r['budget']:.1f}", r["budget"]) for r in planned):
+                torch._dynamo.reset()
+                fns[b] = torch.compile(unit, backend=BudgetBackend(budget, "inductor"))
+            for c in {r["plan"]: r["candidate"] for r in planned if r["plan"]}.values():
+                torch._dynamo.reset()
+                backend = sc.make_sac_backend(c.keep, policy=c.policy, budget=c.budget, inner="inductor")
+                fns[f"plan: {c.label}"] = torch.compile(unit, backend=backend)
 
             def step(fn):
                 unit.zero_grad(set_to_none=True)
                 _loss(fn(x)).backward()
 
             medians = interleaved_medians({c: functools.partial(step, f) for c, f in fns.items()}, args.iters)
-            for cname, m in medians.items():
-                rows[cname]["step_ratio"] = m / medians["no checkpoint"]
-    return {"regions": regions, "rows": rows, "x_bytes": x.untyped_storage().nbytes()}
+            steps = {c: m / medians["no checkpoint"] for c, m in medians.items()}
+            for cname, ratio in steps.items():
+                if cname in rows:
+                    rows[cname]["step_ratio"] = ratio
+            for r in planned:
+                r["budget_step"] = steps.get(f"budget {r['budget']:.1f}")
+                r["plan_step"] = steps.get(f"plan: {r['plan']}") if r["plan"] else None
+    for r in planned:
+        r.pop("candidate")
+    return {
+        "regions": regions,
+        "rows": rows,
+        "x_bytes": x.untyped_storage().nbytes(),
+        "planned": planned,
+        "plan_seconds": plan_seconds,
+        "plan_candidates": len(table.candidates),
+        "plan_search": table.search,
+        "plan_front": sorted((c.saved_bytes, c.recompute_flops) for c in table.candidates if c.pareto),
+    }
+
+
+def planner_rows(table, rows: dict) -> list[dict]:
+    """For every PyTorch budget point: ``plan(memory=<its bytes>)`` chosen from one measured table."""
+    out = []
+    for cname, r in rows.items():
+        if r["kind"] != "budget":
+            continue
+        try:
+            c = table.select(r["bytes"]).chosen
+        except ValueError:  # below every candidate (budget 0: the inputs alone)
+            c = None
+        out.append(
+            {
+                "budget": float(cname.split()[1]),
+                "bytes": r["bytes"],
+                "flops": r["flops"],
+                "plan": c.label if c else None,
+                "plan_bytes": c.saved_bytes if c else None,
+                "plan_flops": c.recompute_flops if c else None,
+                "candidate": c,
+            }
+        )
+    return out
+
+
+def report_planner(name: str, result: dict) -> list[str]:
+    """The planner beside each PyTorch budget point; problems where it does worse."""
+    mib, problems, better = 2.0**20, [], 0
+    print(
+        f"\nplanner ({name}): plan(memory=<the budget point's bytes>), {result['plan_candidates']} candidates "
+        f"({result['plan_search']}) measured in {result['plan_seconds']:.1f} s"
+    )
+    print(
+        f"{'PyTorch':<12} {'MiB':>7} {'GFLOP':>7} {'step':>6} | {'plan':<36} {'MiB':>7} {'GFLOP':>7} {'step':>6}"
+    )
+    for r in result["planned"]:
+        bs = f"{r['budget_step']:>5.2f}x" if r.get("budget_step") else f"{'':>6}"
+        head = f"budget {r['budget']:<5.1f} {r['bytes'] / mib:>7.3f} {r['flops'] / 1e9:>7.3f} {bs} | "
+        if r["plan"] is None:
+            print(head + "(nothing measured fits: below full recompute)")
+            continue
+        ps = f"{r['plan_step']:>5.2f}x" if r.get("plan_step") else f"{'':>6}"
+        print(head + f"{r['plan']:<36} {r['plan_bytes'] / mib:>7.3f} {r['plan_flops'] / 1e9:>7.3f} {ps}")
+        if r["plan_flops"] > r["flops"] or r["plan_bytes"] > 1.01 * r["bytes"]:
+            problems.append(
+                f"{name}: the plan at budget {r['budget']:.1f}'s bytes does worse than that point"
+            )
+        better += r["plan_flops"] < r["flops"] or r["plan_bytes"] < r["bytes"]
+    print(f"strictly better than {better} of {len(result['planned'])} budget points")
+    if not better:
+        problems.append(f"{name}: the planner is nowhere strictly better than PyTorch's budget points")
+    return problems
 
 
 def report(name: str, result: dict) -> list[str]:
@@ -338,6 +422,8 @@ def plot(results: dict, path: str) -> None:
                 zorder=3,
                 label="one region kept + budget",
             )
+        front = [(b / 2**20, f / 1e9) for b, f in result["plan_front"]]
+        ax.plot(*zip(*_pareto(front)), "--", color="tab:red", lw=1.2, label="sac_compile.plan's frontier")
         ax.set_title(name)
         ax.set_xlabel("saved activations per layer (MiB)")
         ax.set_ylabel("recomputed GFLOP per step")
@@ -369,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = {name: run_unit(name, args) for name in names}
     problems = [p for name, result in results.items() for p in report(name, result)]
+    problems += [p for name, result in results.items() for p in report_planner(name, result)]
     if args.plot:
         plot(results, args.plot)
         print(f"\nwrote {args.plot}")

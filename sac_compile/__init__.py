@@ -14,9 +14,11 @@ that too):
 * ``declare`` - regions declared by module path;
 * ``passes``, ``compiler`` - the tagging pass; the backends and their compile session;
 * ``eager`` - the eager engine;
-* ``seam``, ``config``, ``contexts``, ``hf`` - wrapping layers, whole-model configs, a
-  ``context_fn`` for ``torch.utils.checkpoint``, transformers;
-* ``inspection`` - partition reports, ``capture_partition``, measurements.
+* ``seam``, ``config``, ``contexts`` - wrapping layers, whole-model configs, a
+  ``context_fn`` for ``torch.utils.checkpoint``;
+* ``inspection`` - partition reports, ``capture_partition``, measurements;
+* ``planning``, ``planning_model`` - the planner: one layer, every kind of layer of a model;
+* ``hf`` - transformers models.
 
 ``sac_compile.testing`` (demo and test models, the rank runner, parity reports) is not
 imported by ``import sac_compile``.
@@ -30,6 +32,7 @@ from .diagnostics import SacDiagnosticError, set_strict, strict
 from .inspection import PartitionReport, autograd_saved_bytes, capture_partition, collectives_run
 from .keep import ALL_REGIONS
 from .markers import region
+from .planning import plan
 from .policy import SAVE_ALL, SAVE_COSTLY, is_costly
 from .records import collect_records, recent_records
 from .seam import LEGACY_ATTR, apply_selective_checkpointing, remove_selective_checkpointing
@@ -55,6 +58,7 @@ __all__ = [
     "remove_selective_checkpointing",  # undo it (and declare_regions) on a module tree
     "LEGACY_ATTR",  # module attribute opting into reentrant checkpointing
     "SacConfig",  # one frozen config applied to a whole model
+    "plan",  # the least recompute within a memory target, measured (sac_compile.planning)
     "region_context_fn",  # context_fn for a torch.utils.checkpoint you call (transformers' switch)
     # Diagnostics (logger "sac_compile", WARNING)
     "SacDiagnosticError",

@@ -53,6 +53,7 @@ from ._compat.dynamo import unwrap_compiled
 from .config import SacConfig
 from .declare import declare_regions
 from .keep import ALL_REGIONS, normalize_keep
+from .planning_model import ModelPlan, plan_model
 from .policy import SAVE_COSTLY
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "decoder_layers",
     "layer_call",
     "layer_inputs",
+    "plan_for",
     "regions_for",
     "tiny_llama",
     "tiny_qwen3_moe",
@@ -282,6 +284,21 @@ def config_for(model: nn.Module, keep: Any = (), **options: Any) -> SacConfig:
     path, regions = _read(model)  # the layer list is found once
     keep_set = _checked_keep(model, keep, regions)
     return SacConfig(layers=f"{path}.*", keep=keep_set, regions=regions, **options)
+
+
+def plan_for(
+    model: nn.Module, memory: int | float, *, batch: int = 2, seq: int = 128, **options: Any
+) -> ModelPlan:
+    """Plan ``model``'s decoder layers within ``memory`` per layer (bytes, or a fraction of a
+    layer's no-checkpoint bytes), one plan per kind of layer (dense and MoE layers apart),
+    measured on a random batch of ``batch`` x ``seq`` tokens; declares the regions
+    (:func:`regions_for`). ``options``: ``budgets``, ``policies``, ``eager`` of
+    :func:`sac_compile.planning.plan`. ``.apply(model)`` on the result wraps the layers."""
+    path, regions = _read(model)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return plan_model(
+        model, ids, layers=f"{path}.*", memory=memory, regions=regions, use_cache=False, **options
+    )
 
 
 def checkpointing_kwargs(

@@ -34,12 +34,15 @@ import torch.nn as nn
 
 from .policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_budget, validate_policy
 
-__all__ = ["MAX_EXHAUSTIVE_REGIONS", "Candidate", "Plan", "plan"]
+__all__ = ["DEFAULT_BUDGETS", "LEAST", "MAX_EXHAUSTIVE_REGIONS", "Candidate", "Plan", "plan"]
 
 #: Up to this many regions every keep set is a candidate (2**n of them).
 MAX_EXHAUSTIVE_REGIONS = 4
+#: The smallest budget: the knapsack saves nothing it may recompute, so a keep set with it
+#: holds the least a plan keeping those regions can (PyTorch's budget 0 ignores the tags).
+LEAST = 1e-6
 #: Knapsack budgets tried beside each keep set (``None``: the keep set alone).
-DEFAULT_BUDGETS: tuple[float | None, ...] = (None, 0.1, 0.2, 0.3, 0.5, 0.7)
+DEFAULT_BUDGETS: tuple[float | None, ...] = (None, LEAST, 0.1, 0.2, 0.3, 0.5, 0.7)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Candidate:
     saved_bytes: int
     recompute_flops: int
     pareto: bool = False  # no other candidate has <= bytes and <= FLOPs, one of them strictly
+    eager_bytes: int | None = None  # what the eager engine holds for the backward (no budget only)
 
     @property
     def label(self) -> str:
@@ -101,12 +105,16 @@ class Plan:
             f"plan: memory {self.memory:,} B ({self.memory / max(self.no_checkpoint_bytes, 1):.2f} of the "
             f"no-checkpoint {self.no_checkpoint_bytes:,} B); regions {', '.join(self.regions) or '(none)'}; "
             f"{len(self.candidates)} candidates ({self.search})",
-            f"  {'':2}{'configuration':<44}{'saved B':>14}{'vs none':>9}{'recomputed FLOP':>18}",
+            f"  {'':2}{'configuration':<44}{'saved B':>14}{'vs none':>9}{'recomputed FLOP':>18}"
+            f"{'eager B':>14}",
         ]
         for c in sorted(self.candidates, key=lambda c: (c.saved_bytes, c.recompute_flops)):
             mark = (">" if c is self.chosen else " ") + ("*" if c.pareto else " ")
             ratio = c.saved_bytes / max(self.no_checkpoint_bytes, 1)
-            lines.append(f"  {mark}{c.label:<44}{c.saved_bytes:>14,}{ratio:>9.2f}{c.recompute_flops:>18,}")
+            eager = "-" if c.eager_bytes is None else f"{c.eager_bytes:,}"
+            lines.append(
+                f"  {mark}{c.label:<44}{c.saved_bytes:>14,}{ratio:>9.2f}{c.recompute_flops:>18,}{eager:>14}"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -144,6 +152,7 @@ def plan(
     memory: int | float,
     budgets: Iterable[float | None] = DEFAULT_BUDGETS,
     policies: Sequence[RegionPolicy] = (SAVE_COSTLY,),
+    eager: bool = True,
     **example_kwargs: Any,
 ) -> Plan:
     """Measure candidates on ``module(*example_args, **example_kwargs)`` and choose one.
@@ -155,6 +164,8 @@ def plan(
             no-checkpoint bytes (``float`` in [0, 1]).
         budgets: knapsack budgets tried with each keep set (``None``: none).
         policies: region policies tried (``SAVE_COSTLY``, ``SAVE_ALL``, your own).
+        eager: also measure what the eager engine holds for each candidate without a budget
+            (``Candidate.eager_bytes``; budgets act in compiled code only).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"plan measures an nn.Module (one layer), got {type(module).__name__}")
@@ -186,11 +197,13 @@ def plan(
         backend = make_sac_backend(set(keep), policy=policy, budget=budget, inner="aot_eager")
         configs[(frozenset(keep), budget, policy)] = backend
     figures = _measure(module, example_args, example_kwargs, configs).figures
-    found = [
-        Candidate(keep, budget, policy, figures[k][0], max(figures[k][1] - base_flops, 0))
-        for k in configs
-        for keep, budget, policy in [k]
-    ]
+    found = []
+    for keep, budget, policy in configs:
+        saved, flops = figures[(keep, budget, policy)]
+        held = None
+        if eager and budget is None:
+            held = _eager_bytes(module, example_args, example_kwargs, keep, policy)
+        found.append(Candidate(keep, budget, policy, saved, max(flops - base_flops, 0), eager_bytes=held))
     table = Plan(target, found[0], tuple(_mark_pareto(found)), base_bytes, tuple(regions), search)
     return _choose(target, table)
 
@@ -246,7 +259,7 @@ def _mark_pareto(found: list[Candidate]) -> list[Candidate]:
             and (o.saved_bytes < c.saved_bytes or o.recompute_flops < c.recompute_flops)
             for o in found
         )
-        out.append(Candidate(c.keep, c.budget, c.policy, c.saved_bytes, c.recompute_flops, not dominated))
+        out.append(dataclasses.replace(c, pareto=not dominated))
     return out
 
 
@@ -317,3 +330,22 @@ def _measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> _Parti
     with fresh_compile(module, measuring) as compiled:
         compiled(*args, **kwargs)
     return measuring
+
+
+def _eager_bytes(module: nn.Module, args, kwargs, keep: frozenset[str], policy: RegionPolicy) -> int:
+    """Bytes held for the backward once the eager engine's forward of ``module`` returned
+    (:func:`~sac_compile.inspection.measure.autograd_saved_bytes`: autograd's saves, the
+    checkpoint's inputs and the engine's cache; parameters and buffers excluded)."""
+    from .eager import checkpoint_with_regions
+    from .inspection.measure import autograd_saved_bytes
+
+    def run():
+        out = checkpoint_with_regions(module, *args, keep=keep, policy=policy, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    held = autograd_saved_bytes(run, exclude=[*module.parameters(), *module.buffers()])
+    module.zero_grad(set_to_none=True)
+    for a in [*args, *kwargs.values()]:
+        if isinstance(a, torch.Tensor) and a.grad is not None:
+            a.grad = None
+    return held

@@ -27,8 +27,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("declare", "passes"),
     ("compiler", "eager"),
     ("seam", "config", "contexts"),
-    ("hf", "inspection"),
-    ("planning",),
+    ("inspection",),
+    ("planning", "planning_model"),
+    ("hf",),
     ("__init__",),
     ("testing",),
 ]

@@ -10,9 +10,11 @@ import torch.nn as nn
 
 import sac_compile as sc
 from sac_compile.compiler.backend import baseline_backend
+from sac_compile.eager import checkpoint_with_regions
 from sac_compile.inspection.capture import capture_partition
 from sac_compile.inspection.flops import saved_bytes_and_backward_flops
 from sac_compile.planning import MAX_EXHAUSTIVE_REGIONS, plan
+from sac_compile.planning_model import plan_model
 from sac_compile.testing.models import Block
 
 BUDGETS = (None, 0.2, 0.5)
@@ -152,3 +154,84 @@ def test_many_regions_are_searched_not_enumerated():
     assert "none, each alone, all, all but each" in p.search
     assert len(p.candidates) == 2 + 2 * 5
     assert p.recompute_flops == 0
+
+
+def test_eager_bytes_are_what_the_eager_engine_holds_for_each_keep_set():
+    block, x, p = _block_plan()
+    for c in p.candidates:
+        if c.budget is not None:
+            assert c.eager_bytes is None
+            continue
+        held = sc.autograd_saved_bytes(
+            lambda c=c: checkpoint_with_regions(block, x, keep=c.keep, policy=c.policy),
+            exclude=[*block.parameters(), *block.buffers()],
+        )
+        assert c.eager_bytes == held, c.label
+    full = next(c for c in p.candidates if not c.keep and c.budget is None)
+    both = next(c for c in p.candidates if c.keep == {"attn", "mlp"} and c.budget is None)
+    assert full.eager_bytes < both.eager_bytes
+
+
+def _two_kinds():
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(32, heads=4), Block(32, heads=4), _FiveRegions(32), Block(32, heads=4))
+    return model, torch.randn(2, 16, 32, requires_grad=True)
+
+
+def test_a_model_is_planned_once_per_kind_of_layer_and_applied():
+    model, x = _two_kinds()
+    mp = plan_model(model, x, layers="*", memory=0.5, budgets=(None,))
+    assert [(g.kind, g.paths) for g in mp.groups] == [("Block", ("0", "1", "3")), ("_FiveRegions", ("2",))]
+    block_plan, five_plan = (g.plan for g in mp.groups)
+    assert block_plan.regions == ("attn", "mlp") and len(five_plan.regions) == 5
+    # each group's plan is the single-layer plan of its first layer, on the input it received
+    alone = plan(model[0], x, memory=0.5, budgets=(None,), eager=False)
+    assert (block_plan.keep, block_plan.saved_bytes) == (alone.keep, alone.saved_bytes)
+    assert mp.saved_bytes == 3 * block_plan.saved_bytes + five_plan.saved_bytes
+    assert "Block x3 (0 ... 3)" in mp.format() and "_FiveRegions x1 (2)" in mp.format()
+    ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    mp.apply(model)
+    assert all(type(m).__name__.startswith("SelectiveCheckpointed") for m in model)
+    got = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+    for a, b in zip(got, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_plan_model_refuses_a_pattern_that_matches_nothing_and_a_budget_without_compile():
+    model, x = _two_kinds()
+    with pytest.raises(ValueError, match="matches no module of Sequential"):
+        plan_model(model, x, layers="layers.*", memory=0.5)
+    mp = plan_model(model[:2], x, layers="*", memory=1.0, budgets=(0.5,), eager=False)
+    assert mp.groups[0].plan.budget == 0.5
+    with pytest.raises(ValueError, match="only compiled code honours"):
+        mp.apply(model[:2], compile=False)
+
+
+@pytest.mark.slow
+def test_hf_plan_for_plans_a_transformers_model_within_the_memory():
+    from sac_compile import hf
+
+    model = hf.tiny_qwen3_moe()
+    mp = hf.plan_for(model, memory=0.5, seq=32, budgets=(None, 0.3))
+    (group,) = mp.groups
+    assert group.kind == "Qwen3MoeDecoderLayer" and len(group.paths) == len(model.model.layers)
+    assert set(group.plan.regions) >= {"attn", "experts"}
+    assert group.plan.saved_bytes <= group.plan.memory == int(0.5 * group.plan.no_checkpoint_bytes)
+    fitting = [c for c in group.plan.candidates if c.saved_bytes <= group.plan.memory]
+    assert group.plan.recompute_flops == min(c.recompute_flops for c in fitting)
+
+
+@pytest.mark.slow
+def test_dense_and_moe_layers_of_one_model_are_planned_apart():
+    from sac_compile import hf
+    from sac_compile.testing import hf_families
+
+    model = hf_families.build("deepseek-v3")  # layer 0 dense, layer 1 MoE
+    mp = hf.plan_for(model, memory=0.5, seq=16, budgets=(None,), eager=False)
+    kinds = {g.paths: g for g in mp.groups}
+    dense, moe = kinds[("model.layers.0",)], kinds[("model.layers.1",)]
+    assert dense.kind == "DeepseekV3DecoderLayer (mlp=DeepseekV3MLP)"
+    assert moe.kind == "DeepseekV3DecoderLayer (mlp=DeepseekV3MoE)"
+    assert "mlp" in dense.plan.regions and "experts" in moe.plan.regions
+    for g in mp.groups:
+        assert g.plan.saved_bytes <= g.plan.memory

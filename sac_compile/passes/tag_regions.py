@@ -127,14 +127,13 @@ class TagRegionsPass(custom_graph_pass_base()):
         """The same pass with no knapsack: ``budget=None``, and a scope's own ``budget=`` (from
         the seam) dropped too (Note [budget short-circuit] in ``_compat/aot.py``)."""
 
+        plain = TagRegionsPass(
+            self.keep, policy=self.policy, options_key=self.options_key, context=self.context
+        )
+        plain.publish = self.publish
+
         def run(graph: fx.Graph) -> None:
-            TagRegionsPass(
-                self.keep,
-                policy=self.policy,
-                options_key=self.options_key,
-                context=self.context,
-                publish=self.publish,
-            )(graph)
+            plain(graph)
             for n in graph.nodes:
                 n.meta.pop("memory_budget", None)
 
