@@ -67,4 +67,6 @@ def test_every_llama_keep_set_is_on_the_frontier(tmp_path):
     for row in ("keep attn ", "keep mlp ", "keep attn+mlp ", "op-list SAC", "budget 0.5", "budget 1.0"):
         assert row in out, row
     assert "every keep set is on the frontier" in out
+    # the planner beside every PyTorch budget point (exit 0: never worse, strictly better somewhere)
+    assert "planner (llama)" in out and "strictly better than" in out, out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
