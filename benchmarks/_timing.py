@@ -4,33 +4,11 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from collections.abc import Callable, Hashable
 
+from sac_compile.inspection.timing import interleaved_medians, interleaved_times
 
-def interleaved_times(steps: dict[Hashable, Callable[[], object]], iters: int, seed: int = 0) -> dict:
-    """Wall time in seconds of each ``steps[key]()`` in each of ``iters`` rounds.
-
-    Every round runs each configuration once, in an order shuffled by a seeded
-    generator (so the same on every rank of a distributed run), so that slow drift
-    of a shared CPU spreads over all configurations instead of favouring one.
-    """
-    rng = random.Random(seed)
-    times: dict = {k: [] for k in steps}
-    order = list(steps)
-    for _ in range(iters):
-        rng.shuffle(order)
-        for k in order:
-            start = time.perf_counter()
-            steps[k]()
-            times[k].append(time.perf_counter() - start)
-    return times
-
-
-def interleaved_medians(steps: dict[Hashable, Callable[[], object]], iters: int, seed: int = 0) -> dict:
-    """Median wall time in seconds of each ``steps[key]()`` over ``iters`` rounds
-    (:func:`interleaved_times`)."""
-    return {k: statistics.median(v) for k, v in interleaved_times(steps, iters, seed).items()}
+__all__ = ["interleaved_medians", "interleaved_times", "ratio_interval"]
 
 
 def ratio_interval(

@@ -236,7 +236,7 @@ def run_unit(name: str, args) -> dict:
             for b, budget in ((f"budget {r['budget']:.1f}", r["budget"]) for r in planned):
                 torch._dynamo.reset()
                 fns[b] = torch.compile(unit, backend=BudgetBackend(budget, "inductor"))
-            for c in {r["plan"]: r["candidate"] for r in planned if r["plan"]}.values():
+            for c in {r["candidate"].label: r["candidate"] for r in planned if r["plan"]}.values():
                 torch._dynamo.reset()
                 backend = sc.make_sac_backend(c.keep, policy=c.policy, budget=c.budget, inner="inductor")
                 fns[f"plan: {c.label}"] = torch.compile(unit, backend=backend)
@@ -252,7 +252,7 @@ def run_unit(name: str, args) -> dict:
                     rows[cname]["step_ratio"] = ratio
             for r in planned:
                 r["budget_step"] = steps.get(f"budget {r['budget']:.1f}")
-                r["plan_step"] = steps.get(f"plan: {r['plan']}") if r["plan"] else None
+                r["plan_step"] = steps.get(f"plan: {r['candidate'].label}") if r["plan"] else None
     for r in planned:
         r.pop("candidate")
     return {
@@ -273,22 +273,28 @@ def planner_rows(table, rows: dict) -> list[dict]:
     for cname, r in rows.items():
         if r["kind"] != "budget":
             continue
-        try:
-            c = table.select(r["bytes"]).chosen
-        except ValueError:  # below every candidate (budget 0: the inputs alone)
-            c = None
+        c, over = _select(table, r["bytes"]), False
+        if c is None:  # below every candidate (budget 0: the inputs alone): within 1% over them
+            c, over = _select(table, int(1.01 * r["bytes"])), True
         out.append(
             {
                 "budget": float(cname.split()[1]),
                 "bytes": r["bytes"],
                 "flops": r["flops"],
-                "plan": c.label if c else None,
+                "plan": (c.label + (" (+1%)" if over else "")) if c else None,
                 "plan_bytes": c.saved_bytes if c else None,
                 "plan_flops": c.recompute_flops if c else None,
                 "candidate": c,
             }
         )
     return out
+
+
+def _select(table, memory: int):
+    try:
+        return table.select(memory).chosen
+    except ValueError:
+        return None
 
 
 def report_planner(name: str, result: dict) -> list[str]:
@@ -299,16 +305,17 @@ def report_planner(name: str, result: dict) -> list[str]:
         f"({result['plan_search']}) measured in {result['plan_seconds']:.1f} s"
     )
     print(
-        f"{'PyTorch':<12} {'MiB':>7} {'GFLOP':>7} {'step':>6} | {'plan':<36} {'MiB':>7} {'GFLOP':>7} {'step':>6}"
+        f"{'PyTorch':<12} {'MiB':>7} {'GFLOP':>7} {'step':>6} | {'plan':<42} {'MiB':>7} {'GFLOP':>7} {'step':>6}"
     )
     for r in result["planned"]:
         bs = f"{r['budget_step']:>5.2f}x" if r.get("budget_step") else f"{'':>6}"
         head = f"budget {r['budget']:<5.1f} {r['bytes'] / mib:>7.3f} {r['flops'] / 1e9:>7.3f} {bs} | "
         if r["plan"] is None:
-            print(head + "(nothing measured fits: below full recompute)")
+            print(head + "(nothing measured fits within 1% of these bytes)")
+            problems.append(f"{name}: no plan within 1% of budget {r['budget']:.1f}'s bytes")
             continue
         ps = f"{r['plan_step']:>5.2f}x" if r.get("plan_step") else f"{'':>6}"
-        print(head + f"{r['plan']:<36} {r['plan_bytes'] / mib:>7.3f} {r['plan_flops'] / 1e9:>7.3f} {ps}")
+        print(head + f"{r['plan']:<42} {r['plan_bytes'] / mib:>7.3f} {r['plan_flops'] / 1e9:>7.3f} {ps}")
         if r["plan_flops"] > r["flops"] or r["plan_bytes"] > 1.01 * r["bytes"]:
             problems.append(
                 f"{name}: the plan at budget {r['budget']:.1f}'s bytes does worse than that point"

@@ -17,7 +17,7 @@ that too):
 * ``seam``, ``config``, ``contexts`` - wrapping layers, whole-model configs, a
   ``context_fn`` for ``torch.utils.checkpoint``;
 * ``inspection`` - partition reports, ``capture_partition``, measurements;
-* ``planning``, ``planning_model`` - the planner: one layer, every kind of layer of a model;
+* ``planning`` - the planner: one layer, every kind of layer of a model;
 * ``hf`` - transformers models.
 
 ``sac_compile.testing`` (demo and test models, the rank runner, parity reports) is not
@@ -25,6 +25,7 @@ imported by ``import sac_compile``.
 """
 
 from .compiler import baseline_backend, make_sac_backend, sac_backend
+from .compiler import session as _session
 from .config import SacConfig
 from .contexts import region_context_fn
 from .declare import RegionDeclarations, declare_regions, declared_regions, undeclare_regions
@@ -32,6 +33,7 @@ from .diagnostics import SacDiagnosticError, set_strict, strict
 from .inspection import PartitionReport, autograd_saved_bytes, capture_partition, collectives_run
 from .keep import ALL_REGIONS
 from .markers import region
+from .planning import advice as _advice
 from .planning import plan
 from .policy import SAVE_ALL, SAVE_COSTLY, is_costly
 from .records import collect_records, recent_records
@@ -72,5 +74,9 @@ __all__ = [
     "collect_records",  # what the tagging pass saw, per graph
     "recent_records",
 ]
+
+# The composition root wires the planner's advice into the compile session, which sits below
+# the planner (sac_compile.planning.advice: one INFO line when a plan dominates a keep set).
+_session.set_advisor(_advice.advise)
 
 __version__ = "0.1.0"

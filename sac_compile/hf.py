@@ -53,7 +53,7 @@ from ._compat.dynamo import unwrap_compiled
 from .config import SacConfig
 from .declare import declare_regions
 from .keep import ALL_REGIONS, normalize_keep
-from .planning_model import ModelPlan, plan_model
+from .planning import ModelPlan, plan_model
 from .policy import SAVE_COSTLY
 
 __all__ = [

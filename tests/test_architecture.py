@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("compiler", "eager"),
     ("seam", "config", "contexts"),
     ("inspection",),
-    ("planning", "planning_model"),
+    ("planning",),
     ("hf",),
     ("__init__",),
     ("testing",),

@@ -13,8 +13,7 @@ from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
 from sac_compile.inspection.capture import capture_partition
 from sac_compile.inspection.flops import saved_bytes_and_backward_flops
-from sac_compile.planning import MAX_EXHAUSTIVE_REGIONS, plan
-from sac_compile.planning_model import plan_model
+from sac_compile.planning import MAX_EXHAUSTIVE_REGIONS, plan, plan_model
 from sac_compile.testing.models import Block
 
 BUDGETS = (None, 0.2, 0.5)
@@ -235,3 +234,31 @@ def test_dense_and_moe_layers_of_one_model_are_planned_apart():
     assert "mlp" in dense.plan.regions and "experts" in moe.plan.regions
     for g in mp.groups:
         assert g.plan.saved_bytes <= g.plan.memory
+
+
+def test_the_time_estimator_times_each_pareto_point_and_chooses_the_fastest_that_fits():
+    torch.manual_seed(0)
+    block = Block(32, heads=4)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    p = plan(
+        block, x, memory=0.6, budgets=(None, 0.5), estimator="time", inner="aot_eager", iters=3, eager=False
+    )
+    assert p.estimator == "time" and p.no_checkpoint_time > 0
+    timed = [c for c in p.candidates if c.step_time is not None]
+    assert all(c.pareto for c in timed)
+    assert {(c.saved_bytes, c.recompute_flops) for c in timed} == {
+        (c.saved_bytes, c.recompute_flops) for c in p.candidates if c.pareto
+    }
+    assert p.chosen.step_time == min(c.step_time for c in timed if c.saved_bytes <= p.memory)
+    assert p.saved_bytes <= p.memory and "step" in p.format()
+    smallest = min(c.saved_bytes for c in p.candidates)
+    assert p.select(smallest).saved_bytes == smallest  # select() keeps the estimator
+    with pytest.raises(ValueError, match="estimator='flop'"):
+        plan(block, x, memory=0.5, estimator="flop")
+
+
+def test_plot_draws_the_table(tmp_path):
+    pytest.importorskip("matplotlib")
+    _, _, p = _block_plan()
+    p.plot(tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -145,19 +145,24 @@ class SacBackend:
         compiled in ``context`` (the scopes and regions they start inside of, from the
         Python stack). Its records go to the compile session."""
         if context not in self._passes:
-            # Imported here, not at the top: the pass subclasses Inductor's CustomGraphPass,
-            # and importing Inductor is what `import sac_compile` must not do.
-            from ..passes.tag_regions import TagRegionsPass
-
-            self._passes[context] = TagRegionsPass(
-                self.keep,
-                policy=self.policy,
-                budget=self.budget,
-                options_key=self._options_key,
-                context=context,
-                publish=session.publish,
-            )
+            self._passes[context] = self.new_pass(context, session.publish)
         return self._passes[context]
+
+    def new_pass(self, context: Enclosing, publish: Callable[[records.GraphRecord], None]):
+        """A new tagging pass of this configuration whose records go to ``publish`` (the
+        planner keeps its trial partitions' records to itself)."""
+        # Imported here, not at the top: the pass subclasses Inductor's CustomGraphPass,
+        # and importing Inductor is what `import sac_compile` must not do.
+        from ..passes.tag_regions import TagRegionsPass
+
+        return TagRegionsPass(
+            self.keep,
+            policy=self.policy,
+            budget=self.budget,
+            options_key=self._options_key,
+            context=context,
+            publish=publish,
+        )
 
     def compile_patches(self, mode: str | None = None, options: Mapping[str, Any] | None = None) -> dict:
         """The Inductor config this backend compiles with when ``torch.compile`` passes it
@@ -187,6 +192,8 @@ class SacBackend:
         unit = new_unit(gm, example_inputs)
         capturing = session.capturing()
         pass_ = self.tagging_pass(unit.context) if self.checkpoint else None
+        if pass_ is not None:
+            session.advise(self, gm, example_inputs, unit)  # the planner's, at log level INFO
         trace_watch.claim_trace()  # this graph is ours: its markers are not "no-pass"
         with session.compiling(unit):
             if self.inner == "inductor":

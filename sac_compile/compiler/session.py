@@ -22,7 +22,16 @@ from .. import records
 from .._compat import logs
 from ..markers.context import NO_CONTEXT, Enclosing
 
-__all__ = ["CompileUnit", "capture_units", "capturing", "compiling", "current_unit", "publish"]
+__all__ = [
+    "CompileUnit",
+    "advise",
+    "capture_units",
+    "capturing",
+    "compiling",
+    "current_unit",
+    "publish",
+    "set_advisor",
+]
 
 
 @dataclass
@@ -99,3 +108,20 @@ def publish(record: records.GraphRecord) -> None:
     records.publish(record)
     # next to the graphs in tlparse (TORCH_TRACE=dir): what the pass kept and recomputed
     logs.trace_artifact("sac_compile_regions", record.summary)
+
+
+# The planner's advice on a hand-picked keep set (sac_compile.planning.advice): set once by
+# the package's root module, which sits above both; consulted by every sac backend call.
+_advisor: Any = None
+
+
+def set_advisor(advisor: Any) -> None:
+    """``advisor(backend, gm, example_inputs, unit)`` is called before each training graph a
+    sac backend compiles (outside :func:`capture_units` blocks); ``None`` turns it off."""
+    global _advisor
+    _advisor = advisor
+
+
+def advise(backend: Any, gm: Any, example_inputs: list[Any], unit: CompileUnit) -> None:
+    if _advisor is not None and unit.grad_enabled and not capturing():
+        _advisor(backend, gm, example_inputs, unit)

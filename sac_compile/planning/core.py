@@ -29,10 +29,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn as nn
 
-from .policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_budget, validate_policy
+from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_budget, validate_policy
+from .measure import eager_bytes, measure, timed
 
 __all__ = ["DEFAULT_BUDGETS", "LEAST", "MAX_EXHAUSTIVE_REGIONS", "Candidate", "Plan", "plan"]
 
@@ -56,6 +56,7 @@ class Candidate:
     recompute_flops: int
     pareto: bool = False  # no other candidate has <= bytes and <= FLOPs, one of them strictly
     eager_bytes: int | None = None  # what the eager engine holds for the backward (no budget only)
+    step_time: float | None = None  # median forward+backward seconds (estimator="time", Pareto points)
 
     @property
     def label(self) -> str:
@@ -78,6 +79,8 @@ class Plan:
     no_checkpoint_bytes: int
     regions: tuple[str, ...]
     search: str  # "exhaustive" or how keep sets were picked
+    estimator: str = "flops"  # what the choice minimises: "flops", or "time" (measured steps)
+    no_checkpoint_time: float | None = None  # median step seconds without checkpointing ("time")
 
     @property
     def keep(self) -> frozenset[str]:
@@ -106,19 +109,58 @@ class Plan:
             f"no-checkpoint {self.no_checkpoint_bytes:,} B); regions {', '.join(self.regions) or '(none)'}; "
             f"{len(self.candidates)} candidates ({self.search})",
             f"  {'':2}{'configuration':<44}{'saved B':>14}{'vs none':>9}{'recomputed FLOP':>18}"
-            f"{'eager B':>14}",
+            f"{'eager B':>14}" + (f"{'step':>8}" if self.no_checkpoint_time else ""),
         ]
         for c in sorted(self.candidates, key=lambda c: (c.saved_bytes, c.recompute_flops)):
             mark = (">" if c is self.chosen else " ") + ("*" if c.pareto else " ")
             ratio = c.saved_bytes / max(self.no_checkpoint_bytes, 1)
             eager = "-" if c.eager_bytes is None else f"{c.eager_bytes:,}"
+            step = ""
+            if self.no_checkpoint_time:
+                step = (
+                    f"{'-':>8}" if c.step_time is None else f"{c.step_time / self.no_checkpoint_time:>7.2f}x"
+                )
             lines.append(
-                f"  {mark}{c.label:<44}{c.saved_bytes:>14,}{ratio:>9.2f}{c.recompute_flops:>18,}{eager:>14}"
+                f"  {mark}{c.label:<44}{c.saved_bytes:>14,}{ratio:>9.2f}{c.recompute_flops:>18,}{eager:>14}{step}"
             )
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.format()
+
+    def plot(self, path: str, *, title: str | None = None) -> None:
+        """Draw the table to ``path`` (needs matplotlib): PyTorch's knapsack alone (``keep={}``
+        with each budget) as a line, every candidate as a point, the Pareto frontier, the
+        memory target and the choice."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        mib = 2.0**20
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        points = [(c.saved_bytes / mib, c.recompute_flops / 1e9) for c in self.candidates]
+        ax.scatter(*zip(*points), s=12, color="tab:blue", alpha=0.5, label="candidates")
+        knapsack = sorted(
+            (c.saved_bytes / mib, c.recompute_flops / 1e9)
+            for c in self.candidates
+            if not c.keep and c.budget is not None
+        )
+        if knapsack:
+            ax.plot(*zip(*knapsack), "o-", color="tab:gray", ms=3, label="PyTorch's knapsack alone (keep {})")
+        front = sorted((c.saved_bytes / mib, c.recompute_flops / 1e9) for c in self.candidates if c.pareto)
+        ax.step(*zip(*front), where="post", color="tab:red", ls="--", lw=1.2, label="planner's frontier")
+        ax.axvline(self.memory / mib, color="tab:green", lw=1, label=f"memory {self.memory / mib:.3g} MiB")
+        c = self.chosen
+        ax.plot(c.saved_bytes / mib, c.recompute_flops / 1e9, "*", color="tab:red", ms=14, label=c.label)
+        ax.set_xlabel("saved for the backward (MiB)")
+        ax.set_ylabel("recomputed GFLOP")
+        ax.set_title(title or f"plan: {', '.join(self.regions)}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
 
     def select(self, memory: int | float) -> Plan:
         """The same candidates, chosen for another ``memory`` (nothing measured again)."""
@@ -127,7 +169,7 @@ class Plan:
     def config(self, layers: str, regions: dict[str, str] | None = None, **options: Any):
         """A :class:`~sac_compile.SacConfig` applying the plan to every layer matching ``layers``
         (compiled per layer when the plan has a budget: budgets act in compiled code only)."""
-        from .config import SacConfig
+        from ..config import SacConfig
 
         compile_ = options.pop("compile", self.budget is not None)
         if self.budget is not None and compile_ is False:
@@ -153,6 +195,9 @@ def plan(
     budgets: Iterable[float | None] = DEFAULT_BUDGETS,
     policies: Sequence[RegionPolicy] = (SAVE_COSTLY,),
     eager: bool = True,
+    estimator: str = "flops",
+    inner: str = "inductor",
+    iters: int = 9,
     **example_kwargs: Any,
 ) -> Plan:
     """Measure candidates on ``module(*example_args, **example_kwargs)`` and choose one.
@@ -166,6 +211,11 @@ def plan(
         policies: region policies tried (``SAVE_COSTLY``, ``SAVE_ALL``, your own).
         eager: also measure what the eager engine holds for each candidate without a budget
             (``Candidate.eager_bytes``; budgets act in compiled code only).
+        estimator: ``"flops"`` (default) minimises the recomputed FLOPs; ``"time"`` compiles
+            one configuration per distinct Pareto point (bytes, FLOPs) and the no-checkpoint
+            baseline with ``inner`` (``"inductor"``, or ``"aot_eager"``) and minimises their
+            median forward+backward time over ``iters`` interleaved rounds (on the module's
+            device: CUDA too).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"plan measures an nn.Module (one layer), got {type(module).__name__}")
@@ -176,12 +226,20 @@ def plan(
         raise ValueError("plan needs at least one region policy (sac_compile.SAVE_COSTLY)")
     policies = tuple(validate_policy(p) for p in policies)
     _target(memory, 0)  # its type and range, before anything is compiled
+    if estimator not in ("flops", "time"):
+        raise ValueError(
+            f"plan(estimator={estimator!r}): 'flops' (recomputed FLOPs) or 'time' (measured steps)"
+        )
+    if inner not in ("inductor", "aot_eager"):
+        raise ValueError(
+            f"plan(inner={inner!r}): the backend timed steps compile with, 'inductor' or 'aot_eager'"
+        )
 
-    from .compiler.backend import baseline_backend, make_sac_backend
-    from .keep import ALL_REGIONS
+    from ..compiler.backend import baseline_backend, make_sac_backend
+    from ..keep import ALL_REGIONS
 
     none, every = "none", frozenset({"every region"})
-    first = _measure(
+    first = measure(
         module,
         example_args,
         example_kwargs,
@@ -189,28 +247,34 @@ def plan(
     )
     (base_bytes, base_flops), regions = first.figures[none], first.regions
     target = _target(memory, base_bytes)
-    keep_sets, search = _keep_sets(regions)
+    sets, search = keep_sets(regions)
     configs = {}
-    for policy, keep, budget in itertools.product(policies, keep_sets, budgets):
+    for policy, keep, budget in itertools.product(policies, sets, budgets):
         if policy is not policies[0] and not keep:
             continue  # a policy only decides inside kept regions: keep={} is the same for all
         backend = make_sac_backend(set(keep), policy=policy, budget=budget, inner="aot_eager")
         configs[(frozenset(keep), budget, policy)] = backend
-    figures = _measure(module, example_args, example_kwargs, configs).figures
+    figures = measure(module, example_args, example_kwargs, configs).figures
     found = []
     for keep, budget, policy in configs:
         saved, flops = figures[(keep, budget, policy)]
         held = None
         if eager and budget is None:
-            held = _eager_bytes(module, example_args, example_kwargs, keep, policy)
+            held = eager_bytes(module, example_args, example_kwargs, keep, policy)
         found.append(Candidate(keep, budget, policy, saved, max(flops - base_flops, 0), eager_bytes=held))
-    table = Plan(target, found[0], tuple(_mark_pareto(found)), base_bytes, tuple(regions), search)
+    found = _mark_pareto(found)
+    base_time = None
+    if estimator == "time":
+        found, base_time = timed(
+            module, example_args, example_kwargs, found, order=flops_order, inner=inner, iters=iters
+        )
+    table = Plan(target, found[0], tuple(found), base_bytes, tuple(regions), search, estimator, base_time)
     return _choose(target, table)
 
 
 def _choose(target: int, table: Plan) -> Plan:
     """``table``'s candidate with the least recompute within ``target`` bytes (ties: fewer
-    bytes, no budget, fewer regions)."""
+    bytes, no budget, fewer regions), or with ``estimator="time"`` the fastest measured step."""
     candidates = table.candidates
     fitting = [c for c in candidates if c.saved_bytes <= target]
     if not fitting:
@@ -221,8 +285,16 @@ def _choose(target: int, table: Plan) -> Plan:
             f"({smallest / max(base, 1):.2f} of the no-checkpoint {base:,} B); "
             "raise memory, or checkpoint smaller scopes"
         )
-    chosen = min(fitting, key=lambda c: (c.recompute_flops, c.saved_bytes, c.budget is not None, len(c.keep)))
-    return Plan(target, chosen, candidates, table.no_checkpoint_bytes, table.regions, table.search)
+    if table.estimator == "time":  # the least-FLOP fitting point is on the Pareto set, so timed
+        fitting = [c for c in fitting if c.step_time is not None]
+        chosen = min(fitting, key=lambda c: (c.step_time, c.saved_bytes))
+    else:
+        chosen = min(fitting, key=flops_order)
+    return dataclasses.replace(table, memory=target, chosen=chosen)
+
+
+def flops_order(c: Candidate) -> tuple:
+    return (c.recompute_flops, c.saved_bytes, c.budget is not None, len(c.keep))
 
 
 def _target(memory: Any, base_bytes: int) -> int:
@@ -241,7 +313,7 @@ def _target(memory: Any, base_bytes: int) -> int:
     return memory
 
 
-def _keep_sets(regions: Sequence[str]) -> tuple[list[tuple[str, ...]], str]:
+def keep_sets(regions: Sequence[str]) -> tuple[list[tuple[str, ...]], str]:
     if len(regions) <= MAX_EXHAUSTIVE_REGIONS:
         sets = [c for n in range(len(regions) + 1) for c in itertools.combinations(regions, n)]
         return sets, "exhaustive"
@@ -267,85 +339,3 @@ def _policy_name(policy: RegionPolicy) -> str:
     if policy is SAVE_ALL:
         return "SAVE_ALL"
     return getattr(policy, "__name__", repr(policy))
-
-
-class _PartitionEach:
-    """A Dynamo backend partitioning each graph once per configuration: one Dynamo trace and
-    one joint graph, a copy of it tagged and partitioned per configuration exactly as that
-    configuration's ``aot_eager`` compile would (``SacBackend.partition``), and the figures
-    read off the partitioned graphs (:func:`~sac_compile.inspection.report.build_partition`,
-    :func:`~sac_compile.inspection.flops.graph_costly_flops`). The compiled code is the
-    first configuration's."""
-
-    def __init__(self, configs: dict[Any, Any]) -> None:
-        self.configs = configs
-        self.figures: dict[Any, list[int]] = {key: [0, 0] for key in configs}  # bytes, backward FLOPs
-        self.regions: list[str] = []
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
-        from ._compat import aot
-        from .compiler import backend as backends
-        from .compiler import session
-        from .diagnostics import trace_watch
-        from .inspection.flops import graph_costly_flops
-        from .inspection.report import build_partition
-
-        unit = backends.new_unit(gm, example_inputs)
-        trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
-
-        def partition(joint, joint_inputs, **kwargs):
-            chosen = None
-            for key, backend in self.configs.items():
-                one = dataclasses.replace(unit, records=[], graphs={}, saved_names=None)
-                pass_ = backend.tagging_pass(unit.context) if backend.checkpoint else None
-                with session.compiling(one):
-                    fw, bw = backend.partition(aot.copy_joint(joint), joint_inputs, pass_=pass_, **kwargs)
-                one.graphs = {"forward": backends.snapshot(fw), "backward": backends.snapshot(bw)}
-                part = build_partition(0, one)
-                self.figures[key][0] += part.activation_bytes + part.input_bytes
-                self.figures[key][1] += graph_costly_flops(bw)
-                for rec in one.records[-1:]:
-                    self.regions.extend(r for r in rec.regions if r not in self.regions)
-                chosen = chosen or (fw, bw)
-            return chosen
-
-        def compile_graph(g, _inputs):
-            return aot.make_boxed_func(g.forward)
-
-        return aot.aot_autograd(
-            fw_compiler=compile_graph,
-            bw_compiler=compile_graph,
-            inference_compiler=compile_graph,
-            partition_fn=partition,
-            keep_inference_input_mutations=True,
-        )(gm, example_inputs)
-
-
-def _measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> _PartitionEach:
-    """Compile ``module`` afresh, partitioning every graph once per configuration; the
-    forward runs once (each graph compiles, and so partitions, when it is first reached)."""
-    from .inspection.capture import fresh_compile
-
-    measuring = _PartitionEach(configs)
-    with fresh_compile(module, measuring) as compiled:
-        compiled(*args, **kwargs)
-    return measuring
-
-
-def _eager_bytes(module: nn.Module, args, kwargs, keep: frozenset[str], policy: RegionPolicy) -> int:
-    """Bytes held for the backward once the eager engine's forward of ``module`` returned
-    (:func:`~sac_compile.inspection.measure.autograd_saved_bytes`: autograd's saves, the
-    checkpoint's inputs and the engine's cache; parameters and buffers excluded)."""
-    from .eager import checkpoint_with_regions
-    from .inspection.measure import autograd_saved_bytes
-
-    def run():
-        out = checkpoint_with_regions(module, *args, keep=keep, policy=policy, **kwargs)
-        return out[0] if isinstance(out, (tuple, list)) else out
-
-    held = autograd_saved_bytes(run, exclude=[*module.parameters(), *module.buffers()])
-    module.zero_grad(set_to_none=True)
-    for a in [*args, *kwargs.values()]:
-        if isinstance(a, torch.Tensor) and a.grad is not None:
-            a.grad = None
-    return held

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._compat.checkpoint import tree_map
-from .declare import declare_regions, match_path
-from .planning import DEFAULT_BUDGETS, Plan, plan
-from .policy import SAVE_COSTLY
+from .._compat.checkpoint import tree_map
+from ..declare import declare_regions, match_path
+from ..policy import SAVE_COSTLY
+from .core import DEFAULT_BUDGETS, Plan, plan
 
 __all__ = ["LayerGroup", "ModelPlan", "plan_model"]
 
@@ -70,8 +70,8 @@ class ModelPlan:
         plan. ``compile`` defaults to ``True`` for a group whose plan has a budget (budgets act
         in compiled code only) and ``False`` otherwise; ``compile=False`` with a budget is a
         ``ValueError``. ``options`` go to the seam (``preserve_rng_state``)."""
-        from ._compat.dynamo import unwrap_compiled
-        from .seam import apply_selective_checkpointing
+        from .._compat.dynamo import unwrap_compiled
+        from ..seam import apply_selective_checkpointing
 
         modules = dict(unwrap_compiled(model).named_modules())
         for g in self.groups:
@@ -116,7 +116,7 @@ def plan_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan_model plans an nn.Module, got {type(model).__name__}")
-    from ._compat.dynamo import unwrap_compiled
+    from .._compat.dynamo import unwrap_compiled
 
     root = unwrap_compiled(model)
     matched = [(p, m) for p, m in root.named_modules() if match_path(layers, p)]

@@ -1,0 +1,179 @@
+"""Peak memory and tokens/s of a whole model per checkpointing configuration, on one GPU.
+
+The demo's MoE transformer (or a transformers Llama / Qwen3-MoE), every layer compiled with
+Inductor, trained side by side from the same weights:
+
+* PyTorch: no checkpoint, full recompute, ``activation_memory_budget`` 0.3 / 0.5;
+* sac-compile: every region kept, and ``sac_compile.plan`` at 0.3 / 0.5 of a layer's
+  no-checkpoint bytes (planned on one layer first; the planning time is printed).
+
+Per configuration: the peak memory of one training step above the memory held before it
+(``torch.cuda.max_memory_allocated``; on a CPU, which has no allocator statistics, the bytes
+held for the backward once the forward returned, ``autograd_saved_bytes``), tokens/s as the
+median of ``--iters`` interleaved steps, and the loss. Sized to finish in under 5 minutes on
+one GPU at the defaults; ``tests/test_gpu_benchmark.py`` runs it on a CPU at a tiny size.
+
+    python benchmarks/gpu.py [--model demo|llama|qwen3moe] [--device cuda] [--layers 8 --d 1024 --seq 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import torch
+from _baselines import BudgetBackend
+
+import sac_compile as sc
+from sac_compile.declare import match_path
+from sac_compile.inspection.timing import interleaved_times
+from sac_compile.planning import plan_model
+
+
+def build(args):
+    torch.manual_seed(0)
+    if args.model == "demo":
+        from sac_compile.testing.models import MoETransformer
+
+        model = MoETransformer(vocab=args.vocab, d=args.d, n_layers=args.layers, heads=args.heads)
+        regions, layers = MoETransformer.REGIONS, "layers.*"
+    else:
+        from sac_compile import hf
+
+        builder = hf.tiny_llama if args.model == "llama" else hf.tiny_qwen3_moe
+        model = builder(layers=args.layers, hidden=args.d)
+        regions, layers = hf.regions_for(model), f"{hf.decoder_layers(model)}.*"
+    sc.declare_regions(model, regions)
+    return model.to(args.device, args.dtype).train(), layers
+
+
+def logits(out):
+    return getattr(out, "logits", out)
+
+
+def configurations(args, planned):
+    """name -> function wrapping a fresh model's layers (each layer compiled on its own)."""
+
+    def compiled(backend):
+        def apply(model, layers):
+            for p, m in list(model.named_modules()):
+                if match_path(layers, p):
+                    m.compile(backend=backend)
+            return model
+
+        return apply
+
+    def seam(keep, budget=None, policy=sc.SAVE_COSTLY):
+        def apply(model, layers):
+            options = {"inner": args.inner}
+            cfg = sc.SacConfig(layers=layers, keep=keep, compile=options, budget=budget, policy=policy)
+            return cfg.apply(model)
+
+        return apply
+
+    out = {
+        "no checkpoint": compiled(sc.baseline_backend(args.inner)),
+        "full recompute": seam(()),
+        "budget 0.3": compiled(BudgetBackend(0.3, args.inner)),
+        "budget 0.5": compiled(BudgetBackend(0.5, args.inner)),
+        "keep every region": seam(sc.ALL_REGIONS),
+    }
+    for fraction, p in planned.items():
+        out[f"plan {fraction:g}: {p.chosen.label}"] = seam(p.keep, p.budget, p.policy)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("demo", "llama", "qwen3moe"), default="demo")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--inner", choices=("inductor", "aot_eager"), default="inductor")
+    parser.add_argument("--fractions", default="0.3,0.5", help="plan memory targets, of a layer's bytes")
+    parser.add_argument("--plan-budgets", default="", help="budgets the planner tries (default: its own)")
+    args = parser.parse_args(argv)
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    cuda = args.device.startswith("cuda")
+    print(
+        f"gpu benchmark: {args.model}, {args.layers} layers, d {args.d}, batch {args.batch} x seq {args.seq}, "
+        f"{args.dtype}, {args.device} ({torch.cuda.get_device_name() if cuda else 'no GPU'}), "
+        f"torch {torch.__version__}, every layer compiled ({args.inner})"
+    )
+    # plan on one layer (its inputs recorded from one forward of the uncompiled model)
+    model, layers = build(args)
+    vocab = model.config.vocab_size if args.model != "demo" else args.vocab
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device=args.device)
+    start = time.perf_counter()
+    fractions = [float(f) for f in args.fractions.split(",") if f]
+    planned = {}
+    if fractions:
+        kwargs = {"use_cache": False} if args.model != "demo" else {}
+        options = {}
+        if args.plan_budgets:
+            options["budgets"] = [None if b == "none" else float(b) for b in args.plan_budgets.split(",")]
+        table = (
+            plan_model(model, ids, layers=layers, memory=1.0, eager=False, **options, **kwargs).groups[0].plan
+        )
+        planned = {f: table.select(f) for f in fractions}
+    print(f"planned {len(fractions)} target(s) in {time.perf_counter() - start:.1f} s")
+    del model
+
+    results, steps = {}, {}
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
+        for name, apply in configurations(args, planned).items():
+            model, layers = build(args)  # each configuration's layers compile with its own backend
+            apply(model, layers)
+
+            def step(model=model):
+                model.zero_grad(set_to_none=True)
+                loss = logits(model(ids)).float().logsumexp(-1).mean()
+                loss.backward()
+                if cuda:
+                    torch.cuda.synchronize()
+                return loss.detach()
+
+            loss = step()  # compiles
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                step()
+                peak = torch.cuda.max_memory_allocated() - before
+            else:
+                forward = functools.partial(lambda m: logits(m(ids)).float().logsumexp(-1).mean(), model)
+                peak = sc.autograd_saved_bytes(forward, exclude=list(model.parameters()), warmup=False)
+            results[name] = {"peak": peak, "loss": float(loss)}
+            steps[name] = step
+        times = interleaved_times(steps, args.iters)
+    tokens = args.batch * args.seq
+    base = results["no checkpoint"]
+    head = f"{'configuration':<48} {'peak MiB' if cuda else 'held MiB':>9} {'vs none':>8} {'tokens/s':>10} {'vs none':>8} {'loss':>9}"
+    print(head)
+    print("-" * len(head))
+    base_tps = tokens / statistics.median(times["no checkpoint"])
+    problems = []
+    for name, r in results.items():
+        tps = tokens / statistics.median(times[name])
+        print(
+            f"{name:<48} {r['peak'] / 2**20:>9.1f} {r['peak'] / base['peak']:>8.2f} {tps:>10.0f} "
+            f"{tps / base_tps:>8.2f} {r['loss']:>9.4f}"
+        )
+        if abs(r["loss"] - base["loss"]) > 1e-2 * max(1.0, abs(base["loss"])):
+            problems.append(f"{name}: loss {r['loss']} differs from no checkpoint's {base['loss']}")
+    if problems:
+        print("\n".join(problems))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

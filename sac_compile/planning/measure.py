@@ -1,0 +1,141 @@
+"""Measuring candidates: one trace, one partition per configuration; eager bytes.
+
+:class:`PartitionEach` is a Dynamo backend that hands AOTAutograd a partition function which,
+for every joint graph, copies it once per configuration, tags the copy with that
+configuration's pass and partitions it exactly as the configuration's ``aot_eager`` compile
+would (``SacBackend.partition``), reading the bytes the backward keeps and the costly FLOPs
+it runs off the partitioned graphs. No code is generated and only the forward runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..policy import RegionPolicy
+
+__all__ = ["PartitionEach", "eager_bytes", "measure", "timed"]
+
+
+class PartitionEach:
+    """A Dynamo backend partitioning each graph once per configuration: one Dynamo trace and
+    one joint graph, a copy of it tagged and partitioned per configuration exactly as that
+    configuration's ``aot_eager`` compile would (``SacBackend.partition``), and the figures
+    read off the partitioned graphs (:func:`~sac_compile.inspection.report.build_partition`,
+    :func:`~sac_compile.inspection.flops.graph_costly_flops`). The compiled code is the
+    first configuration's."""
+
+    def __init__(self, configs: dict[Any, Any]) -> None:
+        self.configs = configs
+        self.figures: dict[Any, list[int]] = {key: [0, 0] for key in configs}  # bytes, backward FLOPs
+        self.regions: list[str] = []
+        self.scopes: list[int] = []  # per graph: the checkpoint scopes of the first configuration
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
+        from .._compat import aot
+        from ..compiler import backend as backends
+        from ..diagnostics import trace_watch
+        from ..inspection.flops import graph_costly_flops
+        from ..inspection.report import build_partition
+
+        unit = backends.new_unit(gm, example_inputs)
+        trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
+
+        def partition(joint, joint_inputs, **kwargs):
+            chosen = None
+            for key, backend in self.configs.items():
+                one = dataclasses.replace(unit, records=[], graphs={}, saved_names=None)
+                # the records stay here: not in the compile session, the history or the trace
+                pass_ = backend.new_pass(unit.context, one.records.append) if backend.checkpoint else None
+                fw, bw = backend.partition(aot.copy_joint(joint), joint_inputs, pass_=pass_, **kwargs)
+                one.graphs = {"forward": backends.snapshot(fw), "backward": backends.snapshot(bw)}
+                part = build_partition(0, one)
+                self.figures[key][0] += part.activation_bytes + part.input_bytes
+                self.figures[key][1] += graph_costly_flops(bw)
+                for rec in one.records[-1:]:
+                    self.regions.extend(r for r in rec.regions if r not in self.regions)
+                    if chosen is None:
+                        self.scopes.append(len(rec.scopes))
+                chosen = chosen or (fw, bw)
+            return chosen
+
+        def compile_graph(g, _inputs):
+            return aot.make_boxed_func(g.forward)
+
+        return aot.aot_autograd(
+            fw_compiler=compile_graph,
+            bw_compiler=compile_graph,
+            inference_compiler=compile_graph,
+            partition_fn=partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+
+def measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> PartitionEach:
+    """Compile ``module`` afresh, partitioning every graph once per configuration; the
+    forward runs once (each graph compiles, and so partitions, when it is first reached)."""
+    from ..inspection.capture import fresh_compile
+
+    measuring = PartitionEach(configs)
+    with fresh_compile(module, measuring) as compiled:
+        compiled(*args, **kwargs)
+    return measuring
+
+
+def eager_bytes(module: nn.Module, args, kwargs, keep: frozenset[str], policy: RegionPolicy) -> int:
+    """Bytes held for the backward once the eager engine's forward of ``module`` returned
+    (:func:`~sac_compile.inspection.measure.autograd_saved_bytes`: autograd's saves, the
+    checkpoint's inputs and the engine's cache; parameters and buffers excluded)."""
+    from ..eager import checkpoint_with_regions
+    from ..inspection.measure import autograd_saved_bytes
+
+    def run():
+        out = checkpoint_with_regions(module, *args, keep=keep, policy=policy, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    held = autograd_saved_bytes(run, exclude=[*module.parameters(), *module.buffers()])
+    module.zero_grad(set_to_none=True)
+    for a in [*args, *kwargs.values()]:
+        if isinstance(a, torch.Tensor) and a.grad is not None:
+            a.grad = None
+    return held
+
+
+def timed(
+    module: nn.Module, args, kwargs, found: list, *, order, inner: str, iters: int
+) -> tuple[list, float]:
+    """``found`` with ``step_time`` set on one candidate per distinct Pareto point (bytes,
+    FLOPs; the first of each in ``order``, a sort key), and the no-checkpoint step time: each
+    compiled afresh with ``inner``, run once, then timed over ``iters`` interleaved rounds."""
+    from ..compiler.backend import baseline_backend, make_sac_backend
+    from ..inspection.capture import fresh_compile
+    from ..inspection.timing import interleaved_medians
+
+    points: dict[tuple[int, int], Any] = {}
+    for c in sorted((c for c in found if c.pareto), key=order):
+        points.setdefault((c.saved_bytes, c.recompute_flops), c)
+    params = [*module.parameters()]
+
+    def step(fn):
+        def run():
+            for p in params:
+                p.grad = None
+            out = fn(*args, **kwargs)
+            (out[0] if isinstance(out, (tuple, list)) else out).float().sum().backward()
+
+        return run
+
+    with contextlib.ExitStack() as stack:
+        steps = {"none": step(stack.enter_context(fresh_compile(module, baseline_backend(inner))))}
+        for key, c in points.items():
+            backend = make_sac_backend(c.keep, policy=c.policy, budget=c.budget, inner=inner)
+            steps[key] = step(stack.enter_context(fresh_compile(module, backend)))
+        for run in steps.values():
+            run()  # compile, outside the timed rounds
+        medians = interleaved_medians(steps, iters)
+    chosen = {id(c): medians[key] for key, c in points.items()}
+    return [dataclasses.replace(c, step_time=chosen.get(id(c))) for c in found], medians["none"]
