@@ -73,7 +73,9 @@ def copy_joint(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
         # deep-copying the graph's pytree codegen trips pytree's LeafSpec deprecation warning
         warnings.simplefilter("ignore", FutureWarning)
         graph = copy.deepcopy(joint.graph)
-    return torch.fx.GraphModule(joint, graph)
+    # a lazy graph module generates its Python code only when run: the planner partitions
+    # dozens of copies and runs one (torch/fx/_lazy_graph_module.py)
+    return private("torch.fx._lazy_graph_module", "_LazyGraphModule")(joint, graph)
 
 
 def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:

@@ -217,16 +217,21 @@ class SacBackend:
         inner = functools.partial(_capturing_inner_compile, unit, capturing)
         return inductor.compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
 
-    def partition(self, joint, joint_inputs, pass_=None, **kwargs):
+    def partition(self, joint, joint_inputs, pass_=None, untagged=None, **kwargs):
         """Tag ``joint`` with ``pass_`` (this backend's tagging pass for the graph's context;
-        none for the baseline) and partition it, as ``inner="aot_eager"`` compiles do."""
+        none for the baseline) and partition it, as ``inner="aot_eager"`` compiles do.
+        ``untagged()``: a fresh copy of the joint graph before tagging, should the partition
+        need redoing (default: ``joint`` is copied before it is tagged)."""
         fallback = None
         if pass_ is not None:  # a budget may come from the backend or a seam's scope
-            untagged = aot.copy_joint(joint)
+            if untagged is None:
+                copy = aot.copy_joint(joint)
+                untagged = lambda: copy  # noqa: E731
 
             def fallback():  # Note [budget short-circuit] in _compat/aot.py
-                pass_.without_budget()(untagged.graph)
-                return untagged
+                graph = untagged()
+                pass_.without_budget()(graph.graph)
+                return graph
 
             pass_(joint.graph)
         return aot.min_cut_rematerialization_partition(

@@ -51,7 +51,13 @@ class PartitionEach:
                 one = dataclasses.replace(unit, records=[], graphs={}, saved_names=None)
                 # the records stay here: not in the compile session, the history or the trace
                 pass_ = backend.new_pass(unit.context, one.records.append) if backend.checkpoint else None
-                fw, bw = backend.partition(aot.copy_joint(joint), joint_inputs, pass_=pass_, **kwargs)
+                fw, bw = backend.partition(
+                    aot.copy_joint(joint),
+                    joint_inputs,
+                    pass_=pass_,
+                    untagged=lambda: aot.copy_joint(joint),
+                    **kwargs,
+                )
                 one.graphs = {"forward": backends.snapshot(fw), "backward": backends.snapshot(bw)}
                 part = build_partition(0, one)
                 self.figures[key][0] += part.activation_bytes + part.input_bytes
