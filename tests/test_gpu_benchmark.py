@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from .releases import default_torch_only
+
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess, default_torch_only]
 
 
 def test_the_gpu_benchmark_runs_every_configuration_on_a_cpu():

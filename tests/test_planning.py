@@ -16,6 +16,8 @@ from sac_compile.inspection.flops import saved_bytes_and_backward_flops
 from sac_compile.planning import MAX_EXHAUSTIVE_REGIONS, plan, plan_model
 from sac_compile.testing.models import Block
 
+from .releases import default_torch_only
+
 BUDGETS = (None, 0.2, 0.5)
 
 
@@ -207,6 +209,7 @@ def test_plan_model_refuses_a_pattern_that_matches_nothing_and_a_budget_without_
 
 
 @pytest.mark.slow
+@default_torch_only
 def test_hf_plan_for_plans_a_transformers_model_within_the_memory():
     from sac_compile import hf
 
@@ -221,6 +224,7 @@ def test_hf_plan_for_plans_a_transformers_model_within_the_memory():
 
 
 @pytest.mark.slow
+@default_torch_only
 def test_dense_and_moe_layers_of_one_model_are_planned_apart():
     from sac_compile import hf
     from sac_compile.testing import hf_families
@@ -236,6 +240,7 @@ def test_dense_and_moe_layers_of_one_model_are_planned_apart():
         assert g.plan.saved_bytes <= g.plan.memory
 
 
+@default_torch_only
 def test_the_time_estimator_times_each_pareto_point_and_chooses_the_fastest_that_fits():
     torch.manual_seed(0)
     block = Block(32, heads=4)

@@ -23,19 +23,17 @@ import torch
 
 pytest.importorskip("torchtitan")
 
+from .releases import TORCH, default_torch_only  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "torchtitan")
 COMPARE = os.path.join(EXAMPLE, "compare.py")
 TIMEOUT = 1800  # generous: a loaded 2-core machine is slow, not red (idle: 20-150 s)
-TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 pytestmark = [pytest.mark.subprocess]
 
 # CI time: on a newer release than the default 2.13.0 only the checks 2.13 cannot run (TP +
 # compile) and the cheap one run; the rest ran on 2.13.0 in the same CI run (docs/testing.md).
-default_torch_only = pytest.mark.skipif(
-    TORCH > (2, 13), reason="runs on the default torch 2.13.0 (CI time: docs/testing.md)"
-)
 
 
 def _port() -> int:
