@@ -116,15 +116,19 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     fractions = [float(f) for f in args.fractions.split(",") if f]
     planned = {}
+    kwargs = {"use_cache": False} if args.model != "demo" else {}  # transformers: no KV cache in training
     if fractions:
-        kwargs = {"use_cache": False} if args.model != "demo" else {}
         options = {}
         if args.plan_budgets:
             options["budgets"] = [None if b == "none" else float(b) for b in args.plan_budgets.split(",")]
         table = (
             plan_model(model, ids, layers=layers, memory=1.0, eager=False, **options, **kwargs).groups[0].plan
         )
-        planned = {f: table.select(f) for f in fractions}
+        for f in fractions:
+            try:
+                planned[f] = table.select(f)
+            except ValueError as e:  # below the least a plan can hold at this size
+                print(f"plan {f:g}: {e}")
     print(f"planned {len(fractions)} target(s) in {time.perf_counter() - start:.1f} s")
     del model
 
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
 
             def step(model=model):
                 model.zero_grad(set_to_none=True)
-                loss = logits(model(ids)).float().logsumexp(-1).mean()
+                loss = logits(model(ids, **kwargs)).float().logsumexp(-1).mean()
                 loss.backward()
                 if cuda:
                     torch.cuda.synchronize()
@@ -149,7 +153,9 @@ def main(argv=None) -> int:
                 step()
                 peak = torch.cuda.max_memory_allocated() - before
             else:
-                forward = functools.partial(lambda m: logits(m(ids)).float().logsumexp(-1).mean(), model)
+                forward = functools.partial(
+                    lambda m: logits(m(ids, **kwargs)).float().logsumexp(-1).mean(), model
+                )
                 peak = sc.autograd_saved_bytes(forward, exclude=list(model.parameters()), warmup=False)
             results[name] = {"peak": peak, "loss": float(loss)}
             steps[name] = step
