@@ -43,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import sac_compile as sc
 from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
-from sac_compile.inspection.flops import CountFlops, saved_bytes_and_backward_flops
+from sac_compile.inspection.flops import CountFlops, saved_bytes_and_backward_flops, scalar_loss
 
 aten = torch.ops.aten
 
@@ -57,10 +57,6 @@ def _hf_grouped_mm():
     return None if op is None else op.default
 
 
-def _loss(out) -> torch.Tensor:
-    return (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
-
-
 def measure(fn, x: torch.Tensor, params) -> tuple[int, int]:
     """(saved bytes, backward FLOPs) of one forward + backward of ``fn(x)``."""
     return saved_bytes_and_backward_flops(fn, x, exclude=params)
@@ -69,7 +65,7 @@ def measure(fn, x: torch.Tensor, params) -> tuple[int, int]:
 def measure_eager(unit, x: torch.Tensor, keep) -> tuple[int, int]:
     """The eager engine: bytes held after the forward (engine cache + the checkpoint's input), FLOPs."""
     stats: list = []
-    loss = _loss(checkpoint_with_regions(unit, x, keep=keep, stats_out=stats))
+    loss = scalar_loss(checkpoint_with_regions(unit, x, keep=keep, stats_out=stats))
     counter = CountFlops()
     with counter:
         loss.backward()
@@ -273,7 +269,7 @@ def run_unit(name: str, args) -> dict:
 
             def step(fn):
                 unit.zero_grad(set_to_none=True)
-                _loss(fn(x)).backward()
+                scalar_loss(fn(x)).backward()
 
             for f in fns.values():
                 step(f)  # compile (again, after the resets above) outside the timed rounds

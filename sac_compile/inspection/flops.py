@@ -17,7 +17,13 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 from .._compat.checkpoint import TorchDispatchMode, tree_map
 from .._compat.ops import HigherOrderOperator, OpOverload, op_name
 
-__all__ = ["CountFlops", "costly_flops", "graph_costly_flops", "saved_bytes_and_backward_flops"]
+__all__ = [
+    "CountFlops",
+    "costly_flops",
+    "graph_costly_flops",
+    "saved_bytes_and_backward_flops",
+    "scalar_loss",
+]
 
 aten = torch.ops.aten
 # The partitioner wraps a recomputed seeded op (the CPU SDPA kernel among them) in one of
@@ -53,13 +59,19 @@ class CountFlops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if isinstance(func, HigherOrderOperator) and func.name() in _RNG_HOPS:
-            inner, inner_args = args[1], args[2:]
-            inner_out = out[1] if func.name() == "run_and_save_rng_state" else out
-            self.flops += costly_flops(inner, inner_args, kwargs, inner_out)
-        elif isinstance(func, OpOverload):
-            self.flops += costly_flops(func, args, kwargs, out)
+        self.flops += _call_flops(func, args, kwargs, out)
         return out
+
+
+def _call_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """:func:`costly_flops` of one call as a graph or a dispatch mode sees it: an op, or the
+    op inside one of the partitioner's RNG wrappers, ``(rng_state, op, *args)``."""
+    if isinstance(func, HigherOrderOperator) and func.name() in _RNG_HOPS:
+        inner_out = out[1] if func.name() == "run_and_save_rng_state" and out is not None else out
+        return costly_flops(args[1], args[2:], kwargs, inner_out)
+    if isinstance(func, OpOverload):
+        return costly_flops(func, args, kwargs, out)
+    return 0
 
 
 def graph_costly_flops(gm: torch.fx.GraphModule) -> int:
@@ -74,17 +86,14 @@ def graph_costly_flops(gm: torch.fx.GraphModule) -> int:
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        args, kwargs = tree_map(val, n.args), tree_map(val, dict(n.kwargs))
-        out = n.meta.get("val")
-        if isinstance(n.target, HigherOrderOperator) and n.target.name() in _RNG_HOPS:
-            inner_out = out[1] if n.target.name() == "run_and_save_rng_state" and out is not None else out
-            total += costly_flops(args[1], args[2:], kwargs, inner_out)
-        elif isinstance(n.target, OpOverload):
-            total += costly_flops(n.target, args, kwargs, out)
+        total += _call_flops(
+            n.target, tree_map(val, n.args), tree_map(val, dict(n.kwargs)), n.meta.get("val")
+        )
     return total
 
 
-def _loss(out: Any) -> torch.Tensor:
+def scalar_loss(out: Any) -> torch.Tensor:
+    """The float sum of ``out``, or of its first item when it is a tuple or list."""
     return (out[0] if isinstance(out, (tuple, list)) else out).float().sum()
 
 
@@ -105,7 +114,7 @@ def saved_bytes_and_backward_flops(fn, *args: Any, exclude: Any = ()) -> tuple[i
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = _loss(fn(*args))
+        loss = scalar_loss(fn(*args))
     counter = CountFlops()
     with counter:
         loss.backward()

@@ -119,6 +119,7 @@ def timed(
     compiled afresh with ``inner``, run once, then timed over ``iters`` interleaved rounds."""
     from ..compiler.backend import baseline_backend, make_sac_backend
     from ..inspection.capture import fresh_compile
+    from ..inspection.flops import scalar_loss
     from ..inspection.timing import interleaved_medians
 
     points: dict[tuple[int, int], Any] = {}
@@ -131,7 +132,7 @@ def timed(
             for p in params:
                 p.grad = None
             out = fn(*args, **kwargs)
-            (out[0] if isinstance(out, (tuple, list)) else out).float().sum().backward()
+            scalar_loss(out).backward()
 
         return run
 
