@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	: > $(VENV)/no-constraints.txt
 	$(PIP_ENV) $(PY) -m pip install --quiet --upgrade pip
 	$(PIP_ENV) $(PY) -m pip install --quiet torch==$(TORCH)
-	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test,demo,torchtitan]'
+	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test,demo,torchtitan,bench]'
 	$(PIP_ENV) $(PY) -m pip install --quiet --no-deps $(TORCHTITAN)
 	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
 	touch $(STAMP)
@@ -57,6 +57,7 @@ demo: install
 
 bench: install
 	-$(PY) benchmarks/frontier.py  # exits 1 when a keep set is dominated: report, keep going
+	-$(PY) benchmarks/peers.py  # beside torch_remat; exits 1 when a verdict is not met
 	$(PY) benchmarks/saved_memory.py
 	$(PY) benchmarks/eager_vs_compiled.py
 	$(PY) benchmarks/eager_body_skip.py

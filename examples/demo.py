@@ -8,12 +8,14 @@ static-capacity experts per layer; no markers in its code) on CPU. Regions are
 by one ``SacConfig`` keeping ``--keep``. Six configurations train the same steps
 from the same weights, interleaved:
 
-* no checkpoint, full recompute (keep=()), selective (keep=--keep), eagerly;
-* PyTorch's own selective checkpointing making the same decisions, eagerly
-  (``sac_compile.testing.baselines.Checkpointed``): what the eager engine must beat;
+* no checkpoint, full recompute (keep=()), selective (keep=--keep, policy ``SAVE_ALL``: a
+  kept region that is a whole module runs once, skipped in the recompute), eagerly;
+* PyTorch's own selective checkpointing making the default policy's decisions, eagerly
+  (``sac_compile.testing.baselines.Checkpointed``; with ``SAVE_ALL``'s it raises on this
+  model: the router writes into a tensor it cached);
 * no checkpoint, full recompute and selective with
   ``torch.compile(model, backend=sac_compile.sac_backend)`` (no checkpoint: the same
-  Inductor compile without the tagging pass).
+  Inductor compile without the tagging pass), with the default policy ``SAVE_COSTLY``.
 
 Then it prints what one compiled layer saves and recomputes per region, a
 comparison table (bytes held after the forward, step time, loss agreement), the ops
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 import sac_compile as sc
 from sac_compile.eager import checkpoint_with_regions
+from sac_compile.policy import SAVE_ALL, SAVE_COSTLY
 from sac_compile.testing.baselines import Checkpointed
 from sac_compile.testing.counting import CountOps
 from sac_compile.testing.models import MoETransformer
@@ -104,12 +107,21 @@ def build(args, mode: str, keep: set[str] | tuple | None):
     """The model, its optimizer and the callable a step runs, for one configuration."""
     torch.manual_seed(0)
     model = MoETransformer(args.vocab, args.d, args.layers, args.heads, args.experts)
-    if mode == "torch":  # PyTorch's SAC making the engine's decisions, read from the same regions
+    # Eagerly, SAVE_ALL: a kept region that is a whole module runs once, its body skipped in
+    # the recompute with no dispatch mode (the default policy recomputes its cheap ops, which
+    # costs a Python dispatch round trip per op eagerly). Compiled, the default policy: the
+    # partitioner recomputes the cheap ops inside fused kernels.
+    policy = SAVE_ALL if mode == "eager" else SAVE_COSTLY
+    if mode == "torch":
+        # PyTorch's SAC making the default policy's decisions, read from the same regions
+        # (with SAVE_ALL's it raises on this model: the router writes into a tensor it cached)
         sc.declare_regions(model, MoETransformer.REGIONS)
         for i, layer in enumerate(model.layers):
-            model.layers[i] = Checkpointed(layer, keep)
+            model.layers[i] = Checkpointed(layer, keep, policy=policy)
     elif keep is not None:
-        sc.SacConfig(layers="layers.*", keep=set(keep), regions=MoETransformer.REGIONS).apply(model)
+        sc.SacConfig(layers="layers.*", keep=set(keep), regions=MoETransformer.REGIONS, policy=policy).apply(
+            model
+        )
     run = model
     if mode == "compiled":
         if keep is None:
@@ -137,16 +149,20 @@ def loss_of(run, ids, targets) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _quiet_fds():
-    """The profiler's C++ side prints start/stop lines on the process's stdout: silence them."""
+    """The profiler's C++ side prints start/stop lines on the process's stdout and stderr:
+    silence them."""
     sys.stdout.flush()
-    saved = os.dup(1)
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
     try:
         yield
     finally:
-        os.dup2(saved, 1)
-        os.close(saved)
+        for fd, old in zip((1, 2), saved):
+            os.dup2(old, fd)
+            os.close(old)
         os.close(devnull)
 
 
@@ -205,12 +221,17 @@ def intercepted_line(args) -> str:
     with torch.no_grad(), CountOps() as plain:
         model.layers[0](h)
     stats: list = []
-    checkpoint_with_regions(model.layers[0], h, keep=args.keep, stats_out=stats).sum().backward()
-    n = stats[0].intercepted
+    for policy in (SAVE_ALL, SAVE_COSTLY):
+        run = checkpoint_with_regions(model.layers[0], h, keep=args.keep, policy=policy, stats_out=stats)
+        run.sum().backward()
+    body, n = stats[0], stats[1].intercepted
     return (
-        f"the layer's forward runs {plain.n} ops; the engine intercepted {n['forward', 'kept']} in the forward "
-        f"and {n['recompute', 'kept']} in the recompute, all inside kept regions ({n['forward', 'outside']} + "
-        f"{n['recompute', 'outside']} outside); PyTorch's SAC intercepts every op, in both passes"
+        f"the layer's forward runs {plain.n} ops; the eager row's engine (SAVE_ALL) intercepted "
+        f"{sum(body.intercepted.values())} of them: its {body.bodies['skipped']} kept module calls ran with no "
+        f"dispatch mode and were skipped in the recompute. The default policy intercepts {n['forward', 'kept']} "
+        f"in the forward and {n['recompute', 'kept']} in the recompute, all inside kept regions "
+        f"({n['forward', 'outside']} + {n['recompute', 'outside']} outside); PyTorch's SAC intercepts every op, "
+        "in both passes"
     )
 
 

@@ -1,10 +1,12 @@
 """Kept declared modules under SAVE_ALL skip their body in the eager recompute (eager/bodies.py)."""
 
 import copy
+import gc
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 import sac_compile as sc
@@ -66,8 +68,9 @@ def test_a_kept_declared_module_under_save_all_runs_once_per_step():
 
 
 def test_a_skipped_body_holds_what_caching_its_every_op_held():
-    """Same bytes as SAVE_ALL's op cache (measured before the bodies were skipped: 235,456 B
-    for this block), below no checkpoint."""
+    """SAVE_ALL's op cache held 235,456 B for this block (measured before the bodies were
+    skipped); the skipped body holds that less its input, the norm's output its projection
+    saves (4 x 32 x 64 floats), which the recompute remakes: torch_remat holds no more."""
     torch.manual_seed(0)
     block = Block(64, marked=False)
     sc.declare_regions(block, {"attn": "attn"})
@@ -79,7 +82,7 @@ def test_a_skipped_body_holds_what_caching_its_every_op_held():
         x,
         exclude=params,
     )
-    assert kept == 235_456 < none
+    assert kept == 235_456 - 4 * 32 * 64 * 4 < none
 
 
 def _engine_matches_no_checkpoint(model, keep):
@@ -472,3 +475,62 @@ def test_an_output_pytree_cannot_open_makes_the_body_run_again():
     model = Outer()
     sc.declare_regions(model, {"body": "body"})
     assert _engine_matches_no_checkpoint(model, {"body"}).bodies == {"rerun": 1}
+
+
+class _Inner(nn.Module):
+    """Saves its argument (``a``) and a slice of it (``b``: a view on the argument's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.a(x)) + self.b(x[..., 2:6])
+
+
+class _Around(nn.Module):
+    """``pre`` -> the kept ``inner`` -> ``post`` (``post=False``: the body ends the layer)."""
+
+    def __init__(self, post: bool) -> None:
+        super().__init__()
+        self.pre = nn.Linear(8, 8)
+        self.inner = _Inner()
+        self.post = nn.Linear(8, 8) if post else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post(self.inner(torch.relu(self.pre(x))))
+
+
+@pytest.mark.parametrize("post", [True, False], ids=["body-mid-layer", "body-ends-layer"])
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_skipped_body_does_not_hold_the_arguments_it_saves(post, early_stop):
+    """What autograd saves inside a skipped body that is its argument, or a view of it, is
+    not held: it goes to a checkpoint holder, which the recompute fills with the argument it
+    remakes (as torch_remat does). Red before: the body held the argument (``pre``'s output,
+    made inside the checkpoint) to the backward. Gradients stay bit-identical, where the body
+    ends the layer too (the recompute must reach it), with and without early stop, and
+    through a second backward of the same graph."""
+    torch.manual_seed(0)
+    layer = _Around(post)
+    sc.declare_regions(layer, {"inner": "inner"})
+    arguments = []
+    layer.inner.register_forward_pre_hook(
+        lambda m, a: arguments.append(StorageWeakRef(a[0].untyped_storage()))
+    )
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    ref_out = layer(x)
+    ref = torch.autograd.grad(ref_out.sum(), [x, *layer.parameters()])
+    arguments.clear()
+    stats = []
+    out = checkpoint_with_regions(
+        layer, x, keep=frozenset({"inner"}), policy=SAVE_ALL, early_stop=early_stop, stats_out=stats
+    )
+    gc.collect()
+    assert len(arguments) == 1 and arguments[0].expired()
+    # (ending the layer under early stop, its outputs are not kept: the recompute stops as it
+    # fills the body's holders)
+    assert stats[0].bodies == {"unreached" if early_stop and not post else "skipped": 1}
+    for _ in range(2):
+        got = torch.autograd.grad(out.sum(), [x, *layer.parameters()], retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))

@@ -7,11 +7,15 @@ around it, the engine does not need to see its ops at all:
 * forward: the body runs with no dispatch mode and with the checkpoint's saved-tensor
   hooks taken off the stack, so autograd saves inside it what it needs, as without
   checkpointing (through a hook that notes the bytes, for the engine's held-bytes table,
-  and hands them to any hooks of yours below the checkpoint). Its outputs are kept;
+  and hands them to any hooks of yours below the checkpoint), except what is one of the
+  body's tensor arguments or a view of one (a projection's input): that goes to a
+  checkpoint holder, as anything saved outside the body, since the recompute remakes the
+  argument. Its outputs are kept;
 * recompute: the module's ``forward`` is replaced for the length of the recompute; the
-  body does not run and the kept outputs are handed back (requiring grad as in the
-  forward, so that the ops after it save what they saved). Where the body drew random
-  numbers the generator is set to where the forward left it.
+  body does not run: the arguments it saved fill their holders (the same views of the
+  arguments the recompute made) and the kept outputs are handed back (requiring grad as
+  in the forward, so that the ops after it save what they saved). Where the body drew
+  random numbers the generator is set to where the forward left it.
 
 The body runs again in the recompute instead (with the checkpoint's hooks off the stack,
 as in the forward) when its outputs cannot stand for it: the body wrote into one of its
@@ -19,8 +23,9 @@ tensor arguments (the recompute may make that argument anew), or something wrote
 an output after the forward returned it (version counters). A body the recompute never
 reaches (the checkpoint's early stop: nothing was saved after it) keeps nothing.
 
-Measured before it was built (``benchmarks/eager_body_skip.py``): same bytes as caching
-every op of the region, with none of the per-op cost.
+Bytes: what autograd saves inside the body, less the arguments, plus the kept outputs the
+recompute reads: what ``torch_remat`` holds for a save region (``benchmarks/peers.py``),
+with none of the dispatch mode's per-op cost.
 """
 
 from __future__ import annotations
@@ -95,6 +100,10 @@ class _Body:
         self.module, self.region = module, region  # (module: the decorated function, for one)
         tensors = _tensors((args, kwargs))
         self.inputs = [(t, t._version) for t in tensors]  # dropped at the exit
+        # what autograd saved inside the body that is one of its tensor arguments (or a view
+        # of one), in save order: (argument index, view geometry or None); each went to a
+        # checkpoint holder, filled again by the recompute (see Bodies.enter)
+        self.input_saves: list[tuple[int, tuple | None]] = []
         self.input_storages: tuple[int, ...] = ()
         self.rng_before = _rng_state(_rng_devices(tensors))
         self.rng_after: Any = None
@@ -141,18 +150,26 @@ class Bodies:
             self._record(declined)
             return None
         body = _Body(module, region, args, kwargs)
+        checkpoint_pack, checkpoint_unpack = top
         # the engine's pack hook, then the checkpoint's: autograd saves natively below
         body.popped = pop_saved_tensors_hooks(2)
         below = top_saved_tensors_hooks()
+        arguments = _argument_storages(body.inputs)
 
         def pack(t: torch.Tensor) -> Any:
             s = _storage(t)
+            i = arguments.get(s) if s is not None else None
+            if i is not None and (geometry := _argument_view(t, *body.inputs[i])) is not False:
+                body.input_saves.append((i, geometry))
+                return _FromCheckpoint(checkpoint_pack(t))
             if s is not None and s not in body.saved:
                 storage = _untyped_storage(t)
                 body.saved[s] = (StorageWeakRef(storage), storage.nbytes())
             return below[0](t) if below is not None else t.detach()
 
         def unpack(x: Any) -> Any:
+            if type(x) is _FromCheckpoint:
+                return checkpoint_unpack(x.holder)
             return below[1](x) if below is not None else x
 
         push_hooks(pack, unpack)
@@ -253,7 +270,14 @@ class Bodies:
         return None if body.declined else body
 
     def replay(self, body: _Body, run: Any, args: tuple, kwargs: dict) -> Any:
-        """(recompute) Hand back ``body``'s outputs, or run it again off the checkpoint's hooks."""
+        """(recompute) Hand back ``body``'s outputs, or run it again off the checkpoint's hooks;
+        first, the arguments the forward's body saved go to their checkpoint holders."""
+        if body.input_saves:
+            tensors = _tensors((args, kwargs))
+            pack = top_saved_tensors_hooks()[0]  # (the engine's recompute hook, then the checkpoint's)
+            for i, geometry in body.input_saves:
+                t = tensors[i]
+                pack(t if geometry is None else t.as_strided(*geometry))
         if body.outputs is not None:
             if _written(body.outputs):
                 raise RuntimeError(
@@ -302,6 +326,38 @@ class Bodies:
             return self.replay(bodies[i], run, args, kwargs)
 
         return forward
+
+
+class _FromCheckpoint:
+    """What a body saved that is one of its arguments: the checkpoint's holder for it."""
+
+    __slots__ = ("holder",)
+
+    def __init__(self, holder: Any) -> None:
+        self.holder = holder
+
+
+def _argument_storages(inputs: list[tuple[torch.Tensor, int]]) -> dict[int, int]:
+    """Storage -> index of the first plain tensor argument on it."""
+    found: dict[int, int] = {}
+    for i, (t, _) in enumerate(inputs):
+        if type(t) is torch.Tensor and t.layout == torch.strided and (s := _storage(t)) is not None:
+            found.setdefault(s, i)
+    return found
+
+
+def _argument_view(t: torch.Tensor, argument: torch.Tensor, version: int) -> tuple | None | bool:
+    """How to make ``t`` from the argument it shares a storage with: None (it is the argument's
+    geometry), ``(size, stride, offset)`` for ``as_strided``, or False where it cannot be
+    remade so (another dtype or type, or the argument was written since the body began)."""
+    if type(t) is not torch.Tensor or t.dtype != argument.dtype or argument._version != version:
+        return False
+    if t.is_conj() or t.is_neg():
+        return False
+    geometry = (tuple(t.size()), tuple(t.stride()), t.storage_offset())
+    if geometry == (tuple(argument.size()), tuple(argument.stride()), argument.storage_offset()):
+        return None
+    return geometry
 
 
 def _describe(owner: Any) -> str:
