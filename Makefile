@@ -50,7 +50,7 @@ lint: install
 	$(PY) -m ruff format --check sac_compile tests examples benchmarks
 
 test: install lint
-	$(PY) -m pytest -n $(JOBS) --dist worksteal -q tests
+	$(PY) -m pytest -n $(JOBS) --dist worksteal -q --durations=25 tests
 
 demo: install
 	$(PY) examples/demo.py
