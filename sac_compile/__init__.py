@@ -5,7 +5,7 @@ Dynamo, AOTAutograd and Inductor load on the first compile (``tests/test_archite
 checks it). Layout (imports point down this list; ``tests/test_architecture.py`` checks
 that too):
 
-* ``_compat``, ``_transformers`` - every private PyTorch API, one module per subsystem; what
+* ``_compat`` - every private PyTorch API, one module per subsystem; what
   we rely on of transformers' checkpointing conventions;
 * ``keep``, ``records``, ``policy`` - keep sets, the tagging pass's records, region policies
   and op classification (shared by both engines);

@@ -50,6 +50,7 @@ import torch
 import torch.nn as nn
 
 from ._compat.dynamo import unwrap_compiled
+from ._compat.transformers import from_config
 from .config import SacConfig
 from .declare import declare_regions
 from .keep import ALL_REGIONS, normalize_keep
@@ -375,7 +376,7 @@ def tiny_llama(*, layers: int = 2, hidden: int = 64, seed: int = 0) -> nn.Module
         **{**_COMMON, "num_hidden_layers": layers, "hidden_size": hidden}, intermediate_size=2 * hidden
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    return from_config(LlamaForCausalLM, cfg, attn_implementation="sdpa")
 
 
 def tiny_qwen3_moe(
@@ -405,8 +406,8 @@ def tiny_qwen3_moe(
         mlp_only_layers=[],
     )
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM._from_config(
-        cfg, attn_implementation="sdpa", experts_implementation=experts_implementation
+    return from_config(
+        Qwen3MoeForCausalLM, cfg, attn_implementation="sdpa", experts_implementation=experts_implementation
     )
 
 

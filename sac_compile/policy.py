@@ -46,6 +46,7 @@ import torch
 
 from ._compat import ops as op_types
 from ._compat.checkpoint import CheckpointPolicy
+from ._compat.ops import packet_namespace, schema
 from .keep import KeepSet
 
 __all__ = [
@@ -149,10 +150,10 @@ def is_costly(op: Any) -> bool:
             return True
         ns = op.namespace
         if ns in _COLLECTIVE_NAMESPACES:
-            return op._schema.name != "_c10d_functional::wait_tensor"  # waits follow their producer
+            return schema(op).name != "_c10d_functional::wait_tensor"  # waits follow their producer
         return ns not in _TRANSPARENT_NAMESPACES
     if isinstance(op, op_types.OpOverloadPacket):
-        return op in _COSTLY or op._qualified_op_name.split("::")[0] not in _TRANSPARENT_NAMESPACES
+        return op in _COSTLY or packet_namespace(op) not in _TRANSPARENT_NAMESPACES
     if isinstance(op, op_types.HigherOrderOperator):
         return op.name() not in _STRUCTURAL_HOPS
     return False
@@ -175,7 +176,7 @@ def is_collective(op: Any) -> bool:
 
 def communicates(op: Any) -> bool:
     """A collective proper (counted), as opposed to its wait / wrapper companions."""
-    return is_collective(op) and op._schema.name not in _COLLECTIVE_COMPANIONS
+    return is_collective(op) and schema(op).name not in _COLLECTIVE_COMPANIONS
 
 
 def _is_kept(regions: tuple[str, ...], keep: KeepSet) -> bool:

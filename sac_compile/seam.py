@@ -45,8 +45,8 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from . import _transformers as transformers_layers
 from ._compat import frames
+from ._compat import transformers as transformers_layers
 from ._compat.dynamo import drop_compiled_call, has_compiled_call, unwrap_compiled
 from ._compat.nn import CALL_IMPL, next_call_impl
 from .compiler.backend import make_sac_backend
@@ -335,7 +335,7 @@ def _seam_call_impl(self, *args, **kwargs):
 
 def _transformers_training_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A transformers decoder layer checkpointed while training: cache writes off, as under
-    transformers' own checkpointing (:mod:`sac_compile._transformers`); refused when that
+    transformers' own checkpointing (:mod:`sac_compile._compat.transformers`); refused when that
     checkpointing is on too (two nested checkpoints)."""
     if transformers_layers.own_checkpointing_on(self):
         raise ValueError(_twice_message(self))

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sac_compile"
 # Lower layers first; a module may import only from its own layer or below (and never
 # from its own layer in a cycle). ``testing`` (fixtures) sits on top of everything.
 LAYERS: list[tuple[str, ...]] = [
-    ("_compat", "_transformers"),
+    ("_compat",),
     ("keep", "records", "policy"),
     ("diagnostics",),
     ("markers",),
@@ -240,6 +240,72 @@ def test_the_private_api_check_can_fail(tmp_path):
     )
     got = _private_uses(bad)
     assert [g.split(":")[1] for g in got] == ["5", "6", "7", "8", "9"], got
+
+
+# Underscored attributes that are public API despite the underscore (namedtuple's).
+_PUBLIC_UNDERSCORED = frozenset({"_asdict", "_replace", "_fields", "_make"})
+
+
+def _defined_names(paths: list[Path]) -> set[str]:
+    """Every name sac_compile itself defines, binds or assigns as an attribute."""
+    found: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                found.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                found.add(node.attr)
+            elif isinstance(node, ast.alias):
+                found.add(node.asname or node.name.split(".")[-1])
+            elif isinstance(node, ast.arg):
+                found.add(node.arg)
+    return found
+
+
+def _foreign_private_attributes(path: Path, ours: set[str]) -> list[str]:
+    """``x._name`` reads of an underscored attribute no sac_compile code defines: another
+    package's private attribute (``._schema``, ``._cdata``, ``._version``, ``._from_config``).
+    Operator names are not attributes of an API: ``torch.ops.<ns>.<op>`` and ``aten._to_copy``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.endswith("__"):
+            continue
+        if node.attr in ours or node.attr in _PUBLIC_UNDERSCORED:
+            continue
+        parts = _dotted(node.value)
+        if "ops" in parts or parts[:1] == ["aten"]:
+            continue
+        found.append((node.lineno, f"{path.name}:{node.lineno}: .{node.attr}"))
+    return [f for _, f in sorted(found)]
+
+
+def _outside_compat() -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if "_compat" not in p.parts]
+
+
+def test_private_attributes_of_other_packages_are_read_only_in_compat():
+    paths = _outside_compat()
+    ours = _defined_names(paths)
+    found = [f for p in paths for f in _foreign_private_attributes(p, ours)]
+    assert not found, "another package's private attribute outside sac_compile/_compat:\n" + "\n".join(found)
+
+
+def test_the_private_attribute_check_can_fail(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "def f(op, t, s, cls, cfg, point):\n"
+        "    a = op._schema.name\n"
+        "    b = t._version\n"
+        "    c = s._cdata\n"
+        "    m = cls._from_config(cfg)\n"
+        "    ok = torch.ops.aten._to_copy.default, point._replace(x=1), aten._to_copy\n"
+        "    self._mine = 1\n"
+        "    return self._mine\n"
+    )
+    got = _foreign_private_attributes(bad, _defined_names([bad]))
+    assert [g.split(": ")[1] for g in got] == ["._schema", "._version", "._cdata", "._from_config"], got
 
 
 def test_no_module_is_past_450_lines():

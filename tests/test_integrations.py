@@ -70,7 +70,7 @@ def _transformers_own(**kwargs):
 def test_a_default_config_trains_through_the_seam_like_transformers_own_checkpointing(caplog, monkeypatch):
     """Red before: the recompute appended to the KV cache again ("aten.slice.Tensor ran during
     recompute but not in the forward")."""
-    from sac_compile import _transformers
+    from sac_compile._compat import transformers as _transformers
 
     monkeypatch.setattr(_transformers, "_noted", set())  # (noted once per process)
     ids = _ids()

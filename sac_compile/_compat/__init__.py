@@ -20,6 +20,9 @@ module              what it wraps
 ``logs``            PyTorch's structured trace (``TORCH_TRACE``, read by ``tlparse``)
 ``frames``          reading the Python stack: torch's own frames (``nn.Module`` calls,
                     ``torch.compile``'s entry) and ours (decorated regions, seam calls)
+``tensors``         tensors' version counters and storages' identities
+``transformers``    Hugging Face transformers' checkpointing conventions (duck-typed) and
+                    its private model constructor
 ==================  ==========================================================================
 
 Heavy subsystems (Dynamo, AOTAutograd, Inductor) are imported on first use, so

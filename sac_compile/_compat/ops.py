@@ -18,6 +18,8 @@ __all__ = [
     "is_view_op",
     "modes_active",
     "op_name",
+    "packet_namespace",
+    "schema",
 ]
 
 # torch._ops is where the operator classes live; torch.ops only exposes instances.
@@ -54,6 +56,16 @@ def is_effectful(func: Any) -> bool:
     if not isinstance(func, OpOverload):
         return False
     return private("torch._higher_order_ops.effects", "_get_effect")(func) is not None
+
+
+def schema(op: Any) -> Any:
+    """An operator overload's ``FunctionSchema`` (arguments, returns, alias info)."""
+    return op._schema
+
+
+def packet_namespace(packet: Any) -> str:
+    """The namespace of an ``OpOverloadPacket`` (``aten`` for ``torch.ops.aten.mm``)."""
+    return packet._qualified_op_name.split("::")[0]
 
 
 def op_name(target: Any) -> str:

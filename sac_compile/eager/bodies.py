@@ -43,6 +43,7 @@ from .._compat.checkpoint import (
     top_saved_tensors_hooks,
     tree_map,
 )
+from .._compat.tensors import version
 from .op_facts import _rng_state, _set_rng_state, _storage, _tensors, _untyped_storage
 
 __all__ = ["Bodies"]
@@ -57,7 +58,7 @@ class _Kept:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.value = t.detach()
-        self.version = t._version
+        self.version = version(t)
         self.requires_grad = t.requires_grad
 
 
@@ -99,7 +100,7 @@ class _Body:
     def __init__(self, module: Any, region: str, args: tuple, kwargs: dict) -> None:
         self.module, self.region = module, region  # (module: the decorated function, for one)
         tensors = _tensors((args, kwargs))
-        self.inputs = [(t, t._version) for t in tensors]  # dropped at the exit
+        self.inputs = [(t, version(t)) for t in tensors]  # dropped at the exit
         # what autograd saved inside the body that is one of its tensor arguments (or a view
         # of one), in save order: (argument index, view geometry or None); each went to a
         # checkpoint holder, filled again by the recompute (see Bodies.enter)
@@ -196,7 +197,7 @@ class Bodies:
             if not _same_rng(rng, body.rng_before):
                 body.rng_after = rng
         body.rng_before = None
-        body.rerun = any(t._version != v for t, v in body.inputs)
+        body.rerun = any(version(t) != v for t, v in body.inputs)
         body.input_storages = tuple(s for t, _ in body.inputs if (s := _storage(t)) is not None)
         body.inputs = []
         if not body.rerun and output is not None:  # (None: it raised, or returned nothing)
@@ -346,11 +347,11 @@ def _argument_storages(inputs: list[tuple[torch.Tensor, int]]) -> dict[int, int]
     return found
 
 
-def _argument_view(t: torch.Tensor, argument: torch.Tensor, version: int) -> tuple | None | bool:
+def _argument_view(t: torch.Tensor, argument: torch.Tensor, at_version: int) -> tuple | None | bool:
     """How to make ``t`` from the argument it shares a storage with: None (it is the argument's
     geometry), ``(size, stride, offset)`` for ``as_strided``, or False where it cannot be
     remade so (another dtype or type, or the argument was written since the body began)."""
-    if type(t) is not torch.Tensor or t.dtype != argument.dtype or argument._version != version:
+    if type(t) is not torch.Tensor or t.dtype != argument.dtype or version(argument) != at_version:
         return False
     if t.is_conj() or t.is_neg():
         return False
@@ -380,4 +381,4 @@ def _leaves_of(tree: Any) -> list[_Kept]:
 
 def _written(outputs: Any) -> bool:
     """Whether a kept output was written in place since it was kept."""
-    return any(k.value._version != k.version for k in _leaves_of(outputs))
+    return any(version(k.value) != k.version for k in _leaves_of(outputs))

@@ -18,6 +18,7 @@ from .._compat.checkpoint import (
 )
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.ops import HigherOrderOperator, is_effectful
+from .._compat.tensors import storage_id
 from ..markers import ops
 from ..policy import MATMULS, communicates, is_collective, is_costly
 from .op_facts import (
@@ -202,7 +203,7 @@ class _CachingMode(_EngineMode):
         single = isinstance(out, torch.Tensor)
         out_tensors = [out] if single else _tensors(out)
         objects = _storage_objects(out_tensors)
-        out_storages = entry.storages = tuple(o._cdata for o in objects if o is not None)
+        out_storages = entry.storages = tuple(storage_id(o) for o in objects if o is not None)
         if entry.served_write is not None:
             st.stats.cached_ops += 1
         elif cached:
@@ -212,7 +213,7 @@ class _CachingMode(_EngineMode):
             if info.matmul and shrink_of is None:
                 for o in objects:
                     if o is not None:
-                        st.matmul_bytes[o._cdata] = o.nbytes()
+                        st.matmul_bytes[storage_id(o)] = o.nbytes()
             st.stats.cached_ops += 1
         else:
             if not (writes.in_place or writes.out or info.collective):
@@ -226,7 +227,7 @@ class _CachingMode(_EngineMode):
             st.stats.recomputed_ops += 1
         for o in objects:
             # lift_fresh returns its input: a torch.tensor(...) literal made in the scope
-            if o is not None and (o._cdata not in inputs or info.lift_fresh):
+            if o is not None and (storage_id(o) not in inputs or info.lift_fresh):
                 st.add_produced(o)
         if random or (st.random_derived._refs and any(s in st.random_derived for s in inputs)):
             for t in out_tensors + writes.in_place:

@@ -11,6 +11,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat.checkpoint import stand_in_maker, storage_tensor, tree_leaves, tree_map
+from .._compat.ops import schema as op_schema
+from .._compat.tensors import storage_id
 
 
 def _untyped_storage(t: torch.Tensor) -> Any:
@@ -25,7 +27,7 @@ def _untyped_storage(t: torch.Tensor) -> Any:
 
 def _storage(t: torch.Tensor) -> int | None:
     s = _untyped_storage(t)
-    return None if s is None else s._cdata
+    return None if s is None else storage_id(s)
 
 
 class _StorageSet:
@@ -217,7 +219,7 @@ def _served_write(func: Any):
     (first) written argument (``add_``, ``mul_``, ``copy_`` ...); None otherwise
     (the op is then cached as usual).
     """
-    schema = func._schema
+    schema = op_schema(func)
     rets = schema.returns
     index, arg = next(
         (
@@ -281,7 +283,11 @@ def _is_random(func: Any, args: tuple = (), kwargs: dict | None = None, i: Any =
         return False
     if i == -1:
         return True
-    p = args[i] if i < len(args) else (kwargs or {}).get("dropout_p", func._schema.arguments[i].default_value)
+    p = (
+        args[i]
+        if i < len(args)
+        else (kwargs or {}).get("dropout_p", op_schema(func).arguments[i].default_value)
+    )
     return not (isinstance(p, (int, float)) and p == 0)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.checkpoint import storage_holders
+from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
 from .op_facts import _Geometry, _leaves, _map_leaves, _storage, _StorageSet, _untyped_storage
 
@@ -125,7 +126,7 @@ class _State:
 
     def add_produced(self, storage: Any) -> None:
         self.produced.add_storage(storage)
-        self.span_produced.append(storage._cdata)
+        self.span_produced.append(storage_id(storage))
 
     def span_start(self) -> None:
         self.span += 1
@@ -283,7 +284,7 @@ class _State:
         no write is seen): its version counter moved. Recompute it, and the write with it."""
         for e in self.order:
             if e.cached and any(
-                w.version is not None and w.val._version != w.version for w in _wrappers(e.value)
+                w.version is not None and version(w.val) != w.version for w in _wrappers(e.value)
             ):
                 e.cached, e.value, e.shrink_of = False, None, None
                 self.stats.mutated_recomputes += 1

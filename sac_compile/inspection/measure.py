@@ -12,6 +12,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat.checkpoint import TorchDispatchMode, storage_tensor
+from .._compat.tensors import storage_id
 from ..policy import communicates
 
 __all__ = ["autograd_saved_bytes", "collectives_run"]
@@ -27,7 +28,7 @@ def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int] | None:
         return None
     if s.device.type == "meta":
         return None  # a fake tensor of a trace
-    return s._cdata, StorageWeakRef(s), s.nbytes()
+    return storage_id(s), StorageWeakRef(s), s.nbytes()
 
 
 def _live_storages() -> dict[int, tuple[StorageWeakRef, int]]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _transformers as transformers_layers
 from .._compat import dynamo, frames
+from .._compat import transformers as transformers_layers
 from . import ops
 from . import regions as _regions
 from .regions import (

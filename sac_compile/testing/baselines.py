@@ -41,7 +41,7 @@ class Checkpointed(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:  # transformers reads attributes of its layers (attention_type)
-            return getattr(self._modules["layer"], name)
+            return getattr(nn.Module.__getattr__(self, "layer"), name)
 
     def _decide(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         s = self.session

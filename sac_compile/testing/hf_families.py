@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._compat.transformers import from_config
+
 __all__ = ["FAMILIES", "build", "held_bytes"]
 
 _COMMON: dict[str, Any] = dict(
@@ -167,7 +169,7 @@ def build(name: str, *, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     # Gemma-2's soft-capped attention has no SDPA path; every other family runs SDPA
     attn = "eager" if name == "gemma2" else "sdpa"
-    return getattr(transformers, model_cls)._from_config(cfg, attn_implementation=attn).train()
+    return from_config(getattr(transformers, model_cls), cfg, attn_implementation=attn).train()
 
 
 def held_bytes(family: str, keep: Any, ids: torch.Tensor, *, compiled: bool = False) -> int:

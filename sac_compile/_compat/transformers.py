@@ -119,3 +119,10 @@ def cache_arguments(args: tuple, kwargs: dict[str, Any]) -> list[str]:
         if type(value).__name__.endswith("Cache") and hasattr(value, "get_seq_length"):
             found.append(f"{name} ({type(value).__name__})")
     return found
+
+
+def from_config(model_cls: type, config: Any, **kwargs: Any) -> nn.Module:
+    """A transformers model of ``model_cls`` built from ``config`` with random weights
+    (``PreTrainedModel._from_config``: no checkpoint is read), ``kwargs`` such as
+    ``attn_implementation`` passed on."""
+    return model_cls._from_config(config, **kwargs)
