@@ -14,7 +14,7 @@ with the kept modules' ``forward`` replaced for the call:
 It skips the checks the engine would need (random ops in the body, in-place writes into
 the body's inputs or outputs): the models here have none. Side by side, one run, median of
 interleaved whole-model steps as ratios to no checkpoint, plus the bytes the whole model
-holds for its backward (``sac_compile.autograd_saved_bytes``, parameters excluded):
+holds for its backward (``sac_compile.inspection.autograd_saved_bytes``, parameters excluded):
 
 * no checkpoint, full recompute;
 * the engine (``SacConfig``) with the default policy (SAVE_COSTLY: a kept region's costly
@@ -169,7 +169,7 @@ def measure(subject, iters: int) -> None:
     ref = grads["no checkpoint"]
     held = {}
     for name, model in models.items():
-        held[name] = sc.autograd_saved_bytes(subject.loss, model, exclude=list(model.parameters()))
+        held[name] = sc.inspection.autograd_saved_bytes(subject.loss, model, exclude=list(model.parameters()))
         model.zero_grad(set_to_none=True)
 
     def run(model):

@@ -60,7 +60,7 @@ def build(base: Stack, how: str) -> Stack:
             model.layers[i] = TorchSAC(layer, [SDPA])
         elif keep_set is None:
             if kind == "compiled":
-                layer.compile(backend=sc.baseline_backend())
+                layer.compile(backend=sc.compiler.baseline_backend())
         else:
             sc.apply_selective_checkpointing(layer, keep_set, compile=(kind == "compiled"))
     return model

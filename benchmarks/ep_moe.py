@@ -109,14 +109,14 @@ def _rank(rank: int, world_size: int, args) -> dict:
     models, figures = {}, {}
     for mode, name, keep in configs:
         model = _wrap(_build(args, group), mode, keep, args.inner)
-        with sc.collect_records() as records:
+        with sc.inspection.collect_records() as records:
             loss = float(model(x).pow(2).mean().detach())  # compiles
         model.zero_grad(set_to_none=True)
         params = list(model.parameters())
-        nbytes = sc.autograd_saved_bytes(model, x, exclude=params) // args.layers
+        nbytes = sc.inspection.autograd_saved_bytes(model, x, exclude=params) // args.layers
         model.zero_grad(set_to_none=True)
         # the backward only: Dynamo does not compile a frame under a dispatch mode
-        _, counts = sc.collectives_run(model(x).pow(2).mean().backward)
+        _, counts = sc.inspection.collectives_run(model(x).pow(2).mean().backward)
         model.zero_grad(set_to_none=True)
         save = recompute = None
         if mode == "eager" and keep is not None:

@@ -75,7 +75,7 @@ def configurations(args, planned):
         return apply
 
     out = {
-        "no checkpoint": compiled(sc.baseline_backend(args.inner)),
+        "no checkpoint": compiled(sc.compiler.baseline_backend(args.inner)),
         "full recompute": seam(()),
         "budget 0.3": compiled(BudgetBackend(0.3, args.inner)),
         "budget 0.5": compiled(BudgetBackend(0.5, args.inner)),
@@ -156,7 +156,9 @@ def main(argv=None) -> int:
                 forward = functools.partial(
                     lambda m: logits(m(ids, **kwargs)).float().logsumexp(-1).mean(), model
                 )
-                peak = sc.autograd_saved_bytes(forward, exclude=list(model.parameters()), warmup=False)
+                peak = sc.inspection.autograd_saved_bytes(
+                    forward, exclude=list(model.parameters()), warmup=False
+                )
             results[name] = {"peak": peak, "loss": float(loss)}
             steps[name] = step
         times = interleaved_times(steps, args.iters)

@@ -10,7 +10,7 @@ by ``sac_compile.hf.regions_for``; every decoder layer is wrapped by
 * each region the model has, kept alone;
 * every region kept (``ALL_REGIONS``).
 
-Bytes = ``sac_compile.autograd_saved_bytes`` of the forward (logits), parameters
+Bytes = ``sac_compile.inspection.autograd_saved_bytes`` of the forward (logits), parameters
 excluded: what is held for the backward whatever the mode (autograd's saves, the
 checkpoints' inputs and RNG state, the eager engine's cache, compiled saves). Ratios are
 to the same mode's no-checkpoint bytes. The ordering every family should show is

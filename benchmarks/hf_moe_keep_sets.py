@@ -61,7 +61,7 @@ def eager_bytes(model, ids, keep) -> int:
     """Bytes one decoder layer holds for backward in eager mode."""
     layer, h = hf.layer_call(model, ids)
     if keep is None:
-        return sc.autograd_saved_bytes(layer, h, exclude=model.parameters())
+        return sc.inspection.autograd_saved_bytes(layer, h, exclude=model.parameters())
     stats: list = []
     checkpoint_with_regions(layer, h, keep=set(keep), stats_out=stats).sum().backward()
     activations = sum(v for k, v in stats[0].held_by_region.items() if k != "rng")
@@ -72,7 +72,7 @@ def compiled_bytes(model, ids, keep) -> int:
     layer, h = hf.layer_call(model, ids)
     backend = baseline_backend("inductor") if keep is None else sc.make_sac_backend(set(keep))
     torch._dynamo.reset()
-    return sc.capture_partition(layer, h, backend=backend).saved_bytes
+    return sc.inspection.capture_partition(layer, h, backend=backend).saved_bytes
 
 
 def main() -> None:

@@ -77,7 +77,9 @@ def step(model, ids):
 
 
 def held(model, ids) -> int:
-    return sc.autograd_saved_bytes(lambda: model(input_ids=ids, labels=ids).loss, exclude=model.parameters())
+    return sc.inspection.autograd_saved_bytes(
+        lambda: model(input_ids=ids, labels=ids).loss, exclude=model.parameters()
+    )
 
 
 ROUTES = [
@@ -120,7 +122,7 @@ def main() -> None:
         for label, route, keep in ROUTES:
             torch._dynamo.reset()
             if route == "none":
-                model = torch.compile(build(name, route), backend=sc.baseline_backend("aot_eager"))
+                model = torch.compile(build(name, route), backend=sc.compiler.baseline_backend("aot_eager"))
             else:
                 model = torch.compile(build(name, route, keep), backend=backend)
             step(model, ids)

@@ -355,7 +355,7 @@ def backward_flops(model: Model, m: nn.Module) -> int:
 
 
 def held_bytes(model: Model, m: nn.Module) -> int:
-    n = sc.autograd_saved_bytes(model.loss, m, exclude=list(m.parameters()))
+    n = sc.inspection.autograd_saved_bytes(model.loss, m, exclude=list(m.parameters()))
     m.zero_grad(set_to_none=True)
     return n
 

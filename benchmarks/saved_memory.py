@@ -48,9 +48,9 @@ def configurations(inner: str, budgets: list[float]) -> list[tuple[str, object]]
 def report_bytes(layer, x: torch.Tensor, backend) -> int:
     if isinstance(backend, BudgetBackend):
         with functorch_config.patch(activation_memory_budget=backend.budget):
-            report = sc.capture_partition(layer, x, backend=backend.inner)
+            report = sc.inspection.capture_partition(layer, x, backend=backend.inner)
     else:
-        report = sc.capture_partition(layer, x, backend=backend)
+        report = sc.inspection.capture_partition(layer, x, backend=backend)
     (graph,) = [g for g in report.graphs if g.backward_compiled]
     return graph.activation_bytes + graph.input_bytes
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
             from_report = report_bytes(layer0, x, backend)
             fns = [torch.compile(layer, backend=backend) for layer in model.layers]
             compiled[name] = fns
-            from_hooks = sc.autograd_saved_bytes(fns[0], x, exclude=model.parameters())
+            from_hooks = sc.inspection.autograd_saved_bytes(fns[0], x, exclude=model.parameters())
             rows[name] = {"report_bytes": from_report, "hook_bytes": from_hooks}
 
         def step(fns):

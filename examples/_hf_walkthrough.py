@@ -64,17 +64,17 @@ def walkthrough(build, keep: set[str], *, steps: int, inner: str, compiled: bool
     sc.declare_regions(probe, regions)
     layer, h = hf.layer_call(probe, ids)
     torch._dynamo.reset()
-    report = sc.capture_partition(layer, h, backend=sc.make_sac_backend(keep, inner=inner))
+    report = sc.inspection.capture_partition(layer, h, backend=sc.make_sac_backend(keep, inner=inner))
     print(report.format())
     print("\n== saved bytes of decoder layer 0 by keep set (parameters excluded) ==")
     torch._dynamo.reset()
-    none = sc.capture_partition(layer, h, backend=inner).saved_bytes
+    none = sc.inspection.capture_partition(layer, h, backend=inner).saved_bytes
     print(f"  {'no checkpoint':<28} {none:>10,} B  1.00")
     names = sorted(set(regions.values()))
     keep_sets = [(), *[(n,) for n in names], tuple(sorted(keep))]
     for ks in dict.fromkeys(keep_sets):  # in order, without repeats
         torch._dynamo.reset()
-        r = sc.capture_partition(layer, h, backend=sc.make_sac_backend(set(ks), inner=inner))
+        r = sc.inspection.capture_partition(layer, h, backend=sc.make_sac_backend(set(ks), inner=inner))
         by_region = {k: v for k, v in sorted(r.bytes_by_region().items()) if k != "param" and v}
         print(
             f"  keep={'+'.join(ks) or '()':<23} {r.saved_bytes:>10,} B  {r.saved_bytes / none:.2f}  {by_region}"

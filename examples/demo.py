@@ -125,7 +125,7 @@ def build(args, mode: str, keep: set[str] | tuple | None):
     run = model
     if mode == "compiled":
         if keep is None:
-            backend = sc.baseline_backend(args.inner)  # the same compile without the tagging pass
+            backend = sc.compiler.baseline_backend(args.inner)  # the same compile without the tagging pass
         elif args.inner == "inductor":
             backend = sc.sac_backend  # each layer's checkpoint scope carries its own keep set
         else:
@@ -189,7 +189,7 @@ def first_layer_input(args) -> tuple[MoETransformer, torch.Tensor]:
 def region_table(args) -> str:
     """Per region: what one compiled layer saves and recomputes (capture_partition)."""
     model, h = first_layer_input(args)
-    report = sc.capture_partition(
+    report = sc.inspection.capture_partition(
         model.layers[0], h, backend=sc.make_sac_backend(args.keep, inner=args.inner)
     )
     values, nbytes, recomputed = {}, {}, {}

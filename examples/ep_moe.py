@@ -51,7 +51,7 @@ def train(rank: int, world_size: int, args, mode: str) -> dict:
     for step in range(args.steps):
         x = torch.randn(8, 16, 32, generator=g)
         loss = model(x.chunk(world_size)[rank]).pow(2).sum() / x[..., 0].numel()
-        _, collectives = sc.collectives_run(loss.backward)
+        _, collectives = sc.inspection.collectives_run(loss.backward)
         ref_loss = ref(x).pow(2).sum() / x[..., 0].numel()
         ref_loss.backward()
         total = loss.detach().clone()
@@ -72,7 +72,7 @@ def train(rank: int, world_size: int, args, mode: str) -> dict:
         layer = EPBlock(d=32, group=group, micro_batches=args.micro_batches)
         x = torch.randn(4, 16, 32)
         backend = sc.make_sac_backend(args.keep, inner=args.inner)
-        report = sc.capture_partition(layer, x, backend=backend).format()
+        report = sc.inspection.capture_partition(layer, x, backend=backend).format()
     return {"lines": lines, "report": report}
 
 

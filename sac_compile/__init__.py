@@ -24,56 +24,74 @@ that too):
 imported by ``import sac_compile``.
 """
 
-from .compiler import baseline_backend, make_sac_backend, sac_backend
+from . import compiler as compiler
+from . import declare as declare
+from . import inspection as inspection
+from . import policy as policy
+from . import seam as seam
+from .compiler import make_sac_backend, sac_backend
 from .compiler import session as _session
 from .config import SacConfig
 from .contexts import region_context_fn
-from .declare import RegionDeclarations, declare_regions, declared_regions, undeclare_regions
+from .declare import declare_regions
 from .diagnostics import SacDiagnosticError, set_strict, strict
-from .inspection import PartitionReport, autograd_saved_bytes, capture_partition, collectives_run
 from .keep import ALL_REGIONS
 from .markers import region
 from .planning import advice as _advice
 from .planning import plan
-from .policy import SAVE_ALL, SAVE_COSTLY, is_costly
-from .records import collect_records, recent_records
-from .seam import LEGACY_ATTR, apply_selective_checkpointing, remove_selective_checkpointing
+from .policy import SAVE_ALL, SAVE_COSTLY
+from .seam import apply_selective_checkpointing, remove_selective_checkpointing
 
+# What a user types in training code; inspection, testing and advanced names live in their
+# submodules (tests/test_architecture.py holds this to 16 names).
 __all__ = [
     # Marking regions
     "region",  # context manager and decorator: with region("attn"): ...
     "declare_regions",  # {module path pattern: region name}, no code change
-    "undeclare_regions",
-    "declared_regions",
-    "RegionDeclarations",
-    # Compiling
+    # Keep sets and region policies: (op, open regions, keep) -> CheckpointPolicy, both modes
     "ALL_REGIONS",  # keep every marked region
-    "make_sac_backend",  # memoised backend for a keep set
-    "sac_backend",  # Inductor backend keeping every marked region
-    "baseline_backend",  # the same compile without the tagging pass (for comparisons)
-    # Region policies: (op, open regions, keep) -> CheckpointPolicy, the same in both modes
     "SAVE_COSTLY",  # default: a kept region's costly values saved, its cheap ops recomputed
-    "SAVE_ALL",  # every op of a kept region saved
-    "is_costly",  # what SAVE_COSTLY calls costly
-    # Wrapping layers (eager, per-layer compile, whole-model compile)
+    "SAVE_ALL",  # every op of a kept region saved (eagerly, kept modules run once)
+    # Checkpointing layers (eager, per-layer compile, whole-model compile)
+    "SacConfig",  # one frozen config applied to a whole model
     "apply_selective_checkpointing",  # one call per wrap site; see its decision table
     "remove_selective_checkpointing",  # undo it (and declare_regions) on a module tree
-    "LEGACY_ATTR",  # module attribute opting into reentrant checkpointing
-    "SacConfig",  # one frozen config applied to a whole model
-    "plan",  # the least recompute within a memory target, measured (sac_compile.planning)
     "region_context_fn",  # context_fn for a torch.utils.checkpoint you call (transformers' switch)
+    "plan",  # the least recompute within a memory target, measured (sac_compile.planning)
+    # Compiling
+    "sac_backend",  # Inductor backend keeping every marked region
+    "make_sac_backend",  # memoised backend for a keep set
     # Diagnostics (logger "sac_compile", WARNING)
     "SacDiagnosticError",
     "set_strict",
     "strict",
-    # Inspecting
-    "capture_partition",  # what a compiled fn saves and recomputes
-    "PartitionReport",
-    "autograd_saved_bytes",  # what autograd saves while fn runs (an independent check)
-    "collectives_run",  # the collectives fn runs (forward, backward, recompute)
-    "collect_records",  # what the tagging pass saw, per graph
-    "recent_records",
 ]
+
+# Names that left the top level, and where they live now.
+_MOVED = {
+    "undeclare_regions": "declare",
+    "declared_regions": "declare",
+    "RegionDeclarations": "declare",
+    "baseline_backend": "compiler",
+    "is_costly": "policy",
+    "LEGACY_ATTR": "seam",
+    "capture_partition": "inspection",
+    "PartitionReport": "inspection",
+    "autograd_saved_bytes": "inspection",
+    "collectives_run": "inspection",
+    "collect_records": "inspection",
+    "recent_records": "inspection",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(
+            f"sac_compile.{name} is sac_compile.{_MOVED[name]}.{name}: the top level holds what training "
+            f"code uses (from sac_compile.{_MOVED[name]} import {name})"
+        )
+    raise AttributeError(f"module 'sac_compile' has no attribute {name!r}")
+
 
 # The composition root wires the planner's advice into the compile session, which sits below
 # the planner (sac_compile.planning.advice: one INFO line when a plan dominates a keep set).

@@ -200,7 +200,7 @@ def _refuse_script(cls_name: str) -> None:
     raise TypeError(
         f"torch.jit.script cannot compile the forward hooks that sac_compile.declare_regions put on "
         f"{cls_name} (regions mark nothing in TorchScript anyway). Script the model without them: "
-        "sac_compile.undeclare_regions(model) before torch.jit.script (declare again afterwards), or use "
+        "sac_compile.declare.undeclare_regions(model) before torch.jit.script (declare again afterwards), or use "
         "torch.jit.trace / torch.export, which drop the markers."
     )
 

@@ -2,7 +2,7 @@
 
 Every run of the tagging pass produces one :class:`GraphRecord`. Records are
 published to a small bounded history (:func:`recent_records`) and to every
-active :func:`collect_records` block, which is how :func:`sac_compile.capture_partition`
+active :func:`collect_records` block, which is how :func:`sac_compile.inspection.capture_partition`
 and the tests read them. On a warm FX-graph / AOTAutograd cache hit the pass
 does not run, so no record is produced for that graph.
 """

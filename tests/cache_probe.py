@@ -36,7 +36,7 @@ def main() -> None:
     logger.setLevel(logging.INFO)
 
     plain = sys.argv[2:] == ["--plain"]  # plain torch.compile: Inductor without the pass
-    with sc.collect_records() as recs:
+    with sc.inspection.collect_records() as recs:
         compiled = torch.compile(model) if plain else torch.compile(model, backend=sc.make_sac_backend(keep))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = compiled(x)

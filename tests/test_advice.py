@@ -79,7 +79,7 @@ def test_capture_partition_gives_no_advice(monkeypatch, caplog):
     monkeypatch.setattr(measure.PartitionEach, "__call__", pytest.fail)
     torch.manual_seed(0)
     with caplog.at_level(logging.INFO, logger="sac_compile"):
-        sc.capture_partition(
+        sc.inspection.capture_partition(
             Block(32, heads=4),
             torch.randn(2, 16, 32),
             backend=sc.make_sac_backend({"mlp"}, inner="aot_eager"),

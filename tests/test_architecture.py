@@ -344,3 +344,17 @@ def test_import_sac_compile_loads_no_compiler_and_no_fixtures():
     assert not heavy, heavy
     # sac_compile's own modules plus the few torch modules they need (measured: 35 on torch 2.13)
     assert len(got["new"]) <= 60, (len(got["new"]), got["new"])
+
+
+def test_the_top_level_holds_at_most_16_names_each_documented():
+    """What training code types; everything else lives in a submodule, and a name that left
+    the top level says where it went."""
+    import sac_compile as sc
+
+    assert len(sc.__all__) <= 16, sc.__all__
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert all(f"`{name}" in readme for name in sc.__all__), [n for n in sc.__all__ if f"`{n}" not in readme]
+    with pytest.raises(AttributeError, match=r"sac_compile\.inspection\.capture_partition"):
+        sc.capture_partition  # noqa: B018
+    for name, module in sc._MOVED.items():
+        assert getattr(getattr(sc, module), name) is not None

@@ -80,7 +80,7 @@ class TestRecompileSafety:
         layers = [Block(16) for _ in range(12)]
         x = torch.randn(2, 4, 16, requires_grad=True)
         eager_saved = len(saved_for_backward(layers[0], x))
-        with sc.collect_records() as recs:
+        with sc.inspection.collect_records() as recs:
             counts = [
                 len(
                     saved_for_backward(
@@ -112,7 +112,7 @@ class TestRecompileSafety:
     def test_two_instances_with_different_keep_sets(self, inner):
         a, b = Block(16), Block(16)
         x = torch.randn(2, 4, 16, requires_grad=True)
-        with sc.collect_records() as recs:
+        with sc.inspection.collect_records() as recs:
             saved_a = saved_for_backward(
                 torch.compile(a, backend=sc.make_sac_backend({"attn"}, inner=inner)), x
             )
@@ -164,7 +164,7 @@ class TestNoRuntimeTrace:
 
         def graphs_of(module):
             torch._dynamo.reset()
-            with session.capture_units() as units, sc.collect_records() as recs:
+            with session.capture_units() as units, sc.inspection.collect_records() as recs:
                 torch.compile(module, backend=backend)(x).sum().backward()
             (unit,) = units
             regions = {name for rec in recs for name in rec.regions}
@@ -217,7 +217,7 @@ class TestTrainingAndInference:
         x = torch.randn(4, 8, 16)
         target = torch.randn(4, 8, 16)
         losses = []
-        with sc.collect_records() as recs:
+        with sc.inspection.collect_records() as recs:
             for _ in range(5):
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(compiled(x), target)
@@ -230,7 +230,7 @@ class TestTrainingAndInference:
         assert recs[0].regions["attn"].kept and recs[0].regions["mlp"].kept
 
         block.eval()
-        with torch.no_grad(), sc.collect_records() as recs:
+        with torch.no_grad(), sc.inspection.collect_records() as recs:
             out, codes = run_and_get_code(compiled, x)
         torch.testing.assert_close(out, block(x), rtol=1e-5, atol=1e-5)
         assert [r.is_training for r in recs] == [False]
@@ -241,7 +241,7 @@ class TestTrainingAndInference:
     def test_inference_graph_only_loses_markers(self, inner):
         block = Block(16)
         x = torch.randn(2, 4, 16)
-        with torch.no_grad(), sc.collect_records() as recs:
+        with torch.no_grad(), sc.inspection.collect_records() as recs:
             out = torch.compile(block, backend=sc.make_sac_backend({"attn"}, inner=inner))(x)
         torch.testing.assert_close(out, block(x), rtol=1e-5, atol=1e-5)
         (rec,) = recs
@@ -267,7 +267,7 @@ class TestGraphBreakInDecoratedRegion:
     def test_pieces_are_kept_and_the_caller_compiles(self, inner):
         model = self.Model()
         x = torch.randn(4, 8, requires_grad=True)
-        report = sc.capture_partition(model, x, backend=sc.make_sac_backend({"r"}, inner=inner))
+        report = sc.inspection.capture_partition(model, x, backend=sc.make_sac_backend({"r"}, inner=inner))
         training = [g for g in report.graphs if g.record is not None and g.record.is_training]
         # the caller before the call, the two pieces of `inner`, the caller after it
         assert len(training) == 4
@@ -285,7 +285,7 @@ class TestGraphBreakInDecoratedRegion:
 
     def test_with_block_fallback_is_recorded(self):
         x = torch.randn(3, requires_grad=True)
-        with sc.collect_records() as recs:
+        with sc.inspection.collect_records() as recs:
             torch.compile(with_block_graph_break, backend=sc.make_sac_backend({"r"}, inner="aot_eager"))(x)
         fallbacks = [fb for r in recs for fb in r.eager_fallbacks]
         assert [(k, n) for k, n, _ in fallbacks] == [("region_enter", "r"), ("region_exit", "r")]

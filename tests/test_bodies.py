@@ -76,8 +76,8 @@ def test_a_skipped_body_holds_what_caching_its_every_op_held():
     sc.declare_regions(block, {"attn": "attn"})
     x = torch.randn(4, 32, 64, requires_grad=True)
     params = list(block.parameters())
-    none = sc.autograd_saved_bytes(block, x, exclude=params)
-    kept = sc.autograd_saved_bytes(
+    none = sc.inspection.autograd_saved_bytes(block, x, exclude=params)
+    kept = sc.inspection.autograd_saved_bytes(
         lambda x: checkpoint_with_regions(block, x, keep=frozenset({"attn"}), policy=SAVE_ALL),
         x,
         exclude=params,

@@ -77,7 +77,7 @@ def test_declared_regions_under_whole_model_compile_show_in_the_partition(fullgr
         sc.apply_selective_checkpointing(layer, keep={"mlp"})
     x = torch.randn(*X_SHAPE, requires_grad=True)
     backend = sc.make_sac_backend({"mlp"}, inner="aot_eager")
-    report = sc.capture_partition(lambda t: model(t), x, backend=backend)
+    report = sc.inspection.capture_partition(lambda t: model(t), x, backend=backend)
     assert len(report.graphs) == 1
     rec = report.graphs[0].record
     assert [s.source for s in rec.scopes] == ["scope markers", "scope markers"]  # one per layer
@@ -89,7 +89,7 @@ def test_declared_regions_under_whole_model_compile_show_in_the_partition(fullgr
     for layer in bare.layers:
         sc.apply_selective_checkpointing(layer, keep={"mlp"})
     torch._dynamo.reset()
-    plain = sc.capture_partition(lambda t: bare(t), x, backend=backend)
+    plain = sc.inspection.capture_partition(lambda t: bare(t), x, backend=backend)
     assert plain.saved_regions() == set()
     assert report.activation_bytes > plain.activation_bytes
     # gradients match the unwrapped model
@@ -110,7 +110,7 @@ def test_patterns_match_whole_components_from_the_root():
         "layers.2.mlp.0": ("up",),
         "layers.1": ("second",),
     }
-    assert sc.declared_regions(model) == handle.modules
+    assert sc.declare.declared_regions(model) == handle.modules
 
 
 def test_a_pattern_matching_nothing_lists_near_misses():
@@ -122,7 +122,7 @@ def test_a_pattern_matching_nothing_lists_near_misses():
     # nothing was installed by the failed call (validation happens before any hook)
     with pytest.raises(ValueError):
         sc.declare_regions(model, {"layers.*.mlp": "mlp", "nope": "x"})
-    assert sc.declared_regions(model) == {}
+    assert sc.declare.declared_regions(model) == {}
 
 
 @pytest.mark.parametrize(
@@ -150,15 +150,15 @@ def test_declaring_twice_is_idempotent_and_handles_remove():
     # one pre-hook (enter), two forward hooks (the module's own output, first; exit, last)
     assert (len(mlp._forward_pre_hooks), len(mlp._forward_hooks)) == (before[0] + 1, before[1] + 2)
     second.remove()  # installed nothing: removes nothing
-    assert sc.declared_regions(model)
+    assert sc.declare.declared_regions(model)
     first.remove()
-    assert sc.declared_regions(model) == {}
+    assert sc.declare.declared_regions(model) == {}
     assert (len(mlp._forward_pre_hooks), len(mlp._forward_hooks)) == before
     with sc.declare_regions(model, {"layers.0": "layer"}):
-        assert sc.declared_regions(model) == {"layers.0": ("layer",)}
-    assert sc.declared_regions(model) == {}
+        assert sc.declare.declared_regions(model) == {"layers.0": ("layer",)}
+    assert sc.declare.declared_regions(model) == {}
     sc.declare_regions(model, {"layers.*": "layer", "layers.*.mlp": "mlp"})
-    assert sc.undeclare_regions(model) == 4
+    assert sc.declare.undeclare_regions(model) == 4
 
 
 def test_paths_are_unchanged_by_the_seam_and_by_torch_compile():
@@ -198,7 +198,7 @@ def test_config_applies_declarations_and_wraps_every_layer():
     assert cfg.apply(model) is model
     assert cfg.apply(model) is model  # idempotent
     assert all(type(layer).__name__ == "SelectiveCheckpointedPlainBlock" for layer in model.layers)
-    assert sc.declared_regions(model) == {f"layers.{i}.mlp": ("mlp",) for i in range(3)}
+    assert sc.declare.declared_regions(model) == {f"layers.{i}.mlp": ("mlp",) for i in range(3)}
     x = torch.randn(*X_SHAPE, requires_grad=True)
     out_ref, g_ref = run_step(ref, ref, x)
     out, g = run_step(model, model, x)
@@ -279,7 +279,7 @@ def test_layers_of_one_class_declared_differently_compile_apart(declared):
         regions={f"layers.{declared}.mlp": "mlp"},
         compile={"inner": "aot_eager"},
     )
-    with sc.collect_records() as records:
+    with sc.inspection.collect_records() as records:
         cfg.apply(model)
         run_step(model, model, torch.randn(*X_SHAPE, requires_grad=True))
     training = [rec for rec in records if rec.is_training]

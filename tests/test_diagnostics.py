@@ -380,7 +380,7 @@ def test_many_keep_sets_on_one_layer_class_all_compile(reports):
     model = Stack(n=10, d=16)
     for layer, name in zip(model.layers, names):
         sc.apply_selective_checkpointing(layer, keep={"attn", name}, compile=AOT)
-    with sc.collect_records() as recs:
+    with sc.inspection.collect_records() as recs:
         _steps(model, 1)
     assert len(recs) == 10
     assert reports("compile-fallback") == []

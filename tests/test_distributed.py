@@ -152,7 +152,7 @@ def _ep_moe_vs_single_process(rank: int, world_size: int, compiled: bool, micro_
         tokens = x.shape[0] * x.shape[1]
         local = x.chunk(world_size)[rank]
         loss = model(local).pow(2).sum() / tokens
-        _, backward = sc.collectives_run(loss.backward)
+        _, backward = sc.inspection.collectives_run(loss.backward)
         # collectives issued and never waited on (the process group holds their buffers)
         unwaited = torch._C._distributed_c10d._get_work_registry_size()
         ref_loss = ref(x).pow(2).sum() / tokens
@@ -179,7 +179,7 @@ def _ep_moe_vs_single_process(rank: int, world_size: int, compiled: bool, micro_
         torch.manual_seed(0)
         layer = EPBlock(group=group, micro_batches=micro_batches)
         if compiled:
-            report = sc.capture_partition(
+            report = sc.inspection.capture_partition(
                 layer, local, backend=sc.make_sac_backend(set(keep), inner="aot_eager")
             )
             (g,) = report.graphs

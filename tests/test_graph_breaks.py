@@ -117,13 +117,15 @@ def test_a_graph_broken_layer_saves_what_it_saves_compiled_on_its_own(keep):
     alone = _net()  # the same layer, unwrapped, compiled on its own with the keep set
     layer_input = torch.relu(alone.pre(x))
     want = _rows(
-        sc.capture_partition(alone.layer, layer_input, backend=sc.make_sac_backend(keep, inner=INNER))
+        sc.inspection.capture_partition(
+            alone.layer, layer_input, backend=sc.make_sac_backend(keep, inner=INNER)
+        )
     )
     for model_keep in ((),):  # the backend's keep set differs from the layers' (red before)
         net = _net()
         sc.apply_selective_checkpointing(net.layer, keep)
         # the whole model compiled with the backend (capture_partition compiles fn itself)
-        whole = sc.capture_partition(net, x, backend=sc.make_sac_backend(model_keep, inner=INNER))
+        whole = sc.inspection.capture_partition(net, x, backend=sc.make_sac_backend(model_keep, inner=INNER))
         assert _rows(whole, _in_a_scope) == want, (model_keep, whole)
         # every piece of the layer carries the layer's scope and keep set
         layer_graphs = [g for g in whole.graphs if g.record and g.record.is_training and g.record.scopes]
@@ -148,11 +150,11 @@ def test_saved_bytes_match_the_per_layer_compile(keep):
     net = _net()
     sc.apply_selective_checkpointing(net.layer, keep)
     compiled = torch.compile(net, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER))
-    got = sc.autograd_saved_bytes(compiled, x, exclude=list(net.parameters()))
+    got = sc.inspection.autograd_saved_bytes(compiled, x, exclude=list(net.parameters()))
     torch._dynamo.reset()
     ref = _net()
     ref.layer = torch.compile(ref.layer, backend=sc.make_sac_backend(keep, inner=INNER))
-    want = sc.autograd_saved_bytes(ref, x, exclude=list(ref.parameters()))
+    want = sc.inspection.autograd_saved_bytes(ref, x, exclude=list(ref.parameters()))
     assert got == want, (sorted(keep), got, want)
 
 
@@ -238,7 +240,7 @@ def test_mixtral_eager_experts_keeps_each_layers_keep_set():
     sc.declare_regions(alone, MIXTRAL_REGIONS)
     unit, h = hf.layer_call(alone, ids)
     backend = sc.make_sac_backend(keep, inner=INNER)
-    want = _rows(sc.capture_partition(unit, h.detach().requires_grad_(), backend=backend))
+    want = _rows(sc.inspection.capture_partition(unit, h.detach().requires_grad_(), backend=backend))
     # the expert loop itself runs eagerly (Dynamo skips a frame whose loop breaks the graph),
     # so in compiled code attention is what has matmuls to keep
     assert "attn" in {region for region, _, _ in want}, want
@@ -246,7 +248,7 @@ def test_mixtral_eager_experts_keeps_each_layers_keep_set():
         model = _mixtral()
         sc.SacConfig(layers="model.layers.*", keep=keep, regions=MIXTRAL_REGIONS).apply(model)
         backend = sc.make_sac_backend(model_keep, inner=INNER)
-        report = sc.capture_partition(model, ids, labels=ids, use_cache=False, backend=backend)
+        report = sc.inspection.capture_partition(model, ids, labels=ids, use_cache=False, backend=backend)
         assert _rows(report, _in_a_scope) == want, (model_keep, report)
         for g in report.graphs:
             if g.record is not None and g.record.is_training:
@@ -267,7 +269,7 @@ def test_gpt2_whole_model_compile_leaves_the_loss_untagged(monkeypatch):
     joints = _record_joint_tags(monkeypatch)
     ids = torch.randint(0, 128, (2, 8))
     backend = sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER)
-    report = sc.capture_partition(model, ids, labels=ids, use_cache=False, backend=backend)
+    report = sc.inspection.capture_partition(model, ids, labels=ids, use_cache=False, backend=backend)
     for rec, tagged, _ in joints:
         assert not tagged - set(rec.node_scope), sorted(tagged - set(rec.node_scope))
         if not rec.scopes:

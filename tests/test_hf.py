@@ -81,7 +81,7 @@ def test_whole_model_fullgraph_compile_with_declared_regions(name):
     hf.config_for(model, keep={a}).apply(model)
     ids = hf.batch(model)
     loss_ref, g_ref = lm_step(ref, ids)
-    with sc.collect_records() as recs:
+    with sc.inspection.collect_records() as recs:
         compiled = torch.compile(model, backend=sc.make_sac_backend({a}, inner="aot_eager"), fullgraph=True)
         loss, g = lm_step(compiled, ids)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
@@ -97,11 +97,13 @@ def test_compiled_saved_bytes_per_layer_fall_from_none_and_rise_from_full(name):
     _, model, (a, b) = _pair(name)
     sc.declare_regions(model, hf.regions_for(model))
     layer, h = _layer0(model)
-    none = sc.capture_partition(layer, h, backend="aot_eager")
+    none = sc.inspection.capture_partition(layer, h, backend="aot_eager")
     saved = {}
     for keep in [(), (a,), (b,), (a, b)]:
         torch._dynamo.reset()
-        report = sc.capture_partition(layer, h, backend=sc.make_sac_backend(set(keep), inner="aot_eager"))
+        report = sc.inspection.capture_partition(
+            layer, h, backend=sc.make_sac_backend(set(keep), inner="aot_eager")
+        )
         saved[keep] = report.saved_bytes
         assert report.saved_regions() == set(keep), (keep, report.format())
         for region in keep:
@@ -119,7 +121,7 @@ def test_eager_held_bytes_per_layer_rise_with_kept_regions(name):
     _, model, (a, b) = _pair(name)
     sc.declare_regions(model, hf.regions_for(model))
     layer, h = _layer0(model)
-    none = sc.autograd_saved_bytes(layer, h, exclude=model.parameters())
+    none = sc.inspection.autograd_saved_bytes(layer, h, exclude=model.parameters())
     from sac_compile.eager import checkpoint_with_regions
 
     held = {}

@@ -321,7 +321,7 @@ def test_compiled_per_layer_sac_keeps_every_region_read(family):
     region read for a layer is kept with values saved (Mamba, RG-LRU and gated-DeltaNet mixers
     graph-break: their regions are kept in pieces)."""
     ref, model = build(family), build(family)
-    with sc.collect_records() as records:
+    with sc.inspection.collect_records() as records:
         hf.config_for(model, keep=sc.ALL_REGIONS, compile={"inner": "aot_eager"}).apply(model)
         ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(1))
         loss, g = _step(model, ids)
@@ -371,7 +371,7 @@ def test_saved_bytes_agree_with_the_profiler_in_every_mode():
         def logits(ids, model=model):
             return model(input_ids=ids).logits
 
-        held[mode] = sc.autograd_saved_bytes(logits, ids, exclude=model.parameters())
+        held[mode] = sc.inspection.autograd_saved_bytes(logits, ids, exclude=model.parameters())
         theirs = _profiler_held_bytes(logits, ids)
         assert abs(held[mode] - theirs) <= 0.01 * theirs, (mode, held[mode], theirs)
     assert held["eager-full"] < held["eager-attn"] < held["eager-all"] <= held["unwrapped"], held

@@ -221,7 +221,7 @@ def test_dynamic_sequence_length_compiles_once_and_keeps_the_region():
     block = Block(D)
     counter = CompileCounterWithBackend(sc.make_sac_backend({"attn"}, inner="aot_eager"))
     compiled = torch.compile(block, backend=counter)
-    with sc.collect_records() as records:
+    with sc.inspection.collect_records() as records:
         for seq in (8, 12, 5):
             x = torch.randn(2, seq, D, requires_grad=True)
             torch._dynamo.mark_dynamic(x, 1)
@@ -240,7 +240,7 @@ def test_a_recompile_is_tagged_again():
     block = Block(D)
     counter = CompileCounterWithBackend(sc.make_sac_backend({"attn"}, inner="aot_eager"))
     compiled = torch.compile(block, backend=counter, dynamic=False)
-    with sc.collect_records() as records:
+    with sc.inspection.collect_records() as records:
         for shape in ((2, 8, D), (3, 8, D)):  # a new static shape: a recompile
             x = torch.randn(*shape, requires_grad=True)
             ref_out, ref = run_step(block, block, x)
@@ -277,7 +277,9 @@ def test_autocast_kept_values_are_saved_in_bfloat16():
     torch.manual_seed(0)
     block = Block(D)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        report = sc.capture_partition(block, _x(), backend=sc.make_sac_backend({"mlp"}, inner="aot_eager"))
+        report = sc.inspection.capture_partition(
+            block, _x(), backend=sc.make_sac_backend({"mlp"}, inner="aot_eager")
+        )
     kept = [v for v in report.saved if v.region == "mlp"]
     assert kept and any(v.dtype == "bfloat16" for v in kept)
 

@@ -55,7 +55,9 @@ def _bit_identical(a, b) -> bool:
 
 
 def _held(model: nn.Module, ids: torch.Tensor) -> int:
-    return sc.autograd_saved_bytes(lambda: model(input_ids=ids, labels=ids).loss, exclude=model.parameters())
+    return sc.inspection.autograd_saved_bytes(
+        lambda: model(input_ids=ids, labels=ids).loss, exclude=model.parameters()
+    )
 
 
 def _transformers_own(**kwargs):
@@ -98,7 +100,7 @@ def test_a_default_config_trains_compiled_like_transformers_own_checkpointing(ho
     else:
         hf.config_for(model, keep={"attn"}).apply(model)
         model = torch.compile(model, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER))
-    with sc.collect_records() as recs:
+    with sc.inspection.collect_records() as recs:
         for _ in range(2):
             loss, got = lm_step(model, ids)
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
@@ -206,7 +208,7 @@ def test_transformers_switch_compiled_marks_each_checkpoint_as_a_scope_with_its_
         activation_checkpointing_kwargs=hf.checkpointing_kwargs(model, keep={"attn"})
     )
     compiled = torch.compile(model, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner=INNER))
-    with sc.strict(), sc.collect_records() as recs:  # no diagnosis: none of them misfires
+    with sc.strict(), sc.inspection.collect_records() as recs:  # no diagnosis: none of them misfires
         for _ in range(2):
             loss, got = lm_step(compiled, ids)
             torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
@@ -253,12 +255,12 @@ def test_region_context_fn_gives_the_seams_engine():
     b.load_state_dict(a.state_dict())
     sc.apply_selective_checkpointing(b, keep={"attn"})
     x = torch.randn(2, 8, 16, requires_grad=True)
-    held_seam = sc.autograd_saved_bytes(lambda: b(x).sum(), exclude=list(b.parameters()) + [x])
-    held_ctx = sc.autograd_saved_bytes(
+    held_seam = sc.inspection.autograd_saved_bytes(lambda: b(x).sum(), exclude=list(b.parameters()) + [x])
+    held_ctx = sc.inspection.autograd_saved_bytes(
         lambda: checkpoint(a, x, use_reentrant=False, context_fn=region_context_fn(keep={"attn"})).sum(),
         exclude=list(a.parameters()) + [x],
     )
-    held_full = sc.autograd_saved_bytes(
+    held_full = sc.inspection.autograd_saved_bytes(
         lambda: checkpoint(a, x, use_reentrant=False).sum(), exclude=list(a.parameters()) + [x]
     )
     assert held_ctx == held_seam > held_full
@@ -338,7 +340,7 @@ def test_trainer_trains_compiled_with_the_named_backend(tmp_path):
     """``model.compile(backend="sac_compile")`` before the Trainer (accelerate's
     ``torch_compile_backend`` takes only the backends it lists: see docs/integrations.md)."""
     want, _ = _train(tmp_path, "transformers")
-    with sc.collect_records() as recs:
+    with sc.inspection.collect_records() as recs:
         got, _ = _train(tmp_path, "sac", compile_backend="sac_compile")
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-5)
     scopes = [s for r in recs if r.is_training for s in r.scopes]

@@ -69,7 +69,9 @@ class TestEager:
         x = torch.randn(3, 4, requires_grad=True)
         assert ops._MARKER_SINK.get() is None
         assert torch.equal(marked(x), plain(x))
-        assert sc.autograd_saved_bytes(marked, x) == sc.autograd_saved_bytes(plain, x) > 0
+        assert (
+            sc.inspection.autograd_saved_bytes(marked, x) == sc.inspection.autograd_saved_bytes(plain, x) > 0
+        )
 
     def test_plain_eager_dispatches_no_marker_op(self):
         """No sink, no tracer, no mode: a region marker (a `with` block, a declared module)

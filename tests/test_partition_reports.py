@@ -40,7 +40,9 @@ def _report(name: str, inner: str) -> str:
     make, inp, keep = cases()[name]
     torch.manual_seed(0)
     module, x = make(), inp().requires_grad_()
-    return _pinned(sc.capture_partition(module, x, backend=sc.make_sac_backend(keep, inner=inner)).format())
+    return _pinned(
+        sc.inspection.capture_partition(module, x, backend=sc.make_sac_backend(keep, inner=inner)).format()
+    )
 
 
 def test_the_pinned_form_keeps_costly_ops_only():
@@ -54,7 +56,7 @@ def _summary(name: str, inner: str) -> tuple:
     make, inp, keep = cases()[name]
     torch.manual_seed(0)
     module, x = make(), inp().requires_grad_()
-    report = sc.capture_partition(module, x, backend=sc.make_sac_backend(keep, inner=inner))
+    report = sc.inspection.capture_partition(module, x, backend=sc.make_sac_backend(keep, inner=inner))
     headers = tuple(line for line in report.format().splitlines() if line.startswith("graph "))
     by_region = {k: v for k, v in report.bytes_by_region().items() if v}
     recomputed = sorted({r for g in report.graphs for r in g.recomputed})

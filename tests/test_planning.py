@@ -163,7 +163,7 @@ def test_eager_bytes_are_what_the_eager_engine_holds_for_each_keep_set():
         if c.budget is not None:
             assert c.eager_bytes is None
             continue
-        held = sc.autograd_saved_bytes(
+        held = sc.inspection.autograd_saved_bytes(
             lambda c=c: checkpoint_with_regions(block, x, keep=c.keep, policy=c.policy),
             exclude=[*block.parameters(), *block.buffers()],
         )

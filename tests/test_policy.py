@@ -237,7 +237,7 @@ def test_backends_and_cache_keys_differ_per_policy_and_budget():
 
 
 def _saved_bytes(fn, x, params):
-    return sc.autograd_saved_bytes(fn, x, exclude=params)
+    return sc.inspection.autograd_saved_bytes(fn, x, exclude=params)
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
@@ -245,7 +245,7 @@ def test_kept_swiglu_saves_exactly_its_two_up_projections(inner):
     torch.manual_seed(0)
     m = Swiglu()
     x = torch.randn(4, 8, 32, requires_grad=True)
-    report = sc.capture_partition(m, x, backend=sc.make_sac_backend({"mlp"}, inner=inner))
+    report = sc.inspection.capture_partition(m, x, backend=sc.make_sac_backend({"mlp"}, inner=inner))
     (graph,) = [g for g in report.graphs if g.backward_compiled]
     kept = [v for v in graph.saved if not v.is_input and v.region == "mlp"]
     # the frontier point: g(h) and u(h), recomputing silu and the product from them
@@ -253,7 +253,9 @@ def test_kept_swiglu_saves_exactly_its_two_up_projections(inner):
     assert all(tuple(v.shape) == (32, 128) for v in kept)
     if inner == "inductor":
         return  # Inductor smoke: the same two values; the rest below is Inductor-independent
-    old = sc.capture_partition(m, x, backend=sc.make_sac_backend({"mlp"}, inner=inner, policy=SAVE_ALL))
+    old = sc.inspection.capture_partition(
+        m, x, backend=sc.make_sac_backend({"mlp"}, inner=inner, policy=SAVE_ALL)
+    )
     (old_graph,) = [g for g in old.graphs if g.backward_compiled]
     assert graph.activation_bytes < old_graph.activation_bytes
     ref = torch.autograd.grad(m(x).sum(), [x, *m.parameters()])
@@ -290,7 +292,9 @@ def test_budget_saves_the_kept_values_then_fills_up_to_the_budget():
 
     def report(**kw):
         torch._dynamo.reset()
-        r = sc.capture_partition(block, x, backend=sc.make_sac_backend({"attn"}, inner="aot_eager", **kw))
+        r = sc.inspection.capture_partition(
+            block, x, backend=sc.make_sac_backend({"attn"}, inner="aot_eager", **kw)
+        )
         (g,) = [g for g in r.graphs if g.backward_compiled]
         return g
 
@@ -322,7 +326,7 @@ def test_every_region_kept_with_a_budget_saves_what_the_keep_set_alone_saves():
     def saved(**kw):
         torch._dynamo.reset()
         backend = sc.make_sac_backend(sc.ALL_REGIONS, inner="aot_eager", **kw)
-        return sc.capture_partition(layer, x, backend=backend).saved_bytes
+        return sc.inspection.capture_partition(layer, x, backend=backend).saved_bytes
 
     assert saved(budget=0.3) == saved()
     torch._dynamo.reset()
@@ -360,7 +364,7 @@ def test_a_seam_policy_and_budget_travel_to_the_pass_under_an_outer_compile():
     sc.apply_selective_checkpointing(model[0], {"mlp"}, policy=save_nothing_but_silu)
     sc.apply_selective_checkpointing(model[1], {"mlp"}, budget=0.5)
     x = torch.randn(2, 8, 32, requires_grad=True)
-    with sc.collect_records() as recs:
+    with sc.inspection.collect_records() as recs:
         out = torch.compile(model, backend=sc.make_sac_backend((), inner="aot_eager"))(x)
     training = [r for r in recs if r.is_training]  # (the two seam classes may split the graph)
     scopes = [(s.policy, s.budget) for r in training for s in r.scopes]
@@ -497,7 +501,9 @@ def test_a_small_read_of_a_kept_matmul_is_saved_instead_of_the_matmul():
     m = PaddedExperts()
     x = torch.randn(8, 16, requires_grad=True)
     idx = torch.arange(8) * 4
-    report = sc.capture_partition(m, x, idx, backend=sc.make_sac_backend({"experts"}, inner="aot_eager"))
+    report = sc.inspection.capture_partition(
+        m, x, idx, backend=sc.make_sac_backend({"experts"}, inner="aot_eager")
+    )
     (graph,) = [g for g in report.graphs if g.backward_compiled]
     saved = sorted((v.op, tuple(v.shape)) for v in graph.saved if not v.is_input)
     assert saved == [("aten.index", (8, 16))], saved
@@ -539,7 +545,7 @@ def test_with_a_budget_the_small_read_is_still_saved_instead_of_the_matmul(budge
     sc.declare_regions(model, MoETransformer.REGIONS)
     x = model.embed(torch.randint(0, 64, (2, 16))).detach().requires_grad_()
     backend = sc.make_sac_backend({"experts"}, inner="aot_eager", budget=budget)
-    report = sc.capture_partition(model.layers[0], x, backend=backend)
+    report = sc.inspection.capture_partition(model.layers[0], x, backend=backend)
     (graph,) = [g for g in report.graphs if g.backward_compiled]
     saved = {v.op for v in graph.saved if not v.is_input and v.region == "experts"}
     assert saved == {"aten.bmm"}, graph  # the up projection only (silu's input)

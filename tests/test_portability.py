@@ -81,7 +81,11 @@ def test_a_wrapped_model_pickles_and_deep_copies_with_its_wrapping(compile, how,
         assert theirs._sac_seam == mine._sac_seam and theirs is not mine
         # a compile=True layer stays compiled (nn.Module.__getstate__ drops the compiled call)
         assert (getattr(theirs, "_compiled_call_impl", None) is not None) == compile
-    assert sc.declared_regions(other) == sc.declared_regions(model) == {"layers.0.ln1": ("norm",)}
+    assert (
+        sc.declare.declared_regions(other)
+        == sc.declare.declared_regions(model)
+        == {"layers.0.ln1": ("norm",)}
+    )
     assert other.state_dict().keys() == model.state_dict().keys()
 
     x = _x()
@@ -93,10 +97,10 @@ def test_a_wrapped_model_pickles_and_deep_copies_with_its_wrapping(compile, how,
     for a, b in zip(h, g):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # the same activations are kept: the copy's regions (its declared one too) are in place
-    held = [sc.autograd_saved_bytes(m, x, exclude=m.parameters()) for m in (model, other)]
+    held = [sc.inspection.autograd_saved_bytes(m, x, exclude=m.parameters()) for m in (model, other)]
     assert held[0] == held[1]
     sc.remove_selective_checkpointing(other)
-    assert held[1] < sc.autograd_saved_bytes(other, x, exclude=other.parameters())
+    assert held[1] < sc.inspection.autograd_saved_bytes(other, x, exclude=other.parameters())
 
 
 def test_a_layer_that_lost_its_compiled_call_says_why_and_rewrapping_compiles_it(caplog):
@@ -124,12 +128,12 @@ def test_remove_selective_checkpointing_restores_the_plain_model(compile):
     for layer in model.layers:
         assert type(layer) is Block and "_sac_seam" not in layer.__dict__
         assert getattr(layer, "_compiled_call_impl", None) is None
-    assert sc.declared_regions(model) == {} and list(model.state_dict()) == keys
+    assert sc.declare.declared_regions(model) == {} and list(model.state_dict()) == keys
     pickle.dumps(model)
     x = _x()
-    assert sc.autograd_saved_bytes(model, x, exclude=model.parameters()) == sc.autograd_saved_bytes(
-        plain, x, exclude=plain.parameters()
-    )
+    assert sc.inspection.autograd_saved_bytes(
+        model, x, exclude=model.parameters()
+    ) == sc.inspection.autograd_saved_bytes(plain, x, exclude=plain.parameters())
     # and it can be wrapped again, differently
     sc.apply_selective_checkpointing(model.layers[0], keep=())
 
@@ -154,7 +158,9 @@ def test_export_holds_no_marker(strict):
         assert _sac_nodes(program.graph_module) == [], program.graph_module.code
         torch.testing.assert_close(program.module()(x), model(x))
     # markers still work after an export (the flag is read at each call)
-    report = sc.capture_partition(_marked_everywhere(), _x(), backend=sc.make_sac_backend(inner="aot_eager"))
+    report = sc.inspection.capture_partition(
+        _marked_everywhere(), _x(), backend=sc.make_sac_backend(inner="aot_eager")
+    )
     assert {v.region for v in report.saved} >= {"attn", "mlp"}, report.format()
 
 
@@ -177,8 +183,8 @@ def test_torchscript_trace_and_script_hold_no_marker():
     traced = torch.jit.trace(model, (x,))
     with pytest.raises(TypeError, match="undeclare_regions"):  # hooks are not TorchScript
         torch.jit.script(model)
-    assert sc.declared_regions(model) == {"b": ("proj",)}  # and the model is untouched
-    sc.undeclare_regions(model)
+    assert sc.declare.declared_regions(model) == {"b": ("proj",)}  # and the model is untouched
+    sc.declare.undeclare_regions(model)
     scripted = torch.jit.script(model)  # the with block and the decorated method
     for m in (traced, scripted):
         # no marker op (the scripted region object is TorchScript's own copy of the class)
@@ -205,7 +211,7 @@ _CHILD = textwrap.dedent(
     layers = list(model.layers)
     assert [type(m).__name__ for m in layers] == ["SelectiveCheckpointedBlock"] * 2
     assert getattr(layers[1], "_compiled_call_impl", None) is not None, "layer 1 lost its compile"
-    assert sc.declared_regions(model) == {"layers.0.ln1": ("norm",)}
+    assert sc.declare.declared_regions(model) == {"layers.0.ln1": ("norm",)}
     out = model(x.requires_grad_())
     torch.testing.assert_close(out, expected)
     out.sum().backward()
@@ -222,7 +228,7 @@ def test_saved_models_and_exports_load_in_a_fresh_process(tmp_path):
     sc.apply_selective_checkpointing(model.layers[0], keep={"attn", "norm"})
     sc.apply_selective_checkpointing(model.layers[1], keep={"attn"}, compile={"inner": "aot_eager"})
     marked = _marked_everywhere()
-    sc.undeclare_regions(marked)  # TorchScript cannot compile their hooks
+    sc.declare.undeclare_regions(marked)  # TorchScript cannot compile their hooks
     x = torch.randn(2, 8, D)
     expected, expected_marked = model(x), marked(x)
     torch.save((x, expected.detach(), expected_marked.detach()), tmp_path / "io.pt")

@@ -206,7 +206,7 @@ def test_eager_engine_is_bit_identical_and_retains_no_more(program, keep):
     assert selective <= plain, (selective, plain)
 
 
-def _captured(module: nn.Module, x: torch.Tensor, backend) -> tuple[sc.PartitionReport, list, int]:
+def _captured(module: nn.Module, x: torch.Tensor, backend) -> tuple[sc.inspection.PartitionReport, list, int]:
     """capture_partition runs forward and backward (of the output's sum) once; the same run
     is watched by ``saved_tensors_hooks`` (bytes of the distinct non-parameter storages
     the compiled function hands to autograd), an independent count of what it saves."""
@@ -223,7 +223,7 @@ def _captured(module: nn.Module, x: torch.Tensor, backend) -> tuple[sc.Partition
 
     torch.manual_seed(1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        report = sc.capture_partition(module, x, backend=backend)
+        report = sc.inspection.capture_partition(module, x, backend=backend)
     return report, [x.grad] + [p.grad for p in module.parameters()], sum(storages.values())
 
 

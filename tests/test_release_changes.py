@@ -74,7 +74,7 @@ def test_an_effectful_op_in_a_region_runs_once_compiled(keep):
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g, r)
     torch._dynamo.reset()
-    report = sc.capture_partition(
+    report = sc.inspection.capture_partition(
         module, x.requires_grad_(), backend=sc.make_sac_backend(keep, inner="aot_eager")
     )
     # its output is saved (the partitioner's rule for effectful ops), also where nothing is kept
@@ -126,7 +126,7 @@ def test_sdpa_with_dropout_in_a_recomputed_region_replays_its_mask(p):
     assert torch.equal(other[1], got[1]) == (p == 0.0)  # the dropout is live when p > 0
     # and the attention really is recomputed: nothing of it saved but the RNG state it replays
     torch._dynamo.reset()
-    report = sc.capture_partition(
+    report = sc.inspection.capture_partition(
         module, x.requires_grad_(), backend=sc.make_sac_backend((), inner="aot_eager")
     )
     assert not [v for v in report.saved if v.region == "attn"], report.format()

@@ -101,7 +101,7 @@ class TestDecisionTable:
         ref = outputs_and_grads(copy.deepcopy(stack), x)
         wrap_layers(stack, {"attn"}, compile=AOT)  # (Inductor: tests/test_diagnostics.py, test_hf.py)
         assert all(layer._compiled_call_impl is not None for layer in stack.layers)
-        with sc.collect_records() as recs:
+        with sc.inspection.collect_records() as recs:
             out, grads = outputs_and_grads(stack, x)
         assert "CompiledFunction" in stack.layers[-1](x).grad_fn.name()  # no eager checkpoint around it
         (rec,) = recs  # one graph serves the four layers
@@ -239,7 +239,7 @@ class TestCompiled:
         torch.manual_seed(0)
         layers = [sc.apply_selective_checkpointing(Block(16), {"attn"}, compile=AOT) for _ in range(12)]
         packed = []
-        with sc.collect_records() as recs:
+        with sc.inspection.collect_records() as recs:
             for layer in layers:
                 count = []
                 with torch.autograd.graph.saved_tensors_hooks(
@@ -257,7 +257,7 @@ class TestCompiled:
 
     def test_whole_model_compile_saves_the_layer_boundaries(self, stack, x):
         wrap_layers(stack, {"attn"})
-        report = sc.capture_partition(
+        report = sc.inspection.capture_partition(
             stack, x, backend=sc.make_sac_backend(sc.ALL_REGIONS, inner="aot_eager")
         )
         (graph,) = report.graphs

@@ -229,7 +229,9 @@ class TestHigherOrderOps:
     def test_region_inside_nested_compile_region_is_honoured(self, inner):
         x = torch.randn(4, 8, requires_grad=True)
         w = torch.randn(8, 8, requires_grad=True)
-        kept = sc.capture_partition(self.f, x, w, backend=sc.make_sac_backend({"inner"}, inner=inner))
+        kept = sc.inspection.capture_partition(
+            self.f, x, w, backend=sc.make_sac_backend({"inner"}, inner=inner)
+        )
         (g_kept,) = kept.graphs
         assert g_kept.record.hop_kept == ["invoke_subgraph", "invoke_subgraph"]
         assert not any(op == "invoke_subgraph" for ops_ in g_kept.recomputed.values() for _, op in ops_)
@@ -239,7 +241,7 @@ class TestHigherOrderOps:
             # wrong on its own (docs/limitations.md)
             return
         torch._dynamo.reset()
-        none = sc.capture_partition(self.f, x, w, backend=sc.make_sac_backend((), inner=inner))
+        none = sc.inspection.capture_partition(self.f, x, w, backend=sc.make_sac_backend((), inner=inner))
         (g_none,) = none.graphs
         assert [op for ops_ in g_none.recomputed.values() for _, op in ops_].count("invoke_subgraph") == 2
         # gradients right either way
@@ -263,7 +265,7 @@ def test_markers_in_cond_branches_are_recorded():
         return torch.cond(x.sum() > 0, true_fn, lambda x: torch.sigmoid(x @ w), (x,)).cos()
 
     x = torch.randn(4, 8, requires_grad=True)
-    report = sc.capture_partition(g, x, backend=sc.make_sac_backend({"c"}, inner=inner))
+    report = sc.inspection.capture_partition(g, x, backend=sc.make_sac_backend({"c"}, inner=inner))
     hop_markers = [m for gr in report.graphs if gr.record for m in gr.record.hop_markers]
     assert ("cond", "c") in hop_markers
     assert "not honoured" in report.format()
@@ -286,12 +288,12 @@ def test_functional_collective_in_a_kept_region_is_not_recommunicated(world_of_o
     def recomputed_ops(report):
         return {op for g in report.graphs for nodes in g.recomputed.values() for _, op in nodes}
 
-    kept = sc.capture_partition(f, x, backend=sc.make_sac_backend({"comm"}, inner=inner))
+    kept = sc.inspection.capture_partition(f, x, backend=sc.make_sac_backend({"comm"}, inner=inner))
     policy = kept.graphs[0].record.node_policy
     assert policy["all_reduce"] == policy["wait_tensor"] == "MUST_SAVE"
     assert not any("_c10d_functional" in op for op in recomputed_ops(kept))
     torch._dynamo.reset()
-    not_kept = sc.capture_partition(f, x, backend=sc.make_sac_backend((), inner=inner))
+    not_kept = sc.inspection.capture_partition(f, x, backend=sc.make_sac_backend((), inner=inner))
     assert {"_c10d_functional.all_reduce", "_c10d_functional.wait_tensor"} <= recomputed_ops(not_kept)
 
 
@@ -312,7 +314,7 @@ def test_wait_tensor_takes_its_collectives_tag_across_regions(world_of_one, keep
         return (h @ w).cos()
 
     x = torch.randn(4, 8, requires_grad=True)
-    report = sc.capture_partition(f, x, backend=sc.make_sac_backend(keep, inner="aot_eager"))
+    report = sc.inspection.capture_partition(f, x, backend=sc.make_sac_backend(keep, inner="aot_eager"))
     rec = report.graphs[0].record
     assert rec.node_regions["all_reduce"] == ("comm",) and rec.node_regions["wait_tensor"] == ("other",)
     expected = "MUST_SAVE" if keep == {"comm"} else "MUST_RECOMPUTE"

@@ -51,7 +51,7 @@ def _configurations(rank: int, world_size: int, compile: bool, keeps: list = KEE
                 sc.apply_selective_checkpointing(layer, keep=set(keep), compile=options if compile else False)
             elif compile:  # compiled, no checkpoint: the same compile without the tagging pass
                 layer.compile(backend=baseline_backend("aot_eager"), dynamic=False)
-        held = sc.autograd_saved_bytes(stack, x, exclude=list(stack.parameters()))
+        held = sc.inspection.autograd_saved_bytes(stack, x, exclude=list(stack.parameters()))
         stack.zero_grad()
         loss = stack(x).sum()
         loss.backward()
@@ -102,7 +102,7 @@ def _held_bytes_without_tp(keeps: list) -> dict:
         if keep is not None:
             for layer in stack.layers:
                 sc.apply_selective_checkpointing(layer, keep=set(keep))
-        out[keep] = sc.autograd_saved_bytes(stack, x, exclude=list(stack.parameters()))
+        out[keep] = sc.inspection.autograd_saved_bytes(stack, x, exclude=list(stack.parameters()))
     return out
 
 

@@ -10,7 +10,7 @@ checkpointing: none, torchtitan's ``full`` and ``selective``, and the ``sac_comp
 override with several keep sets. Each trains ``--steps`` steps on the same batches
 (``loss`` is the last step's, ``max |dloss|`` the largest difference from no checkpoint
 over all steps), then one more batch measures the bytes held for the backward on this rank
-(``sac_compile.autograd_saved_bytes``: autograd's saves plus what checkpoints hold,
+(``sac_compile.inspection.autograd_saved_bytes``: autograd's saves plus what checkpoints hold,
 parameters and buffers (the RoPE table) excluded; FSDP's unsharded parameters count only while
 they are allocated), then ``--iters`` further steps run interleaved (each round in a
 shuffled order) for the step time, a median ratio to no checkpoint with its 95% bootstrap
@@ -107,7 +107,7 @@ class Run:
             out, _ = trainer.loss_fn(model(inputs, **extra), labels, tokens)
             return _whole(out)
 
-        held = sc.autograd_saved_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
+        held = sc.inspection.autograd_saved_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
         trainer.optimizers.zero_grad()
         return held
 

@@ -99,7 +99,7 @@ def capture_units() -> Iterator[list[CompileUnit]]:
 
 def publish(record: records.GraphRecord) -> None:
     """The tagging pass's account of one graph: filed on the unit being compiled (if a sac
-    backend runs the pass), in the record history (:func:`sac_compile.collect_records`) and
+    backend runs the pass), in the record history (:func:`sac_compile.inspection.collect_records`) and
     in PyTorch's structured trace (artifact ``sac_compile_regions``)."""
     unit = current_unit()
     if unit is not None:

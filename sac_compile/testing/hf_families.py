@@ -195,4 +195,4 @@ def held_bytes(family: str, keep: Any, ids: torch.Tensor, *, compiled: bool = Fa
         torch.manual_seed(0)  # the same dropout masks in every configuration
         return model(input_ids=ids).logits
 
-    return sc.autograd_saved_bytes(logits, ids, exclude=model.parameters())
+    return sc.inspection.autograd_saved_bytes(logits, ids, exclude=model.parameters())
