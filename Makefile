@@ -60,7 +60,6 @@ bench: install
 	-$(PY) benchmarks/peers.py  # beside torch_remat; exits 1 when a verdict is not met
 	$(PY) benchmarks/saved_memory.py
 	$(PY) benchmarks/eager_vs_compiled.py
-	$(PY) benchmarks/eager_body_skip.py
 	$(PY) benchmarks/hf_moe_keep_sets.py
 	$(PY) benchmarks/ep_moe.py
 	-$(PY) benchmarks/hf_families.py --compiled  # exits 1: JetMoE's compiled router (graph-reused)

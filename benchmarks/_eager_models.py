@@ -1,4 +1,4 @@
-"""The eager engine on the demo model and two transformers models (issue #17): step time
+"""The eager engine on the demo model and two transformers models: step time
 against the eager alternatives a user would pick, and the ops the engine intercepts.
 
 Four configurations per model, same weights, timed interleaved (median of ``iters``
@@ -105,7 +105,7 @@ def transformers_model(args, family: str) -> Subject:
 
 
 def engine_ratios(times: dict, engine: str, torch_sac: str) -> dict:
-    """Issue #17's two ratios from per-round step times (``_timing.interleaved_times``) of
+    """Two ratios from per-round step times (``_timing.interleaved_times``) of
     ``"no checkpoint"``, ``"full recompute"``, ``engine`` and ``torch_sac`` (PyTorch's SAC
     making the engine's decisions): engine / full recompute step, and the engine's step
     overhead over no checkpoint / PyTorch SAC's; each of medians, with its 95% interval."""

@@ -1,4 +1,4 @@
-"""One decoder layer under the eager engine, forward and backward timed apart (issue #17).
+"""One decoder layer under the eager engine, forward and backward timed apart.
 
 A whole-model step on a shared CPU does not resolve a few percent; one layer, timed many
 times, does. Per model (the demo, transformers Llama and Qwen3-MoE, at the sizes of
@@ -11,7 +11,7 @@ but dispatch modes that only pass each op through (nothing is cached, the recomp
 recomputes everything). Bare modes less full recompute is what the engine's design costs
 before any per-op bookkeeping: a Python dispatch mode's round trip for every op of a
 kept span, both passes.
-Printed: median forward, backward and step ms of each, and the two ratios issue #17 asks
+Printed: median forward, backward and step ms of each, and two ratios
 for: engine / full recompute step, and the engine's step overhead over no checkpoint /
 PyTorch SAC's. PyTorch's SAC saving nothing recomputes what full recompute does; what it
 takes beyond full recompute is its own cost (a Python round trip and a policy call per
@@ -22,7 +22,7 @@ The same two rows say what making the decisions is worth at all: PyTorch's SAC s
 nothing, less PyTorch's SAC with the decisions, is what serving the kept ops in the
 recompute saves net of holding them through the forward. An engine beats full recompute
 only if its own cost (its step, less full recompute's less that gain) stays under that
-gain; it reaches 0.85x of PyTorch SAC's overhead (issue #17's target) only if its own cost
+gain; it reaches 0.85x of PyTorch SAC's overhead only if its own cost
 stays under the budget printed. Each ratio comes with a 95% bootstrap interval over the
 interleaved rounds (a round: one step of every configuration, in shuffled order).
 

@@ -10,7 +10,7 @@ model, so its row against ``eager SAC attn`` is the engine's overhead.
 
 Then the ops the eager engine's dispatch modes intercept in one layer's step
 (forward and recompute, inside kept regions and outside them) against the ops the
-layer runs in a plain forward: none outside kept regions (issue #17).
+layer runs in a plain forward: none outside kept regions.
 
 Then (``--models``) the eager engine on the demo model and transformers Llama and
 Qwen3-MoE against no checkpoint, full recompute and PyTorch's SAC making the same
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--models",
         default="demo,llama,qwen3-moe",
-        help="the eager engine's models (issue #17), of: demo, llama, qwen3-moe; '' for none",
+        help="the eager engine's models, of: demo, llama, qwen3-moe; '' for none",
     )
     parser.add_argument("--no-stack", action="store_true", help="skip the eager vs compiled stack")
     _eager_models.add_size_arguments(parser)

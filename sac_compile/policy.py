@@ -191,7 +191,9 @@ def save_costly(op: Any, regions: tuple[str, ...], keep: KeepSet) -> CheckpointP
 
 
 def save_all(op: Any, regions: tuple[str, ...], keep: KeepSet) -> CheckpointPolicy:
-    """Every op of a kept region is saved (cheap pointwise outputs too): the policy before 0.2."""
+    """Every op of a kept region is saved (cheap pointwise outputs too). Eagerly, a kept
+    declared module or decorated function then runs once per step (its body skipped in the
+    recompute, :mod:`sac_compile.eager.bodies`)."""
     return CheckpointPolicy.MUST_SAVE if _is_kept(regions, keep) else CheckpointPolicy.MUST_RECOMPUTE
 
 

@@ -334,5 +334,26 @@ def test_the_readme_links_every_docs_page_and_stays_short():
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines: move reference material to docs/"
 
 
+_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+_ISSUE = re.compile(r"\b[Ii]ssues? #?\d+|(?<![\w`'])#\d{1,4}\b(?![\w-])")
+
+
+def test_the_docs_state_what_is_true_now_without_commit_hashes_or_issue_numbers():
+    """Reference, not a diary: history lives in CHANGELOG.md."""
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {m.group(0)}"
+        for page in PAGES
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for m in [*_HASH.finditer(line), *_ISSUE.finditer(line)]
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_history_check_can_fail():
+    assert _HASH.search("measured at 605c262 on 2 cores") and not _HASH.search("33554432 bytes, deadbeef")
+    assert _ISSUE.search("(issue #17)") and _ISSUE.search("the cost #17 removed")
+    assert not _ISSUE.search("`#1 layer split by a graph break`")
+
+
 if __name__ == "__main__":
     _serve(Path(sys.argv[1]))
