@@ -178,14 +178,11 @@ def test_declared_exit_runs_when_the_forward_raises():
     seen = []
     from sac_compile.markers import ops
 
-    token = ops._MARKER_SINK.set(lambda kind, payload: seen.append((kind, payload[0])))
-    try:
+    with ops.marker_sink(lambda kind, payload: seen.append((kind, payload[0]))):
         boom = Boom()
         sc.declare_regions(boom, {"": "whole"})
         with pytest.raises(RuntimeError, match="boom"):
             boom(torch.ones(1))
-    finally:
-        ops._MARKER_SINK.reset(token)
     assert seen == [("region_enter", "whole"), ("region_exit", "whole")]
 
 

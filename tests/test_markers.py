@@ -67,7 +67,7 @@ class TestEager:
             return h.sin()
 
         x = torch.randn(3, 4, requires_grad=True)
-        assert ops._MARKER_SINK.get() is None
+        assert ops.current_sink() is None
         assert torch.equal(marked(x), plain(x))
         assert (
             sc.inspection.autograd_saved_bytes(marked, x) == sc.inspection.autograd_saved_bytes(plain, x) > 0
@@ -135,8 +135,7 @@ class TestEager:
 
     def test_sink_sees_markers_in_program_order(self):
         seen = []
-        token = ops._MARKER_SINK.set(lambda kind, payload: seen.append((kind, payload)))
-        try:
+        with ops.marker_sink(lambda kind, payload: seen.append((kind, payload))):
 
             @sc.region("inner")
             def inner(x):
@@ -145,8 +144,6 @@ class TestEager:
             with checkpoint_scope(7, {"outer"}):
                 with sc.region("outer"):
                     inner(torch.ones(2))
-        finally:
-            ops._MARKER_SINK.reset(token)
         assert seen == [
             ("scope_enter", (7, "outer")),
             ("region_enter", ("outer",)),
@@ -158,8 +155,7 @@ class TestEager:
 
     def test_decorator_exits_on_exception_in_eager(self):
         seen = []
-        token = ops._MARKER_SINK.set(lambda kind, payload: seen.append(kind))
-        try:
+        with ops.marker_sink(lambda kind, payload: seen.append(kind)):
 
             @sc.region("r")
             def boom():
@@ -167,8 +163,6 @@ class TestEager:
 
             with pytest.raises(RuntimeError):
                 boom()
-        finally:
-            ops._MARKER_SINK.reset(token)
         assert seen == ["region_enter", "region_exit"]
 
     def test_decorated_method_keeps_signature_and_name(self):

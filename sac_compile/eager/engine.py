@@ -221,7 +221,9 @@ class _Pass:
         state = self.state
         self.spans = _Spans(state, self.forward)
         self.session = EagerSession(self.keep, self.policy, self.spans, self.bodies, self.forward)
-        self._tokens = (_SESSION.set(self.session), ops._MARKER_SINK.set(self.session))
+        self._token = _SESSION.set(self.session)
+        self._sink = ops.marker_sink(self.session)
+        self._sink.__enter__()
         self._hooks = contextlib.ExitStack()
         if self.forward:
             state.early_stop = checkpoint_early_stop(self.early_stop)
@@ -255,9 +257,8 @@ class _Pass:
             # (the recompute stops early by raising once autograd has what it needs)
             session.end_span(aborted=True)
             self.spans.close()
-            s_token, m_token = self._tokens
-            ops._MARKER_SINK.reset(m_token)
-            _SESSION.reset(s_token)
+            self._sink.__exit__(None, None, None)
+            _SESSION.reset(self._token)
 
 
 class _Recomputes:

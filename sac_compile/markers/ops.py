@@ -31,8 +31,9 @@ while dispatching the exit marker).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.fx.node import has_side_effect
@@ -48,6 +49,8 @@ __all__ = [
     "SCOPE_ENTER",
     "SCOPE_EXIT",
     "call_region",
+    "current_sink",
+    "marker_sink",
     "enter_module_region",
     "enter_region",
     "exit_module_region",
@@ -62,6 +65,22 @@ MarkerSink = Callable[[str, tuple], None]
 _MARKER_SINK: contextvars.ContextVar[MarkerSink | None] = contextvars.ContextVar(
     "sac_compile_marker_sink", default=None
 )
+
+
+@contextlib.contextmanager
+def marker_sink(sink: MarkerSink | None) -> Iterator[MarkerSink | None]:
+    """Install ``sink`` as the marker sink for the block (the eager engine's session, a
+    recorder of yours); the previous one is back on the way out."""
+    token = _MARKER_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _MARKER_SINK.reset(token)
+
+
+def current_sink() -> MarkerSink | None:
+    """The marker sink installed now (None outside the eager engine)."""
+    return _MARKER_SINK.get()
 
 
 def _emit(kind: str, payload: tuple) -> None:

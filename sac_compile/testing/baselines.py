@@ -51,11 +51,8 @@ class Checkpointed(nn.Module):
 
     def _run(self, *args, **kwargs):
         self.session = EagerSession(self.keep, self.policy)  # one per forward and per recompute
-        token = ops._MARKER_SINK.set(self.session)
-        try:
+        with ops.marker_sink(self.session):
             return self.layer(*args, **kwargs)
-        finally:
-            ops._MARKER_SINK.reset(token)
 
     def forward(self, *args, **kwargs):
         if self.keep is None:
