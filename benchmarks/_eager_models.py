@@ -27,6 +27,7 @@ from _timing import interleaved_times, ratio_interval
 import sac_compile as sc
 from sac_compile import hf
 from sac_compile.eager import checkpoint_with_regions
+from sac_compile.testing import hf_families
 from sac_compile.testing.baselines import Checkpointed
 from sac_compile.testing.counting import CountOps
 from sac_compile.testing.models import MoETransformer
@@ -85,10 +86,10 @@ def demo(args) -> Subject:
 
 def transformers_model(args, family: str) -> Subject:
     if family == "llama":
-        model = hf.tiny_llama(layers=args.hf_layers, hidden=args.hf_hidden)
+        model = hf_families.tiny_llama(layers=args.hf_layers, hidden=args.hf_hidden)
         keep = {"attn"}
     else:
-        model = hf.tiny_qwen3_moe(layers=args.hf_layers, hidden=args.hf_hidden, experts=8)
+        model = hf_families.tiny_qwen3_moe(layers=args.hf_layers, hidden=args.hf_hidden, experts=8)
         keep = {"attn", "router"}
     model.train()
     ids = hf.batch(model, batch=args.hf_batch, seq=args.hf_seq)

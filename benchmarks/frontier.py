@@ -98,15 +98,17 @@ def _hf_unit(build, args):
 
 
 def llama_unit(args):
-    from sac_compile import hf
+    from sac_compile.testing import hf_families
 
-    return _hf_unit(functools.partial(hf.tiny_llama, layers=1, hidden=args.hidden), args)
+    return _hf_unit(functools.partial(hf_families.tiny_llama, layers=1, hidden=args.hidden), args)
 
 
 def qwen3moe_unit(args):
-    from sac_compile import hf
+    from sac_compile.testing import hf_families
 
-    return _hf_unit(functools.partial(hf.tiny_qwen3_moe, layers=1, hidden=args.hidden, experts=8), args)
+    return _hf_unit(
+        functools.partial(hf_families.tiny_qwen3_moe, layers=1, hidden=args.hidden, experts=8), args
+    )
 
 
 def qwen2moe_unit(args):

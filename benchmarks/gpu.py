@@ -42,8 +42,9 @@ def build(args):
         regions, layers = MoETransformer.REGIONS, "layers.*"
     else:
         from sac_compile import hf
+        from sac_compile.testing import hf_families
 
-        builder = hf.tiny_llama if args.model == "llama" else hf.tiny_qwen3_moe
+        builder = hf_families.tiny_llama if args.model == "llama" else hf_families.tiny_qwen3_moe
         model = builder(layers=args.layers, hidden=args.d)
         regions, layers = hf.regions_for(model), f"{hf.decoder_layers(model)}.*"
     sc.declare_regions(model, regions)

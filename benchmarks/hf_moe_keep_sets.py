@@ -32,6 +32,7 @@ import sac_compile as sc
 from sac_compile import hf
 from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
+from sac_compile.testing import hf_families
 
 KEEP_SETS: list[tuple[str, tuple[str, ...]]] = [
     ("keep=() full recompute", ()),
@@ -42,7 +43,7 @@ KEEP_SETS: list[tuple[str, tuple[str, ...]]] = [
 
 
 def build(args, seed: int = 0):
-    model = hf.tiny_qwen3_moe(
+    model = hf_families.tiny_qwen3_moe(
         experts_implementation=args.experts,
         layers=args.layers,
         hidden=args.hidden,

@@ -55,6 +55,7 @@ import sac_compile as sc
 from sac_compile import hf
 from sac_compile.inspection.flops import CountFlops
 from sac_compile.policy import SAVE_ALL, SAVE_COSTLY
+from sac_compile.testing import hf_families
 from sac_compile.testing.baselines import Checkpointed
 from sac_compile.testing.models import MoETransformer
 
@@ -175,8 +176,8 @@ def demo_model(args) -> Model:
 def transformers_model(args, family: str) -> Model:
     def build() -> nn.Module:
         if family == "llama":
-            return hf.tiny_llama(layers=args.layers, hidden=args.hf_hidden).train()
-        return hf.tiny_qwen3_moe(layers=args.layers, hidden=args.hf_hidden, experts=8).train()
+            return hf_families.tiny_llama(layers=args.layers, hidden=args.hf_hidden).train()
+        return hf_families.tiny_qwen3_moe(layers=args.layers, hidden=args.hf_hidden, experts=8).train()
 
     probe = build()
     ids = hf.batch(probe, batch=args.hf_batch, seq=args.hf_seq)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from _hf_walkthrough import options, walkthrough
 
-from sac_compile import hf
+from sac_compile.testing import hf_families
 
 if __name__ == "__main__":
     args = options(__doc__)
-    walkthrough(lambda: hf.tiny_llama().train(), {"attn"}, steps=args.steps, inner=args.inner)
+    walkthrough(lambda: hf_families.tiny_llama().train(), {"attn"}, steps=args.steps, inner=args.inner)

@@ -20,17 +20,17 @@ import logging
 
 from _hf_walkthrough import options, walkthrough
 
-from sac_compile import hf
+from sac_compile.testing import hf_families
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     args = options(__doc__)
     keep = {"attn", "experts"}
     print("######## experts_implementation='grouped_mm' ########")
-    walkthrough(lambda: hf.tiny_qwen3_moe().train(), keep, steps=args.steps, inner=args.inner)
+    walkthrough(lambda: hf_families.tiny_qwen3_moe().train(), keep, steps=args.steps, inner=args.inner)
     print("\n######## experts_implementation='eager' (index_add_ accumulation) ########")
     walkthrough(
-        lambda: hf.tiny_qwen3_moe(experts_implementation="eager").train(),
+        lambda: hf_families.tiny_qwen3_moe(experts_implementation="eager").train(),
         keep,
         steps=args.steps,
         inner=args.inner,

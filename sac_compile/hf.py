@@ -50,7 +50,6 @@ import torch
 import torch.nn as nn
 
 from ._compat.dynamo import unwrap_compiled
-from ._compat.transformers import from_config
 from .config import SacConfig
 from .declare import declare_regions
 from .keep import ALL_REGIONS, normalize_keep
@@ -69,8 +68,6 @@ __all__ = [
     "layer_inputs",
     "plan_for",
     "regions_for",
-    "tiny_llama",
-    "tiny_qwen3_moe",
 ]
 
 #: The decoder layers of Llama-style ``*ForCausalLM`` models (:func:`decoder_layers` finds
@@ -355,60 +352,6 @@ def _checked_keep(model: nn.Module, keep: Any, regions: dict[str, str]):
                 f"(sac_compile.hf.regions_for(model) lists where)"
             )
     return keep_set
-
-
-_COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=False,
-)
-
-
-def tiny_llama(*, layers: int = 2, hidden: int = 64, seed: int = 0) -> nn.Module:
-    """A ``LlamaForCausalLM`` from a tiny random config (CPU, float32, SDPA attention)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        **{**_COMMON, "num_hidden_layers": layers, "hidden_size": hidden}, intermediate_size=2 * hidden
-    )
-    torch.manual_seed(seed)
-    return from_config(LlamaForCausalLM, cfg, attn_implementation="sdpa")
-
-
-def tiny_qwen3_moe(
-    *,
-    experts_implementation: str = "grouped_mm",
-    layers: int = 2,
-    hidden: int = 64,
-    experts: int = 4,
-    seed: int = 0,
-) -> nn.Module:
-    """A ``Qwen3MoeForCausalLM`` from a tiny random config: ``experts`` experts, top-2.
-
-    ``experts_implementation``: ``"grouped_mm"`` (transformers' default) or ``"eager"``
-    (per-expert loop with ``index_add_``).
-    """
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    cfg = Qwen3MoeConfig(
-        **{**_COMMON, "num_hidden_layers": layers, "hidden_size": hidden},
-        head_dim=hidden // 4,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=hidden // 2,
-        num_experts=experts,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        norm_topk_prob=True,
-        mlp_only_layers=[],
-    )
-    torch.manual_seed(seed)
-    return from_config(
-        Qwen3MoeForCausalLM, cfg, attn_implementation="sdpa", experts_implementation=experts_implementation
-    )
 
 
 def batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:

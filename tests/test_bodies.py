@@ -269,8 +269,9 @@ def test_transformers_decoders_keeping_every_region_under_save_all(family):
     import copy
 
     from sac_compile import hf
+    from sac_compile.testing import hf_families
 
-    make = hf.tiny_llama if family == "llama" else hf.tiny_qwen3_moe
+    make = hf_families.tiny_llama if family == "llama" else hf_families.tiny_qwen3_moe
     model = make(layers=2)
     model.train()
     ids = hf.batch(model)

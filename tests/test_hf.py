@@ -16,17 +16,21 @@ pytest.importorskip("transformers")
 
 import sac_compile as sc  # noqa: E402
 from sac_compile import hf  # noqa: E402
+from sac_compile.testing import hf_families  # noqa: E402
 from sac_compile.testing.parity import parity_report  # noqa: E402
 
 from .models import lm_step  # noqa: E402
 
 MODELS = {
-    "llama": (lambda: hf.tiny_llama(), ("attn", "mlp")),
+    "llama": (lambda: hf_families.tiny_llama(), ("attn", "mlp")),
     "qwen3moe-grouped_mm": (
-        lambda: hf.tiny_qwen3_moe(experts_implementation="grouped_mm"),
+        lambda: hf_families.tiny_qwen3_moe(experts_implementation="grouped_mm"),
         ("attn", "experts"),
     ),
-    "qwen3moe-eager": (lambda: hf.tiny_qwen3_moe(experts_implementation="eager"), ("attn", "experts")),
+    "qwen3moe-eager": (
+        lambda: hf_families.tiny_qwen3_moe(experts_implementation="eager"),
+        ("attn", "experts"),
+    ),
 }
 
 

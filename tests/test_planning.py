@@ -212,8 +212,9 @@ def test_plan_model_refuses_a_pattern_that_matches_nothing_and_a_budget_without_
 @default_torch_only
 def test_hf_plan_for_plans_a_transformers_model_within_the_memory():
     from sac_compile import hf
+    from sac_compile.testing import hf_families
 
-    model = hf.tiny_qwen3_moe()
+    model = hf_families.tiny_qwen3_moe()
     mp = hf.plan_for(model, memory=0.5, seq=32, budgets=(None, 0.3))
     (group,) = mp.groups
     assert group.kind == "Qwen3MoeDecoderLayer" and len(group.paths) == len(model.model.layers)

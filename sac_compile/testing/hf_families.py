@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .._compat.transformers import from_config
 
-__all__ = ["FAMILIES", "build", "held_bytes"]
+__all__ = ["FAMILIES", "build", "held_bytes", "tiny_llama", "tiny_qwen3_moe"]
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=128,
@@ -196,3 +196,58 @@ def held_bytes(family: str, keep: Any, ids: torch.Tensor, *, compiled: bool = Fa
         return model(input_ids=ids).logits
 
     return sc.inspection.autograd_saved_bytes(logits, ids, exclude=model.parameters())
+
+
+# Larger single-family models for examples and benchmarks (hidden 64 by default).
+_TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_llama(*, layers: int = 2, hidden: int = 64, seed: int = 0) -> nn.Module:
+    """A ``LlamaForCausalLM`` from a tiny random config (CPU, float32, SDPA attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        **{**_TINY, "num_hidden_layers": layers, "hidden_size": hidden}, intermediate_size=2 * hidden
+    )
+    torch.manual_seed(seed)
+    return from_config(LlamaForCausalLM, cfg, attn_implementation="sdpa")
+
+
+def tiny_qwen3_moe(
+    *,
+    experts_implementation: str = "grouped_mm",
+    layers: int = 2,
+    hidden: int = 64,
+    experts: int = 4,
+    seed: int = 0,
+) -> nn.Module:
+    """A ``Qwen3MoeForCausalLM`` from a tiny random config: ``experts`` experts, top-2.
+
+    ``experts_implementation``: ``"grouped_mm"`` (transformers' default) or ``"eager"``
+    (per-expert loop with ``index_add_``).
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        **{**_TINY, "num_hidden_layers": layers, "hidden_size": hidden},
+        head_dim=hidden // 4,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        mlp_only_layers=[],
+    )
+    torch.manual_seed(seed)
+    return from_config(
+        Qwen3MoeForCausalLM, cfg, attn_implementation="sdpa", experts_implementation=experts_implementation
+    )
