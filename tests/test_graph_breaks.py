@@ -206,10 +206,10 @@ def test_no_node_outside_a_scope_carries_a_recompute_tag(monkeypatch):
 def _mixtral():
     """One Mixtral layer with eager experts: ``nonzero`` in the expert loop breaks the graph."""
     transformers = pytest.importorskip("transformers")
-    from sac_compile import hf
+    from sac_compile.testing import hf_families
 
     cfg = transformers.MixtralConfig(
-        **{**hf._COMMON, "num_hidden_layers": 1, "hidden_size": 32},
+        **{**hf_families._TINY, "num_hidden_layers": 1, "hidden_size": 32},
         intermediate_size=64,
         num_local_experts=4,
         num_experts_per_tok=2,

@@ -32,6 +32,7 @@ from .._compat.ops import is_view_op, op_name
 from ..diagnostics import compiled as diagnosed
 from ..diagnostics import describe_module, side_file, trace_watch
 from ..keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+from ..marker_walk import MarkerKind
 from ..markers import marker_kind
 from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, running_regions, with_block_fallbacks
 from ..policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_budget, validate_policy
@@ -82,7 +83,7 @@ def _swallowed_layers(gm: torch.fx.GraphModule) -> list[str]:
     """
     found = []
     for node in gm.graph.nodes:
-        if marker_kind(node) == "scope_enter" and node.args[0] == 1:
+        if marker_kind(node) is MarkerKind.SCOPE_ENTER and node.args[0] == 1:
             stack = dynamo.node_module_stack(node)
             if stack:
                 found.append(records.describe_stack_entry(*stack[-1]))

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from .._compat.frames import innermost_module
+from ..marker_walk import ENTER_WITHOUT_EXIT
 from ..records import GraphRecord, describe_modules
 from . import messages
 from .core import PROCESS, Diagnosis, describe_module, note_regions, owner
@@ -60,7 +61,7 @@ def graph_diagnoses(
         unbalanced = rec.unbalanced if (rec.is_training or grad_enabled) else []
         split_decorated = sorted(
             set(rec.starts_inside)
-            | {n for n, how in unbalanced if how == "enter without exit" and n in rec.decorated_enters}
+            | {n for n, how in unbalanced if how == ENTER_WITHOUT_EXIT and n in rec.decorated_enters}
         )
         # a decorated or declared region split by a graph break: one graph-break report, not unbalanced
         unbalanced = [(n, how) for n, how in unbalanced if n not in split_decorated]

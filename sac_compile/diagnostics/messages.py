@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..keep import ALL_REGIONS, KeepSet
+from ..marker_walk import ENTER_WITHOUT_EXIT
 from .core import (
     COLLECTIVE_RECOMPUTED,
     COMPILE_FALLBACK,
@@ -91,7 +92,7 @@ def unbalanced(name: str, where: str, how: str, *, within: str) -> Diagnosis:
     if within == "graph":
         effect = (
             "the region stays open to the graph's end"
-            if how == "enter without exit"
+            if how == ENTER_WITHOUT_EXIT
             else "the region was open from the graph's start"
         )
         text = (
@@ -102,7 +103,7 @@ def unbalanced(name: str, where: str, how: str, *, within: str) -> Diagnosis:
     else:
         effect = (
             "the region stayed open to the end of the layer"
-            if how == "enter without exit"
+            if how == ENTER_WITHOUT_EXIT
             else "the exit was ignored"
         )
         text = (

@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from .._compat import TorchApiMoved, dynamo, frames
 from ..keep import parse_keep
+from ..marker_walk import MarkerKind
 from ..policy import parse_scope
 from ..records import describe_stack_entry
 from . import messages
@@ -119,13 +120,13 @@ def _marker_traced(kind: str, payload: tuple) -> None:
         with _lock:
             state = _trace_state(trace)
             inside_scope = state.open_scopes > 0
-            if kind == "scope_enter":
+            if kind == MarkerKind.SCOPE_ENTER:
                 state.open_scopes += 1
-            elif kind == "scope_exit" and inside_scope:
+            elif kind == MarkerKind.SCOPE_EXIT and inside_scope:
                 state.open_scopes -= 1
-        if kind == "scope_enter" and payload[0] == 1 and module_stack:
+        if kind == MarkerKind.SCOPE_ENTER and payload[0] == 1 and module_stack:
             found.append(((COMPILE_SWALLOWED, "-"), _where_in_trace(tx, module_stack)))
-        if kind == "scope_enter" or (kind.startswith("region") and not inside_scope):
+        if kind == MarkerKind.SCOPE_ENTER or (not MarkerKind(kind).is_scope and not inside_scope):
             # a wrapped layer is reported once, as a layer (its regions, kept or not, are
             # all left unchecked with it); a region outside every wrapped layer, as a region
             found.append(((NO_PASS, region_name), _where_in_trace(tx, module_stack)))

@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any, Protocol
 
 from ..keep import KeepSet
+from ..marker_walk import MarkerKind, OpenRegions
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, checked_decision, saves
 
 __all__ = ["EagerSession"]
@@ -62,33 +63,26 @@ class EagerSession:
         self.skipping = 0  # module regions open inside a body that skips the recompute
         self._body: Any = None  # (forward) that body
         self.in_span = False
-        self.open: Counter[str] = Counter()
+        self.regions = OpenRegions()
         self.entered: Counter[str] = Counter()
-        self.unbalanced: list[tuple[str, str]] = []
         # entries of kept regions open now: kept() is asked for every op the modes see
         self._kept_open = 0
-        self._names: tuple[str, ...] | None = None  # open_names(), until the next marker
         # the policy's answers, by (id(op), regions): (op, answer)
         self._saves: dict[tuple[int, tuple[str, ...]], tuple[Any, bool]] = _answers(policy, keep)
 
-    def __call__(self, kind: str, payload: tuple) -> None:
+    def __call__(self, kind: MarkerKind, payload: tuple) -> None:
         """The marker sink: a marker op ran."""
-        self._names = None
-        if kind == "region_enter":
-            self.open[payload[0]] += 1
+        if kind is MarkerKind.REGION_ENTER:
+            self.regions.enter(payload[0])
             self.entered[payload[0]] += 1
             self._kept_open += payload[0] in self.keep
-        elif kind == "region_exit":
-            # an exit without an enter is a no-op here (nothing was open)
-            if self.open[payload[0]] > 0:
-                self.open[payload[0]] -= 1
-                self._kept_open -= payload[0] in self.keep
-            else:
-                self.unbalanced.append((payload[0], "exit without enter"))
+        elif kind is MarkerKind.REGION_EXIT and self.regions.exit(payload[0]):
+            self._kept_open -= payload[0] in self.keep
+        # (an exit without an enter closes nothing: the walk records it)
 
     def enter_module(self, name: str, module: Any, args: tuple, kwargs: dict) -> None:
         """A declared module's region opens (its forward pre-hook)."""
-        self("region_enter", (name,))
+        self(MarkerKind.REGION_ENTER, (name,))
         if self.skipping:
             self.skipping += 1
             return
@@ -118,7 +112,7 @@ class EagerSession:
             if not self.skipping and self._body is not None:  # (no output was handed over)
                 body, self._body = self._body, None
                 self.bodies.exit(body, None)  # type: ignore[union-attr]
-        self("region_exit", (name,))
+        self(MarkerKind.REGION_EXIT, (name,))
         self.settle()
 
     def call_body(self, name: str, fn: Any, args: tuple, kwargs: dict) -> Any:
@@ -129,13 +123,13 @@ class EagerSession:
         if eligible and not self.forward:
             body = self.bodies.next_call(fn)  # type: ignore[union-attr]
             if body is not None:
-                self("region_enter", (name,))
+                self(MarkerKind.REGION_ENTER, (name,))
                 self.skipping = 1
                 try:
                     return self.bodies.replay(body, fn, args, kwargs)  # type: ignore[union-attr]
                 finally:
                     self.skipping = 0
-                    self("region_exit", (name,))
+                    self(MarkerKind.REGION_EXIT, (name,))
         self.enter_module(name, fn, args, kwargs)
         out = None
         try:
@@ -163,13 +157,10 @@ class EagerSession:
 
     def close(self) -> list[tuple[str, str]]:
         """End of the checkpointed call: the unbalanced markers seen in it."""
-        left_open = [(n, "enter without exit") for n, c in sorted(self.open.items()) for _ in range(c)]
-        return self.unbalanced + left_open
+        return self.regions.unbalanced + sorted(self.regions.left_open())
 
     def open_names(self) -> tuple[str, ...]:
-        if self._names is None:
-            self._names = tuple(sorted(n for n, c in self.open.items() if c > 0))
-        return self._names
+        return self.regions.names()
 
     def kept(self) -> bool:
         return self._kept_open > 0

@@ -18,6 +18,7 @@ import torch
 
 from .._compat import dynamo, frames
 from .._compat import transformers as transformers_layers
+from ..marker_walk import MarkerKind
 from . import ops
 from . import regions as _regions
 from .regions import (
@@ -158,7 +159,7 @@ def with_block_fallbacks(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]
     found = []
     for node in gm.graph.nodes:
         kind = ops.marker_kind(node)
-        if kind not in ("region_enter", "region_exit"):
+        if kind not in (MarkerKind.REGION_ENTER, MarkerKind.REGION_EXIT):
             continue
         outermost = frames.stack_trace_outermost(node)
         if (

@@ -41,6 +41,7 @@ from torch.fx.node import has_side_effect
 from .._compat import inductor
 from .._compat.ops import modes_active
 from ..diagnostics import trace_watch
+from ..marker_walk import MarkerKind
 
 __all__ = [
     "MARKER_OPS",
@@ -58,8 +59,8 @@ __all__ = [
     "exit_region",
 ]
 
-#: ``sink(kind, payload)`` with kind in {"region_enter", "region_exit",
-#: "scope_enter", "scope_exit"}; installed by the eager engine. A sink may also have a
+#: ``sink(kind, payload)`` with kind a :class:`~sac_compile.marker_walk.MarkerKind`;
+#: installed by the eager engine. A sink may also have a
 #: ``settle()`` method, called after each eager region marker op has returned.
 MarkerSink = Callable[[str, tuple], None]
 _MARKER_SINK: contextvars.ContextVar[MarkerSink | None] = contextvars.ContextVar(
@@ -89,7 +90,7 @@ def _emit(kind: str, payload: tuple) -> None:
         sink(kind, payload)
 
 
-def _region_marker(kind: str, name: str, op: Callable[[str], None]) -> None:
+def _region_marker(kind: MarkerKind, name: str, op: Callable[[str], None]) -> None:
     """Emit a region marker. Under Dynamo (``is_compiling()`` reads True, so the context
     variable is never read in traced code) the op is called, for the graph. Eagerly inside
     the eager engine (a sink is installed) the sink gets the marker directly and settles:
@@ -122,12 +123,12 @@ def _region_marker(kind: str, name: str, op: Callable[[str], None]) -> None:
 def enter_region(name: str) -> None:
     """Emit ``region_enter(name)``: in traced code the op; eagerly inside the eager engine,
     straight to its sink; in plain eager code with nothing recording ops, nothing."""
-    _region_marker("region_enter", name, torch.ops.sac_compile.region_enter)
+    _region_marker(MarkerKind.REGION_ENTER, name, torch.ops.sac_compile.region_enter)
 
 
 def exit_region(name: str) -> None:
     """Emit ``region_exit(name)`` (see :func:`enter_region`)."""
-    _region_marker("region_exit", name, torch.ops.sac_compile.region_exit)
+    _region_marker(MarkerKind.REGION_EXIT, name, torch.ops.sac_compile.region_exit)
 
 
 def _sink_method(method: str) -> Callable | None:
@@ -189,42 +190,42 @@ def _on_trace(kind: str, payload: tuple) -> None:
 
 @torch.library.custom_op("sac_compile::region_enter", mutates_args=())
 def region_enter(name: str) -> None:
-    _emit("region_enter", (name,))
+    _emit(MarkerKind.REGION_ENTER, (name,))
 
 
 @region_enter.register_fake
 def _region_enter_fake(name: str) -> None:
-    _on_trace("region_enter", (name,))
+    _on_trace(MarkerKind.REGION_ENTER, (name,))
 
 
 @torch.library.custom_op("sac_compile::region_exit", mutates_args=())
 def region_exit(name: str) -> None:
-    _emit("region_exit", (name,))
+    _emit(MarkerKind.REGION_EXIT, (name,))
 
 
 @region_exit.register_fake
 def _region_exit_fake(name: str) -> None:
-    _on_trace("region_exit", (name,))
+    _on_trace(MarkerKind.REGION_EXIT, (name,))
 
 
 @torch.library.custom_op("sac_compile::scope_enter", mutates_args=())
 def scope_enter(scope_id: int, keep: str) -> None:
-    _emit("scope_enter", (scope_id, keep))
+    _emit(MarkerKind.SCOPE_ENTER, (scope_id, keep))
 
 
 @scope_enter.register_fake
 def _scope_enter_fake(scope_id: int, keep: str) -> None:
-    _on_trace("scope_enter", (scope_id, keep))
+    _on_trace(MarkerKind.SCOPE_ENTER, (scope_id, keep))
 
 
 @torch.library.custom_op("sac_compile::scope_exit", mutates_args=())
 def scope_exit(scope_id: int, keep: str) -> None:
-    _emit("scope_exit", (scope_id, keep))
+    _emit(MarkerKind.SCOPE_EXIT, (scope_id, keep))
 
 
 @scope_exit.register_fake
 def _scope_exit_fake(scope_id: int, keep: str) -> None:
-    _on_trace("scope_exit", (scope_id, keep))
+    _on_trace(MarkerKind.SCOPE_EXIT, (scope_id, keep))
 
 
 REGION_ENTER = torch.ops.sac_compile.region_enter.default
@@ -250,19 +251,19 @@ for _packet in (
 
 
 _MARKER_KIND = {
-    REGION_ENTER: "region_enter",
-    REGION_EXIT: "region_exit",
-    SCOPE_ENTER: "scope_enter",
-    SCOPE_EXIT: "scope_exit",
-    torch.ops.sac_compile.region_enter: "region_enter",
-    torch.ops.sac_compile.region_exit: "region_exit",
-    torch.ops.sac_compile.scope_enter: "scope_enter",
-    torch.ops.sac_compile.scope_exit: "scope_exit",
+    REGION_ENTER: MarkerKind.REGION_ENTER,
+    REGION_EXIT: MarkerKind.REGION_EXIT,
+    SCOPE_ENTER: MarkerKind.SCOPE_ENTER,
+    SCOPE_EXIT: MarkerKind.SCOPE_EXIT,
+    torch.ops.sac_compile.region_enter: MarkerKind.REGION_ENTER,
+    torch.ops.sac_compile.region_exit: MarkerKind.REGION_EXIT,
+    torch.ops.sac_compile.scope_enter: MarkerKind.SCOPE_ENTER,
+    torch.ops.sac_compile.scope_exit: MarkerKind.SCOPE_EXIT,
 }
 
 
-def marker_kind(node: torch.fx.Node) -> str | None:
-    """ "region_enter" | "region_exit" | "scope_enter" | "scope_exit", or None for other nodes."""
+def marker_kind(node: torch.fx.Node) -> MarkerKind | None:
+    """The node's :class:`~sac_compile.marker_walk.MarkerKind`, or None for other nodes."""
     if node.op != "call_function":
         return None
     return _MARKER_KIND.get(node.target)  # type: ignore[call-overload]

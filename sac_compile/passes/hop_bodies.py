@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from .. import records
 from .._compat.checkpoint import CheckpointPolicy
+from ..marker_walk import MarkerKind
 from ..markers import ops
 from .saving_rules import TAGGED as _TAGGED
 
@@ -52,7 +53,7 @@ def erase_markers(graph: fx.Graph, rec: records.GraphRecord) -> None:
             continue
         hop = ",".join(sorted({str(getattr(u.target, "__name__", u.target)) for u in n.users})) or "?"
         inner = [m for m in sub.graph.nodes if ops.marker_kind(m) is not None]
-        names = [str(m.args[0]) for m in inner if ops.marker_kind(m) == "region_enter"]
+        names = [str(m.args[0]) for m in inner if ops.marker_kind(m) is MarkerKind.REGION_ENTER]
         names += sub.meta.get(ERASED, [])
         for name in names:
             if (hop, name) not in rec.hop_markers:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -60,6 +60,7 @@ from .._compat import ops as op_types
 from .._compat.checkpoint import CheckpointPolicy
 from .._compat.inductor import custom_graph_pass_base, get_hash_for_files, seed_ops
 from ..keep import KeepSet, format_keep, parse_keep
+from ..marker_walk import MarkerKind, OpenRegions, balance, close_innermost
 from ..markers import ops
 from ..markers.context import NO_CONTEXT, Enclosing
 from ..markers.regions import WRAPPER_NAME
@@ -195,7 +196,7 @@ def tag_regions(
     else:
         _scan_markers(markers, context, rec)
         for n in markers:
-            if ops.marker_kind(n) == "region_enter":
+            if ops.marker_kind(n) is MarkerKind.REGION_ENTER:
                 name = str(n.args[0])
                 rec.regions.setdefault(name, records.RegionStats(name)).entered += 1
                 _note_module(rec, n)
@@ -242,40 +243,49 @@ def _forward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
 
 
 def _scan_markers(markers: list[fx.Node], context: Enclosing, rec: records.GraphRecord):
-    """Balance the markers in program order: record the unbalanced ones in ``rec.unbalanced``
-    (each exit without an enter, in order, then each enter without an exit) and return the
-    regions and scopes that were open since the graph's start although the context does
-    not say so (their exit came unopened)."""
-    open_count = Counter(context.regions)
-    local_enters: Counter[str] = Counter()  # enters in this graph not yet exited
-    pre_regions: Counter[str] = Counter()
-    open_scopes: list[int] = [sid for sid, _ in context.scopes]
-    pre_scopes: list[tuple[int, str]] = []
-    for n in markers:
-        kind = ops.marker_kind(n)
-        if kind == "region_enter":
-            name = str(n.args[0])
-            open_count[name] += 1
-            local_enters[name] += 1
-        elif kind == "region_exit":
-            name = str(n.args[0])
-            if open_count[name] > 0:
-                open_count[name] -= 1
-                if local_enters[name] > 0:
-                    local_enters[name] -= 1
-            else:
-                pre_regions[name] += 1
-                rec.unbalanced.append((name, "exit without enter"))
-        elif kind == "scope_enter":
-            open_scopes.append(int(n.args[0]))
-        elif kind == "scope_exit":
-            if int(n.args[0]) in open_scopes:
-                del open_scopes[len(open_scopes) - 1 - open_scopes[::-1].index(int(n.args[0]))]
-            else:
-                pre_scopes.insert(0, (int(n.args[0]), str(n.args[1])))
-    for name, count in local_enters.items():
-        rec.unbalanced.extend([(name, "enter without exit")] * count)
+    """Balance the markers (:func:`~sac_compile.marker_walk.balance`): the unbalanced ones go
+    to ``rec.unbalanced``; returns the regions and scopes open since the graph's start that
+    the context does not name."""
+    kinds = [(ops.marker_kind(n), n.args) for n in markers]
+    pre_regions, pre_scopes, unbalanced = balance(kinds, context.regions, [sid for sid, _ in context.scopes])
+    rec.unbalanced.extend(unbalanced)
     return pre_regions, pre_scopes
+
+
+class _Scopes:
+    """The checkpoint scopes of one joint graph: made as the walk meets them, numbered in
+    program order after the ``ac_graph_id`` of any checkpoint already tagged in it."""
+
+    def __init__(self, rec: records.GraphRecord, keep: KeepSet, policy: RegionPolicy, first_id: int) -> None:
+        self.rec, self.keep, self.policy, self.next_id = rec, keep, policy, first_id
+        self.of_checkpoint: dict[int, _Scope] = {}
+
+    def new(self, source: str, keep: KeepSet, marker_id: int | None, policy: RegionPolicy, budget) -> _Scope:
+        info = records.ScopeInfo(self.next_id, source, keep, policy_key(policy), budget)
+        self.rec.scopes.append(info)
+        self.next_id += 1
+        return _Scope(info.ac_graph_id, keep, info, marker_id, policy, budget)
+
+    def from_marker(self, marker_id: int, text: str, source: str = "scope markers") -> _Scope:
+        keep_text, policy, budget = parse_scope(text)
+        return self.new(source, parse_keep(keep_text), marker_id, policy, budget)
+
+    def of(self, ac_id: int) -> _Scope:
+        """The scope of a ``torch.utils.checkpoint`` already tagged (no budget inside)."""
+        if ac_id not in self.of_checkpoint:
+            info = records.ScopeInfo(ac_id, "torch.utils.checkpoint", self.keep, policy_key(self.policy))
+            self.rec.scopes.append(info)
+            self.of_checkpoint[ac_id] = _Scope(ac_id, self.keep, info, None, self.policy)
+        return self.of_checkpoint[ac_id]
+
+
+@dataclass
+class _Tally:
+    """What tagging a graph's nodes adds up to, beyond the per-node records."""
+
+    outside: set = field(default_factory=set)  # regions open on nodes outside every scope
+    overrides: Counter = field(default_factory=Counter)  # (region, checkpoint id) -> nodes
+    budgets: set = field(default_factory=set)
 
 
 def _tag_forward(
@@ -288,137 +298,117 @@ def _tag_forward(
     rec: records.GraphRecord,
 ) -> None:
     fw_markers = [n for n in nodes if n in forward and ops.marker_kind(n) is not None]
-    has_scope_markers = any(ops.marker_kind(n).startswith("scope") for n in fw_markers)
-    ckpt_ids = sorted(
-        {
-            n.meta["ac_graph_id"]
-            for n in nodes
-            if n in forward and "recompute" in n.meta and "ac_graph_id" in n.meta
-        }
-    )
-    next_id = (max(ckpt_ids) + 1) if ckpt_ids else 1
-
-    def new_scope(
-        source: str, scope_keep: KeepSet, marker_id: int | None, scope_policy: RegionPolicy, budget
-    ) -> _Scope:
-        nonlocal next_id
-        info = records.ScopeInfo(next_id, source, scope_keep, policy_key(scope_policy), budget)
-        rec.scopes.append(info)
-        next_id += 1
-        return _Scope(info.ac_graph_id, scope_keep, info, marker_id, scope_policy, budget)
-
-    def marker_scope(marker_id: int, text: str, source: str = "scope markers") -> _Scope:
-        keep_text, scope_policy, budget = parse_scope(text)
-        return new_scope(source, parse_keep(keep_text), marker_id, scope_policy, budget)
-
-    ckpt_scopes: dict[int, _Scope] = {}
-
-    def checkpoint_scope(ac_id: int) -> _Scope:
-        if ac_id not in ckpt_scopes:
-            info = records.ScopeInfo(ac_id, "torch.utils.checkpoint", keep, policy_key(graph_policy))
-            rec.scopes.append(info)
-            ckpt_scopes[ac_id] = _Scope(ac_id, keep, info, None, graph_policy)  # no budget inside
-        return ckpt_scopes[ac_id]
-
+    ckpt_ids = {n.meta["ac_graph_id"] for n in forward if "recompute" in n.meta and "ac_graph_id" in n.meta}
+    scopes = _Scopes(rec, keep, graph_policy, (max(ckpt_ids) + 1) if ckpt_ids else 1)
     pre_regions, pre_scopes = _scan_markers(fw_markers, context, rec)
-    open_count: Counter[str] = Counter(context.regions) + pre_regions
-    scope_stack = [marker_scope(sid, k, "layer split by a graph break") for sid, k in context.scopes]
-    scope_stack += [marker_scope(sid, k) for sid, k in pre_scopes]
+    regions = OpenRegions([*context.regions, *pre_regions.elements()])
+    stack = [scopes.from_marker(sid, k, "layer split by a graph break") for sid, k in context.scopes]
+    stack += [scopes.from_marker(sid, k) for sid, k in pre_scopes]
     whole = None
-    if not has_scope_markers and not ckpt_ids and not scope_stack:
+    if not any(ops.marker_kind(n).is_scope for n in fw_markers) and not ckpt_ids and not stack:
         if context.wrapped_inside:
             rec.outside_every_scope = True  # not the user's checkpoint unit: left untagged
         else:
-            whole = new_scope("whole graph", keep, None, graph_policy, graph_budget)
-    for name in open_count:
+            whole = scopes.new("whole graph", keep, None, graph_policy, graph_budget)
+    for name in regions.known():
         rec.regions.setdefault(name, records.RegionStats(name))
-    outside: set[str] = set()
-    overrides: Counter[tuple[str, int]] = Counter()
-    budgets: set[float] = set()
-
+    tally = _Tally()
     for n in nodes:
         if n not in forward or n.op != "call_function":
             continue
         kind = ops.marker_kind(n)
-        if kind == "region_enter":
-            name = str(n.args[0])
-            open_count[name] += 1
-            rec.regions.setdefault(name, records.RegionStats(name)).entered += 1
-            _note_module(rec, n)
-            continue
-        if kind == "region_exit":
-            open_count[str(n.args[0])] -= 1
-            continue
-        if kind == "scope_enter":
-            scope_stack.append(marker_scope(int(n.args[0]), str(n.args[1])))
-            continue
-        if kind == "scope_exit":
-            sid = int(n.args[0])
-            for i in range(len(scope_stack) - 1, -1, -1):
-                if scope_stack[i].marker_id == sid:
-                    del scope_stack[i]
-                    break
-            continue
-        if aot.partitioner_tag(n) in ("must_be_in_forward", "must_be_in_backward"):
-            continue
-
-        open_names = tuple(sorted(name for name, c in open_count.items() if c > 0))
-        if open_names:
-            n.meta["sac_regions"] = open_names
-            rec.node_regions[n.name] = open_names
-
-        from_checkpoint = False
-        if scope_stack:
-            scope = scope_stack[-1]
-        elif whole is not None:
-            scope = whole
-        elif "recompute" in n.meta and "ac_graph_id" in n.meta:
-            scope = checkpoint_scope(n.meta["ac_graph_id"])
-            from_checkpoint = True
-        else:
-            outside.update(open_names)
-            continue
-        scope.info.nodes += 1
-        rec.node_scope[n.name] = scope.ac_graph_id
-        if from_checkpoint and not open_names:
-            continue  # outside marked regions the checkpoint's own policy stands
-        decision = _decide(n, open_names, scope)
-        if n.target is _INVOKE_SUBGRAPH and hop_bodies.body_keeps(n):
-            # The body was partitioned (and tagged) on its own; recomputing the
-            # call in the outer backward would recompute what it kept.
-            decision = CheckpointPolicy.MUST_SAVE
-            rec.hop_kept.append("invoke_subgraph")
-        if decision is None:
-            continue
-        if scope.budget is not None:
-            budgets.add(scope.budget)
-            if not saves(decision) and not any(r in scope.keep for r in open_names):
-                # PyTorch's knapsack chooses among everything outside the kept regions (inside
-                # them the policy's decisions stand: a cheap kept op is still recomputed)
-                rec.node_policy[n.name] = "BUDGET"
-                n.meta[saving_rules.LEFT_TO_BUDGET] = True
-                continue
-        if from_checkpoint and n.meta.get("recompute") != decision:
-            for name in open_names:
-                overrides[(name, scope.ac_graph_id)] += 1
-        n.meta["recompute"] = decision
-        n.meta["ac_graph_id"] = scope.ac_graph_id
-        n.meta[_TAGGED] = True
-        rec.node_policy[n.name] = decision.name
-        for name in open_names:
-            stats = rec.regions[name]
-            stats.kept = stats.kept or name in scope.keep
-            if saves(decision):
-                stats.saved_nodes += 1
-            else:
-                stats.recompute_nodes += 1
-
+        if kind is not None:
+            _follow(n, kind, regions, stack, scopes, rec)
+        elif aot.partitioner_tag(n) not in ("must_be_in_forward", "must_be_in_backward"):
+            _tag_node(n, regions.names(), stack, whole, scopes, rec, tally)
     saving_rules.save_what_collectives_feed(nodes, forward, rec)
     saving_rules.save_small_reads_of_kept_matmuls(nodes, forward, rec)
-    rec.outside_scope = sorted(outside)
-    rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(overrides.items())]
-    if budgets:
-        saving_rules.set_graph_budget(nodes, forward, budgets, rec)
+    rec.outside_scope = sorted(tally.outside)
+    rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(tally.overrides.items())]
+    if tally.budgets:
+        saving_rules.set_graph_budget(nodes, forward, tally.budgets, rec)
+
+
+def _follow(
+    n: fx.Node,
+    kind: MarkerKind,
+    regions: OpenRegions,
+    stack: list[_Scope],
+    scopes: _Scopes,
+    rec: records.GraphRecord,
+) -> None:
+    """The walk past one marker node (already balanced by :func:`_scan_markers`)."""
+    if kind is MarkerKind.REGION_ENTER:
+        name = str(n.args[0])
+        regions.enter(name)
+        rec.regions.setdefault(name, records.RegionStats(name)).entered += 1
+        _note_module(rec, n)
+    elif kind is MarkerKind.REGION_EXIT:
+        regions.exit(str(n.args[0]))
+    elif kind is MarkerKind.SCOPE_ENTER:
+        stack.append(scopes.from_marker(int(n.args[0]), str(n.args[1])))
+    else:
+        close_innermost(stack, lambda scope: scope.marker_id == int(n.args[0]))
+
+
+def _tag_node(
+    n: fx.Node,
+    open_names: tuple[str, ...],
+    stack: list[_Scope],
+    whole: _Scope | None,
+    scopes: _Scopes,
+    rec: records.GraphRecord,
+    tally: _Tally,
+) -> None:
+    """Decide one forward node: its scope, then the scope's region policy."""
+    if open_names:
+        n.meta["sac_regions"] = open_names
+        rec.node_regions[n.name] = open_names
+    from_checkpoint = False
+    if stack:
+        scope = stack[-1]
+    elif whole is not None:
+        scope = whole
+    elif "recompute" in n.meta and "ac_graph_id" in n.meta:
+        scope = scopes.of(n.meta["ac_graph_id"])
+        from_checkpoint = True
+    else:
+        tally.outside.update(open_names)
+        return
+    scope.info.nodes += 1
+    rec.node_scope[n.name] = scope.ac_graph_id
+    if from_checkpoint and not open_names:
+        return  # outside marked regions the checkpoint's own policy stands
+    decision = _decide(n, open_names, scope)
+    if n.target is _INVOKE_SUBGRAPH and hop_bodies.body_keeps(n):
+        # The body was partitioned (and tagged) on its own; recomputing the
+        # call in the outer backward would recompute what it kept.
+        decision = CheckpointPolicy.MUST_SAVE
+        rec.hop_kept.append("invoke_subgraph")
+    if decision is None:
+        return
+    if scope.budget is not None:
+        tally.budgets.add(scope.budget)
+        if not saves(decision) and not any(r in scope.keep for r in open_names):
+            # PyTorch's knapsack chooses among everything outside the kept regions (inside
+            # them the policy's decisions stand: a cheap kept op is still recomputed)
+            rec.node_policy[n.name] = "BUDGET"
+            n.meta[saving_rules.LEFT_TO_BUDGET] = True
+            return
+    if from_checkpoint and n.meta.get("recompute") != decision:
+        for name in open_names:
+            tally.overrides[(name, scope.ac_graph_id)] += 1
+    n.meta["recompute"] = decision
+    n.meta["ac_graph_id"] = scope.ac_graph_id
+    n.meta[_TAGGED] = True
+    rec.node_policy[n.name] = decision.name
+    for name in open_names:
+        stats = rec.regions[name]
+        stats.kept = stats.kept or name in scope.keep
+        if saves(decision):
+            stats.saved_nodes += 1
+        else:
+            stats.recompute_nodes += 1
 
 
 def _note_module(rec: records.GraphRecord, marker: fx.Node) -> None:
