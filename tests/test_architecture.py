@@ -356,3 +356,13 @@ def test_the_top_level_holds_at_most_16_names_each_documented():
         sc.capture_partition  # noqa: B018
     for name, module in sc._MOVED.items():
         assert getattr(getattr(sc, module), name) is not None
+
+
+def test_no_function_is_past_80_lines():
+    long = [
+        f"{p.relative_to(PACKAGE)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for p in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80
+    ]
+    assert not long, long

@@ -155,17 +155,7 @@ class _CachingMode(_EngineMode):
         out = func(*args, **kwargs)
         grad = torch.is_grad_enabled()
 
-        # With grad disabled only costly ops are served (a custom op's or an
-        # autograd.Function's kernel runs below autograd), and not inside compiled
-        # code, which allocates, reuses and fills its own buffers with kernels this
-        # mode never sees (an Inductor kernel may write into a fallback op's output).
-        cached = save and not writes.has_out
-        if cached and not grad:
-            cached = info.costly and not running_compiled_code()
-        shrink_of = None
-        if not cached and st.matmul_bytes and grad and any(s in st.matmul_bytes for s in inputs):
-            shrink_of = _shrinking_read(st, info, func, args, kwargs, inputs, out, writes)
-            cached = shrink_of is not None
+        cached, shrink_of = _served(st, info, func, args, kwargs, inputs, out, writes, save, grad)
         if info.collective:
             if info.communicates:
                 # (a functional collective's forward runs with grad disabled, under its
@@ -174,20 +164,9 @@ class _CachingMode(_EngineMode):
             cached = False
         elif info.effectful and not writes.has_out and not running_compiled_code():
             cached = True  # its effect happens once, in the forward (as compiled code does)
-        external_writes = []
-        for t in writes.in_place:
-            s = _storage(t)
-            if s is not None and s in st.produced:
-                st.mark_mutated(s, func, regions, t)
-                cached = False  # the write is redone on the rebuilt buffer
-            elif s is not None:
-                # made outside kept regions: outside the checkpoint (a buffer, an input), or
-                # by an unwatched op of this scope; the recompute tells which (_CachedMode)
-                external_writes.append(t)
-        for t in writes.out:
-            s = _storage(t)
-            if s is not None and s in st.produced:
-                st.mark_mutated(s, func, regions, t)
+        external_writes, rewritten = _note_writes(st, func, regions, writes) if info.written else ((), False)
+        if rewritten:
+            cached = False  # the write is redone on the rebuilt buffer
         if external_writes and kept and grad and not writes.has_out:
             # Whatever the policy: a kept region's write into a tensor from outside
             # the scope (a buffer, an input) happens once, in the forward.
@@ -200,42 +179,88 @@ class _CachingMode(_EngineMode):
             cached = entry.cached = entry.served_write is None and cached
             if entry.served_write is not None:
                 st.note_external_writes(entry, external_writes)
-        single = isinstance(out, torch.Tensor)
-        out_tensors = [out] if single else _tensors(out)
-        objects = _storage_objects(out_tensors)
-        out_storages = entry.storages = tuple(storage_id(o) for o in objects if o is not None)
-        if entry.served_write is not None:
-            st.stats.cached_ops += 1
-        elif cached:
-            entry.value = _map_leaves(_cache_leaf, out)
-            for s in out_storages:
-                st.by_storage[s].append(entry)
-            if info.matmul and shrink_of is None:
-                for o in objects:
-                    if o is not None:
-                        st.matmul_bytes[storage_id(o)] = o.nbytes()
-            st.stats.cached_ops += 1
-        else:
-            if not (writes.in_place or writes.out or info.collective):
-                if single:
-                    if out.is_floating_point() or out.is_complex():
-                        entry.skippable = True
-                        entry.value = _Geometry(out)
-                elif _all_float_tensors(out):
-                    entry.skippable = True
-                    entry.value = _map_leaves(_geometry_leaf, out)
-            st.stats.recomputed_ops += 1
-        for o in objects:
-            # lift_fresh returns its input: a torch.tensor(...) literal made in the scope
-            if o is not None and (storage_id(o) not in inputs or info.lift_fresh):
-                st.add_produced(o)
-        if random or (st.random_derived._refs and any(s in st.random_derived for s in inputs)):
-            for t in out_tensors + writes.in_place:
-                st.random_derived.add_tensor(t)
+        _record(st, info, entry, out, inputs, writes, random)
         st.entries[_key(info, func, args)].append(entry)
         st.order.append(entry)
         st.span_entries.append(entry)
         return out
+
+
+def _served(
+    st: _State, info: _OpInfo, func, args, kwargs, inputs, out, writes: _Writes, save: bool, grad: bool
+):
+    """``(cached, shrink_of)``: whether the recompute serves this op's output (the policy
+    saves it), or a small read of a kept matmul's output instead of the matmul's."""
+    # With grad disabled only costly ops are served (a custom op's or an
+    # autograd.Function's kernel runs below autograd), and not inside compiled
+    # code, which allocates, reuses and fills its own buffers with kernels this
+    # mode never sees (an Inductor kernel may write into a fallback op's output).
+    cached = save and not writes.has_out
+    if cached and not grad:
+        cached = info.costly and not running_compiled_code()
+    shrink_of = None
+    if not cached and st.matmul_bytes and grad and any(s in st.matmul_bytes for s in inputs):
+        shrink_of = _shrinking_read(st, info, func, args, kwargs, inputs, out, writes)
+        cached = shrink_of is not None
+    return cached, shrink_of
+
+
+def _note_writes(st: _State, func, regions: tuple[str, ...], writes: _Writes) -> tuple[list, bool]:
+    """Mark the values this op writes into that kept ops made (recomputed with the write).
+    Returns the in-place targets made elsewhere (outside the checkpoint: a buffer, an input;
+    or by an unwatched op of this scope: the recompute tells which, _CachedMode), and whether
+    it wrote in place into a value a kept op made."""
+    external_writes = []
+    rewritten = False
+    for t in writes.in_place:
+        s = _storage(t)
+        if s is not None and s in st.produced:
+            st.mark_mutated(s, func, regions, t)
+            rewritten = True
+        elif s is not None:
+            external_writes.append(t)
+    for t in writes.out:
+        s = _storage(t)
+        if s is not None and s in st.produced:
+            st.mark_mutated(s, func, regions, t)
+    return external_writes, rewritten
+
+
+def _record(st: _State, info: _OpInfo, entry: _Entry, out, inputs, writes: _Writes, random: bool) -> None:
+    """Note the op's outputs: cached (served), or the geometry a skipped recompute stands in
+    with; the storages it made; what a random draw made."""
+    single = isinstance(out, torch.Tensor)
+    out_tensors = [out] if single else _tensors(out)
+    objects = _storage_objects(out_tensors)
+    entry.storages = tuple(storage_id(o) for o in objects if o is not None)
+    if entry.served_write is not None:
+        st.stats.cached_ops += 1
+    elif entry.cached:
+        entry.value = _map_leaves(_cache_leaf, out)
+        for s in entry.storages:
+            st.by_storage[s].append(entry)
+        if info.matmul and entry.shrink_of is None:
+            for o in objects:
+                if o is not None:
+                    st.matmul_bytes[storage_id(o)] = o.nbytes()
+        st.stats.cached_ops += 1
+    else:
+        if not (writes.in_place or writes.out or info.collective):
+            if single:
+                if out.is_floating_point() or out.is_complex():
+                    entry.skippable = True
+                    entry.value = _Geometry(out)
+            elif _all_float_tensors(out):
+                entry.skippable = True
+                entry.value = _map_leaves(_geometry_leaf, out)
+        st.stats.recomputed_ops += 1
+    for o in objects:
+        # lift_fresh returns its input: a torch.tensor(...) literal made in the scope
+        if o is not None and (storage_id(o) not in inputs or info.lift_fresh):
+            st.add_produced(o)
+    if random or (st.random_derived._refs and any(s in st.random_derived for s in inputs)):
+        for t in out_tensors + writes.in_place:
+            st.random_derived.add_tensor(t)
 
 
 def _shrinking_read(

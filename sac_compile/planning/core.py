@@ -189,6 +189,28 @@ class Plan:
         )
 
 
+def _checked(module, memory, budgets, policies, estimator: str, inner: str) -> tuple[tuple, tuple]:
+    """``plan``'s arguments checked before anything is compiled: the budgets (0 is no
+    budget) and policies, validated."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"plan measures an nn.Module (one layer), got {type(module).__name__}")
+    budgets = tuple(dict.fromkeys(validate_budget(b) for b in budgets))
+    if not budgets:
+        raise ValueError("plan needs at least one budget (None for the keep set alone)")
+    if not policies:
+        raise ValueError("plan needs at least one region policy (sac_compile.SAVE_COSTLY)")
+    _target(memory, 0)  # its type and range
+    if estimator not in ("flops", "time"):
+        raise ValueError(
+            f"plan(estimator={estimator!r}): 'flops' (recomputed FLOPs) or 'time' (measured steps)"
+        )
+    if inner not in ("inductor", "aot_eager"):
+        raise ValueError(
+            f"plan(inner={inner!r}): the backend timed steps compile with, 'inductor' or 'aot_eager'"
+        )
+    return budgets, tuple(validate_policy(p) for p in policies)
+
+
 def plan(
     module: nn.Module,
     *example_args: Any,
@@ -218,24 +240,7 @@ def plan(
             median forward+backward time over ``iters`` interleaved rounds (on the module's
             device: CUDA too).
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"plan measures an nn.Module (one layer), got {type(module).__name__}")
-    budgets = tuple(dict.fromkeys(validate_budget(b) for b in budgets))  # 0 is no budget
-    if not budgets:
-        raise ValueError("plan needs at least one budget (None for the keep set alone)")
-    if not policies:
-        raise ValueError("plan needs at least one region policy (sac_compile.SAVE_COSTLY)")
-    policies = tuple(validate_policy(p) for p in policies)
-    _target(memory, 0)  # its type and range, before anything is compiled
-    if estimator not in ("flops", "time"):
-        raise ValueError(
-            f"plan(estimator={estimator!r}): 'flops' (recomputed FLOPs) or 'time' (measured steps)"
-        )
-    if inner not in ("inductor", "aot_eager"):
-        raise ValueError(
-            f"plan(inner={inner!r}): the backend timed steps compile with, 'inductor' or 'aot_eager'"
-        )
-
+    budgets, policies = _checked(module, memory, budgets, policies, estimator, inner)
     from ..compiler.backend import baseline_backend, make_sac_backend
     from ..keep import ALL_REGIONS
 
