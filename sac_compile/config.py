@@ -25,7 +25,8 @@ from . import diagnostics
 from ._compat.dynamo import unwrap_compiled
 from .declare import _check_pattern, _no_match_message, declare_regions, match_path
 from .keep import KeepSet, normalize_keep, validate_region_name
-from .policy import SAVE_COSTLY, validate_budget, validate_policy
+from .policy import SAVE_COSTLY, validate_policy
+from .scope_text import validate_budget
 from .seam import _compile_options, apply_selective_checkpointing, is_container
 
 __all__ = ["SacConfig"]

@@ -40,8 +40,9 @@ from ._compat.frames import innermost_module
 from .diagnostics import eager as diagnosed
 from .eager import engine_contexts
 from .keep import format_keep, normalize_keep, parse_keep
-from .policy import SAVE_COSTLY, format_scope, parse_scope, validate_budget, validate_policy
+from .policy import SAVE_COSTLY, validate_policy
 from .records import user_class_name
+from .scope_text import format_scope, parse_scope, validate_budget
 
 __all__ = ["region_context_fn"]
 

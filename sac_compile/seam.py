@@ -55,8 +55,9 @@ from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, exporting, seam_scope_args
-from .policy import SAVE_COSTLY, RegionPolicy, format_scope, policy_key, validate_budget, validate_policy
+from .policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_policy
 from .records import SEAM_PREFIX, user_class_name
+from .scope_text import format_scope, validate_budget
 
 __all__ = [
     "LEGACY_ATTR",

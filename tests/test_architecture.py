@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sac_compile"
 # from its own layer in a cycle). ``testing`` (fixtures) sits on top of everything.
 LAYERS: list[tuple[str, ...]] = [
     ("_compat",),
-    ("keep", "records", "policy", "marker_walk"),
+    ("keep", "records", "op_classes", "policy", "scope_text", "marker_walk"),
     ("diagnostics",),
     ("markers",),
     ("declare", "passes"),

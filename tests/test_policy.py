@@ -16,7 +16,8 @@ from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
 from sac_compile.markers import ops
 from sac_compile.passes.tag_regions import _SOURCE_FILES, tag_regions
-from sac_compile.policy import SAVE_ALL, SAVE_COSTLY, format_scope, is_costly, parse_scope, policy_key
+from sac_compile.policy import SAVE_ALL, SAVE_COSTLY, is_costly, policy_key
+from sac_compile.scope_text import format_scope, parse_scope
 
 aten = torch.ops.aten
 SAVE, PREFER, RECOMPUTE = (

@@ -35,7 +35,8 @@ from ..keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from ..marker_walk import MarkerKind
 from ..markers import marker_kind
 from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, running_regions, with_block_fallbacks
-from ..policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_budget, validate_policy
+from ..policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_policy
+from ..scope_text import validate_budget
 from . import session
 from .session import CompileUnit
 

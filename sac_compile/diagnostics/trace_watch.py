@@ -32,8 +32,8 @@ import torch.nn as nn
 from .._compat import TorchApiMoved, dynamo, frames
 from ..keep import parse_keep
 from ..marker_walk import MarkerKind
-from ..policy import parse_scope
 from ..records import describe_stack_entry
+from ..scope_text import parse_scope
 from . import messages
 from .core import COMPILE_SWALLOWED, NO_PASS, Diagnosis, SacDiagnosticError, describe_module, owner, report
 

@@ -20,7 +20,7 @@ from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.ops import HigherOrderOperator, is_effectful
 from .._compat.tensors import storage_id
 from ..markers import ops
-from ..policy import MATMULS, communicates, is_collective, is_costly
+from ..op_classes import MATMULS, communicates, is_collective, is_costly
 from .op_facts import (
     _NO_WRITES,
     _all_float_tensors,

@@ -13,7 +13,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .._compat.checkpoint import TorchDispatchMode, storage_tensor
 from .._compat.tensors import storage_id
-from ..policy import communicates
+from ..op_classes import communicates
 
 __all__ = ["autograd_saved_bytes", "collectives_run"]
 

@@ -21,7 +21,7 @@ from .. import records
 from .._compat import ops as op_types
 from .._compat.checkpoint import CheckpointPolicy
 from ..markers import ops
-from ..policy import MATMULS
+from ..op_classes import MATMULS
 
 __all__ = [
     "LEFT_TO_BUDGET",

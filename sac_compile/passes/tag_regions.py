@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .. import keep, policy, records
+from .. import keep, op_classes, policy, records, scope_text
 from .._compat import aot, dynamo, frames
 from .._compat import inductor as inductor_compat
 from .._compat import ops as op_types
@@ -64,7 +64,8 @@ from ..marker_walk import MarkerKind, OpenRegions, balance, close_innermost
 from ..markers import ops
 from ..markers.context import NO_CONTEXT, Enclosing
 from ..markers.regions import WRAPPER_NAME
-from ..policy import RegionPolicy, checked_decision, parse_scope, policy_key, saves
+from ..policy import RegionPolicy, checked_decision, policy_key, saves
+from ..scope_text import parse_scope
 from . import hop_bodies, saving_rules
 from .hop_bodies import ERASED as _ERASED
 from .hop_bodies import INVOKE_SUBGRAPH as _INVOKE_SUBGRAPH
@@ -79,6 +80,8 @@ _SOURCE_FILES = (
     records.__file__,
     keep.__file__,
     policy.__file__,
+    op_classes.__file__,
+    scope_text.__file__,
     saving_rules.__file__,
     hop_bodies.__file__,
     aot.__file__,

@@ -31,7 +31,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_budget, validate_policy
+from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_policy
+from ..scope_text import validate_budget
 from .measure import eager_bytes, measure, timed
 
 __all__ = ["DEFAULT_BUDGETS", "LEAST", "MAX_EXHAUSTIVE_REGIONS", "Candidate", "Plan", "plan"]
