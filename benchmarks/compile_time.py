@@ -4,7 +4,13 @@ against sac-compile's, each in fresh processes with every compile cache off.
 The model: ``--layers`` pre-norm blocks (``sac_compile.testing.models.Block``; attention,
 MLP), batch 4 × seq 64. *plain*: the unmarked blocks under ``torch.compile`` (Inductor).
 *ours*: the same blocks with their ``attn`` / ``mlp`` regions marked, under
-``torch.compile(backend=make_sac_backend({"attn"}))``. Each run is a fresh Python process
+``torch.compile(backend=make_sac_backend({"attn"}))``. With ``--anatomy`` also *marked*
+(the marked blocks under plain ``torch.compile``: the markers' own cost), *baseline* (the
+marked blocks under ``sac_compile.compiler.baseline_backend``: our backend without the
+tagging pass, PyTorch's own partition) and *ours-all* (``make_sac_backend(ALL_REGIONS)``).
+*ours* against *baseline* is Inductor compiling the recompute the keep set asks for (the
+backward of ``keep={"attn"}`` recomputes the projections and the MLP); *baseline* against
+*plain* is the machinery's cost. Each run is a fresh Python process
 (torch imported before the clock starts), with Inductor's and AOTAutograd's caches off
 (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``), timed from the first call to the end of its
 backward; runs alternate plain / ours. Then one more process per configuration under
@@ -45,9 +51,15 @@ def worker(how: str, layers: int, profile: bool) -> dict:
     import sac_compile as sc
 
     torch.set_num_threads(2)
-    model = _model(layers, marked=how == "ours")
+    model = _model(layers, marked=how not in ("plain",))
     x = torch.randn(4, 64, 64, requires_grad=True)
-    backend = sc.make_sac_backend({"attn"}) if how == "ours" else "inductor"
+    backend = {
+        "plain": "inductor",
+        "marked": "inductor",
+        "baseline": sc.compiler.baseline_backend("inductor"),
+        "ours": sc.make_sac_backend({"attn"}),
+        "ours-all": sc.make_sac_backend(sc.ALL_REGIONS),
+    }[how]
     compiled = torch.compile(model, backend=backend)
     profiler = None
     if profile:
@@ -84,22 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=4, help="fresh processes per configuration")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--worker", choices=["plain", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=["plain", "marked", "baseline", "ours", "ours-all"], help=argparse.SUPPRESS
+    )
+    parser.add_argument("--anatomy", action="store_true", help="also time baseline and ours-all (below)")
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.layers, args.profile)))
         return 0
-    times: dict[str, list[float]] = {"plain": [], "ours": []}
+    names = ["plain", "ours"] + (["marked", "baseline", "ours-all"] if args.anatomy else [])
+    times: dict[str, list[float]] = {how: [] for how in names}
     for i in range(args.runs):
-        for how in ("plain", "ours") if i % 2 == 0 else ("ours", "plain"):
+        for how in names[i % len(names) :] + names[: i % len(names)]:  # (rotated each round)
             times[how].append(_run(how, args.layers)["seconds"])
     med = {k: statistics.median(v) for k, v in times.items()}
     print(
         f"first forward + backward, {args.layers} blocks, Inductor, caches off, {args.runs} fresh processes each"
     )
     for how, ts in times.items():
-        print(f"  {how:<6} median {med[how]:6.2f} s  ({', '.join(f'{t:.2f}' for t in ts)})")
+        print(f"  {how:<8} median {med[how]:6.2f} s  ({', '.join(f'{t:.2f}' for t in ts)})")
+    for how in names[2:]:
+        print(f"  {how} / plain: {med[how] / med['plain']:.3f}")
+    if "baseline" in med:
+        print(f"  ours / baseline: {med['ours'] / med['baseline']:.3f} (the recompute's compile)")
     ratio = med["ours"] / med["plain"]
     print(f"  ours / plain: {ratio:.3f} ({(ratio - 1) * 100:+.1f}%; limit {(LIMIT - 1) * 100:.0f}%)")
     profiled = _run("ours", args.layers, profile=True)
