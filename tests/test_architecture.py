@@ -217,9 +217,7 @@ def _private_uses(path: Path) -> list[str]:
 
 def test_private_torch_apis_are_used_only_in_compat():
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if "_compat" in path.parts:
-            continue
+    for path in _outside_compat():
         found += _private_uses(path)
     assert not found, "private PyTorch API outside sac_compile/_compat:\n" + "\n".join(found)
 

@@ -28,8 +28,9 @@ class Spans(Protocol):
     def end(self, aborted: bool = False) -> None: ...
 
 
-class Bodies(Protocol):
-    """Kept module bodies that skip the recompute (eager/bodies.py)."""
+class BodySkipper(Protocol):
+    """What the session asks of the kept module bodies that skip the recompute
+    (implemented by :class:`sac_compile.eager.bodies.Bodies`)."""
 
     def enter(self, region: str, module: Any, args: tuple, kwargs: dict) -> Any | None: ...
 
@@ -50,7 +51,7 @@ class EagerSession:
         keep: KeepSet,
         policy: RegionPolicy = SAVE_COSTLY,
         spans: Spans | None = None,
-        bodies: Bodies | None = None,
+        bodies: BodySkipper | None = None,
         forward: bool = True,
     ) -> None:
         self.keep = keep
