@@ -36,9 +36,8 @@ import sys
 import time
 
 import torch
-from _baselines import BudgetBackend
+from _baselines import BudgetBackend, OpListSAC
 from _timing import interleaved_medians
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import sac_compile as sc
 from sac_compile.compiler.backend import baseline_backend
@@ -49,12 +48,6 @@ aten = torch.ops.aten
 
 
 # --- counting recomputed FLOPs (sac_compile.inspection.flops) ----------------------------------
-
-
-def _hf_grouped_mm():
-    ns = getattr(torch.ops, "transformers", None)
-    op = getattr(ns, "grouped_mm_fallback", None) if ns is not None else None
-    return None if op is None else op.default
 
 
 def measure(fn, x: torch.Tensor, params) -> tuple[int, int]:
@@ -141,34 +134,6 @@ def qwen2moe_unit(args):
 UNITS = {"demo": demo_unit, "llama": llama_unit, "qwen3moe": qwen3moe_unit, "qwen2moe": qwen2moe_unit}
 
 # --- the configurations -------------------------------------------------------------------------
-
-_OP_LIST = {
-    aten.mm.default,
-    aten.addmm.default,
-    aten.bmm.default,
-    aten.baddbmm.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_flash_attention.default,
-}
-if hasattr(aten, "_grouped_mm"):
-    _OP_LIST.add(aten._grouped_mm.default)
-
-
-def _op_list_policy(ctx, op, *args, **kwargs):
-    # the matmul family, attention, and grouped matmuls (transformers' own op under compile too)
-    saved = op in _OP_LIST or (op is not None and op == _hf_grouped_mm())
-    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-class OpListSAC(torch.nn.Module):
-    def __init__(self, unit) -> None:
-        super().__init__()
-        self.unit = unit
-
-    def forward(self, x):
-        context = functools.partial(create_selective_checkpoint_contexts, _op_list_policy)
-        return checkpoint(self.unit, x, use_reentrant=False, context_fn=context)
 
 
 def configurations(regions, budgets, keep_budgets, inner):

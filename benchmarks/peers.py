@@ -47,16 +47,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _baselines import OpListSAC
 from _timing import interleaved_times, ratio_interval
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import sac_compile as sc
 from sac_compile import hf
 from sac_compile.inspection.flops import CountFlops
 from sac_compile.policy import SAVE_ALL, SAVE_COSTLY
 from sac_compile.testing import hf_families
-from sac_compile.testing.baselines import Checkpointed
+from sac_compile.testing.baselines import Checkpointed, LayerWrapper
 from sac_compile.testing.models import MoETransformer
 
 try:
@@ -196,18 +196,12 @@ def transformers_model(args, family: str) -> Model:
 
 
 # -- the configurations -------------------------------------------------------------------
-class RematLayer(nn.Module):
+class RematLayer(LayerWrapper):
     """``layer`` under ``remat.checkpoint(region_name=name)``."""
 
     def __init__(self, layer: nn.Module, name: str) -> None:
-        super().__init__()
-        self.layer, self.name = layer, name
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:  # transformers reads attributes of its layers
-            return getattr(self._modules["layer"], name)
+        super().__init__(layer)
+        self.name = name
 
     def forward(self, *args, **kwargs):
         return remat.checkpoint(region_name=self.name)(self.layer)(*args, **kwargs)
@@ -246,34 +240,6 @@ def with_ours(model: Model, keep: frozenset, policy, marked: bool = False, compi
         layers=model.layers + ".*", keep=keep, regions=regions, policy=policy, compile=compile
     ).apply(m)
     return m
-
-
-class OpListSAC(nn.Module):
-    """PyTorch's SAC saving every matmul and attention op of ``layer`` (torchtitan's op-list AC)."""
-
-    SAVE = {
-        torch.ops.aten.mm.default,
-        torch.ops.aten.addmm.default,
-        torch.ops.aten.bmm.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-        torch.ops.aten._scaled_dot_product_efficient_attention.default,
-        torch.ops.aten._scaled_dot_product_flash_attention.default,
-        torch.ops.aten._grouped_mm.default,
-    }
-
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["layer"], name)
-
-    def forward(self, *args, **kwargs):
-        ctx = functools.partial(create_selective_checkpoint_contexts, list(self.SAVE))
-        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=ctx, **kwargs)
 
 
 def wrapped(model: Model, wrap) -> nn.Module:

@@ -21,27 +21,35 @@ from ..keep import normalize_keep
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
 
-__all__ = ["Checkpointed"]
+__all__ = ["Checkpointed", "LayerWrapper"]
 
 
-class Checkpointed(nn.Module):
+class LayerWrapper(nn.Module):
+    """A module standing in for ``layer`` (held as ``self.layer``); attributes it lacks are read
+    from the layer, as transformers reads attributes of its layers (``attention_type``)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(nn.Module.__getattr__(self, "layer"), name)
+
+
+class Checkpointed(LayerWrapper):
     """``layer`` under ``torch.utils.checkpoint``: full recompute (``keep=None``), or PyTorch's
     SAC deciding as the eager engine does for ``keep`` (the layer's regions must be declared
     or marked)."""
 
     def __init__(self, layer: nn.Module, keep: Any = None, policy: RegionPolicy = SAVE_COSTLY) -> None:
-        super().__init__()
-        self.layer = layer
+        super().__init__(layer)
         self.keep = None if keep is None else normalize_keep(keep)
         self.policy = policy
         self.session: EagerSession | None = None
         self.context_fn = functools.partial(create_selective_checkpoint_contexts, self._decide)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:  # transformers reads attributes of its layers (attention_type)
-            return getattr(nn.Module.__getattr__(self, "layer"), name)
 
     def _decide(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         s = self.session
