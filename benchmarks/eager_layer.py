@@ -47,7 +47,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sac_compile.eager import checkpoint_with_regions
-from sac_compile.eager.modes import _CachedMode, _CachingMode
+from sac_compile.eager.modes import CachedMode, CachingMode
 from sac_compile.testing.baselines import Checkpointed
 
 
@@ -59,12 +59,12 @@ def _pass_through(self, func, types, args=(), kwargs=None):
 def _bare_modes():
     """The engine's two dispatch modes pass every op through while this is open (a
     measurement only: nothing is cached, so the recompute recomputes everything)."""
-    saved = _CachingMode.__torch_dispatch__, _CachedMode.__torch_dispatch__
-    _CachingMode.__torch_dispatch__ = _CachedMode.__torch_dispatch__ = _pass_through
+    saved = CachingMode.__torch_dispatch__, CachedMode.__torch_dispatch__
+    CachingMode.__torch_dispatch__ = CachedMode.__torch_dispatch__ = _pass_through
     try:
         yield
     finally:
-        _CachingMode.__torch_dispatch__, _CachedMode.__torch_dispatch__ = saved
+        CachingMode.__torch_dispatch__, CachedMode.__torch_dispatch__ = saved
 
 
 def measure(subject: _eager_models.Subject, iters: int, clock) -> dict:

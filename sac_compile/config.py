@@ -23,11 +23,11 @@ import torch.nn as nn
 
 from . import diagnostics
 from ._compat.dynamo import unwrap_compiled
-from .declare import _check_pattern, _no_match_message, declare_regions, match_path
+from .declare import check_pattern, declare_regions, match_path, no_match_message
 from .keep import KeepSet, normalize_keep, validate_region_name
 from .policy import SAVE_COSTLY, validate_policy
 from .scope_text import validate_budget
-from .seam import _compile_options, apply_selective_checkpointing, is_container
+from .seam import apply_selective_checkpointing, is_container, normalize_compile
 
 __all__ = ["SacConfig"]
 
@@ -67,7 +67,7 @@ class SacConfig:
                 f"SacConfig.layers must be a non-empty module path pattern such as 'model.layers.*', "
                 f"got {self.layers!r}"
             )
-        _check_pattern(self.layers)
+        check_pattern(self.layers)
         object.__setattr__(self, "keep", normalize_keep(self.keep))
         regions = self.regions
         if isinstance(regions, Mapping):
@@ -78,11 +78,11 @@ class SacConfig:
                 f"got {self.regions!r}"
             )
         for pattern, name in regions:
-            _check_pattern(pattern)
+            check_pattern(pattern)
             validate_region_name(name)
         object.__setattr__(self, "regions", tuple(sorted(regions)))
         # validates; a dict becomes a hashable tuple so that the config stays frozen
-        object.__setattr__(self, "_compile_options", _compile_options(self.compile))
+        object.__setattr__(self, "_compile_options", normalize_compile(self.compile))
         if isinstance(self.compile, Mapping):
             object.__setattr__(self, "compile", self._compile_options)
         object.__setattr__(self, "policy", validate_policy(self.policy))
@@ -103,7 +103,7 @@ class SacConfig:
         layers = [(p, m) for p, m in root.named_modules() if match_path(self.layers, p)]
         if not layers:
             raise ValueError(
-                _no_match_message(self.layers, [p for p, _ in root.named_modules()]).replace(
+                no_match_message(self.layers, [p for p, _ in root.named_modules()]).replace(
                     "declare_regions", "SacConfig.layers"
                 )
             )

@@ -95,11 +95,11 @@ def declare_regions(model: nn.Module, declarations: Mapping[str, str]) -> Region
     paths = {path: module for path, module in root.named_modules()}
     plan: list[tuple[str, str, nn.Module]] = []
     for pattern, name in declarations.items():
-        _check_pattern(pattern)
+        check_pattern(pattern)
         validate_region_name(name)
         matched = [p for p in paths if match_path(pattern, p)]
         if not matched:
-            raise ValueError(_no_match_message(pattern, list(paths)))
+            raise ValueError(no_match_message(pattern, list(paths)))
         plan.extend((p, name, paths[p]) for p in matched)
 
     handle = RegionDeclarations(model)
@@ -214,7 +214,7 @@ def match_path(pattern: str, path: str) -> bool:
     return len(want) == len(have) and all(w == "*" or w == h for w, h in zip(want, have))
 
 
-def _check_pattern(pattern: object) -> None:
+def check_pattern(pattern: object) -> None:
     if not isinstance(pattern, str):
         raise TypeError(f"a module path pattern must be a str, got {type(pattern).__name__} {pattern!r}")
     if pattern == "":
@@ -233,7 +233,7 @@ def _check_pattern(pattern: object) -> None:
             )
 
 
-def _no_match_message(pattern: str, paths: list[str]) -> str:
+def no_match_message(pattern: str, paths: list[str]) -> str:
     generic = sorted({generic_path(p) for p in paths if p})
     near = difflib.get_close_matches(pattern, generic, n=5, cutoff=0.5)
     if not near:

@@ -136,7 +136,7 @@ def apply_selective_checkpointing(
     keep_set = normalize_keep(keep)
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
-    options = _compile_options(compile)
+    options = normalize_compile(compile)
     policy, budget = validate_policy(policy), validate_budget(budget)
     scope_text = format_scope(format_keep(keep_set), policy, budget)
     config = SeamConfig(keep_set, preserve_rng_state, options, policy, budget, scope_text)
@@ -223,7 +223,7 @@ def _compile(module: nn.Module, config: SeamConfig) -> None:
 _DICT_KEYS = ("inductor_config", "options")
 
 
-def _compile_options(compile: object) -> tuple[tuple[str, Any], ...] | None:
+def normalize_compile(compile: object) -> tuple[tuple[str, Any], ...] | None:
     if compile is False:
         return None
     if compile is True:

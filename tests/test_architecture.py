@@ -306,6 +306,72 @@ def test_the_private_attribute_check_can_fail(tmp_path):
     assert [g.split(": ")[1] for g in got] == ["._schema", "._version", "._cdata", "._from_config"], got
 
 
+def _private_names_across_modules(
+    name: str, path: Path, known: set[str], root: Path = PACKAGE.parent
+) -> list[str]:
+    """``from <another sac_compile module> import _x`` and ``<module alias>._x`` in one file."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    modules: set[str] = set()  # local names bound to sac_compile modules
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
+            mod = (
+                ".".join(base + ([node.module] if node.module else [])) if node.level else (node.module or "")
+            )
+            if not mod.startswith("sac_compile") or mod == name:
+                continue
+            for a in node.names:
+                if f"{mod}.{a.name}" in known:
+                    if f"{mod}.{a.name}" != name:
+                        modules.add(a.asname or a.name)
+                elif a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {a.name} from {mod}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("sac_compile") and a.asname:
+                    modules.add(a.asname)
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_modules_use_only_each_others_public_names():
+    mods = _modules()
+    known = set(mods)
+    found = [f for name, path in mods.items() for f in _private_names_across_modules(name, path, known)]
+    assert not found, (
+        "a private name used from another sac_compile module (make it public there):\n" + "\n".join(found)
+    )
+
+
+def test_the_cross_module_check_can_fail(tmp_path):
+    pkg = tmp_path / "sac_compile" / "eager"
+    pkg.mkdir(parents=True)
+    bad = pkg / "bad.py"
+    bad.write_text(
+        "from .op_facts import _storage, storage_of\n"
+        "from ..markers import ops\n"
+        "from . import bad\n"
+        "ops._MARKER_SINK = None\n"
+        "x = bad._own, storage_of.__name__\n"
+    )
+    known = {"sac_compile.eager.op_facts", "sac_compile.markers.ops", "sac_compile.eager.bad"}
+    got = _private_names_across_modules("sac_compile.eager.bad", bad, known, root=tmp_path)
+    assert [g.split(": ")[1] for g in got] == [
+        "_storage from sac_compile.eager.op_facts",
+        "ops._MARKER_SINK",
+    ], got
+
+
 def test_no_module_is_past_450_lines():
     long = [
         f"{p.relative_to(PACKAGE)}: {n} lines"

@@ -242,17 +242,17 @@ def test_the_rng_state_of_a_factory_draw_covers_the_device_it_names(monkeypatch)
     argument and on its output. Red when only tensor arguments named the devices: only the
     CPU generator was recorded, so a skipped CUDA draw left the CUDA generator behind.
     (No GPU here: the CUDA generator is stood in for.)"""
-    from sac_compile.eager.op_facts import _rng_state
+    from sac_compile.eager.op_facts import rng_state
 
     asked = []
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda dev: asked.append(dev) or torch.zeros(1))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     cuda = torch.device("cuda", 1)
-    state = _rng_state(((4,), {"device": cuda, "dtype": None}, torch.empty(4, device="meta")))
+    state = rng_state(((4,), {"device": cuda, "dtype": None}, torch.empty(4, device="meta")))
     assert asked == [cuda] and [dev for dev, _ in state] == ["cpu", cuda]
     # `device="cuda"` (no index) and the output's `cuda:1` are one generator, recorded once
     asked.clear()
-    state = _rng_state(((4,), {"device": torch.device("cuda")}, [torch.device("cuda", 1)]))
+    state = rng_state(((4,), {"device": torch.device("cuda")}, [torch.device("cuda", 1)]))
     assert asked == [cuda] and [dev for dev, _ in state] == ["cpu", cuda]
 
 
@@ -676,13 +676,13 @@ def test_the_forward_lets_go_of_its_weak_references_to_storages(monkeypatch):
     from sac_compile.eager import state as state_module
 
     states = []
-    init = state_module._State.__init__
+    init = state_module.EngineState.__init__
 
     def capture(self, *args, **kwargs):
         init(self, *args, **kwargs)
         states.append(self)
 
-    monkeypatch.setattr(state_module._State, "__init__", capture)
+    monkeypatch.setattr(state_module.EngineState, "__init__", capture)
     torch.manual_seed(0)
     block = Block(16, dropout=0.2)
     x = torch.randn(2, 8, 16, requires_grad=True)

@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from sac_compile.eager import checkpoint_with_regions
-from sac_compile.eager.modes import _CachedMode, _CachingMode
+from sac_compile.eager.modes import CachedMode, CachingMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -52,10 +52,10 @@ def test_bare_modes_cache_nothing_and_give_full_recomputes_gradients():
 
 def test_bare_modes_put_the_engines_modes_back():
     layer, h, keep = _demo_layer()
-    before = _CachingMode.__torch_dispatch__, _CachedMode.__torch_dispatch__
+    before = CachingMode.__torch_dispatch__, CachedMode.__torch_dispatch__
     with eager_layer._bare_modes():
         pass
-    assert (_CachingMode.__torch_dispatch__, _CachedMode.__torch_dispatch__) == before
+    assert (CachingMode.__torch_dispatch__, CachedMode.__torch_dispatch__) == before
     stats: list = []
     checkpoint_with_regions(layer, h, keep=keep, stats_out=stats).sum().backward()
     assert stats[0].cached_ops > 0  # the engine caches again

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import sac_compile as sc
-from sac_compile.eager.session import _SESSION
+from sac_compile.eager.session import SESSION
 from sac_compile.markers import ops
 
 from .models import Block, Stack, run_step
@@ -121,7 +121,7 @@ def test_regions_entered_without_grad_run_plainly_and_leave_training_intact(mode
     with mode():
         x = torch.randn(2, 8, D)
         assert torch.allclose(wrapped(x), plain(x), rtol=1e-5, atol=1e-6)
-    assert _SESSION.get() is None and ops.current_sink() is None
+    assert SESSION.get() is None and ops.current_sink() is None
     _assert_same_step(plain, wrapped, _x(), exact=not compile)  # then training works as before
     assert not {k for k, _ in _kinds(caplog)} & {"unbalanced", "kept-nothing", "no-pass"}
 
@@ -336,10 +336,10 @@ def test_an_exception_inside_a_region_restores_the_session(compile):
     wrapped.fail = True
     with pytest.raises(RuntimeError, match="boom inside the region"):
         wrapped(_x())
-    assert _SESSION.get() is None and ops.current_sink() is None
+    assert SESSION.get() is None and ops.current_sink() is None
     wrapped.fail = False
     _assert_same_step(plain, wrapped, _x(), exact=not compile)
-    assert _SESSION.get() is None
+    assert SESSION.get() is None
 
 
 # -- 10. threads running two models ----------------------------------------------------------------

@@ -44,7 +44,7 @@ from .._compat.checkpoint import (
     tree_map,
 )
 from .._compat.tensors import version
-from .op_facts import _rng_state, _set_rng_state, _storage, _tensors, _untyped_storage
+from .op_facts import restore_rng_state, rng_state, storage_of, tensors_in, untyped_storage_of
 
 __all__ = ["Bodies"]
 
@@ -99,14 +99,14 @@ class _Body:
 
     def __init__(self, module: Any, region: str, args: tuple, kwargs: dict) -> None:
         self.module, self.region = module, region  # (module: the decorated function, for one)
-        tensors = _tensors((args, kwargs))
+        tensors = tensors_in((args, kwargs))
         self.inputs = [(t, version(t)) for t in tensors]  # dropped at the exit
         # what autograd saved inside the body that is one of its tensor arguments (or a view
         # of one), in save order: (argument index, view geometry or None); each went to a
         # checkpoint holder, filled again by the recompute (see Bodies.enter)
         self.input_saves: list[tuple[int, tuple | None]] = []
         self.input_storages: tuple[int, ...] = ()
-        self.rng_before = _rng_state(_rng_devices(tensors))
+        self.rng_before = rng_state(_rng_devices(tensors))
         self.rng_after: Any = None
         self.outputs: Any = None  # tree of _Kept; None: the body runs in the recompute
         self.rerun = False
@@ -123,7 +123,7 @@ class Bodies:
     """The kept module bodies of one checkpointed call (see the module docstring)."""
 
     def __init__(self, state: Any) -> None:
-        self.state = state  # the call's _State
+        self.state = state  # the call's EngineState
         self.order: list[_Body] = []
         self.by_module: dict[int, list[_Body]] = {}
         # decorated functions' calls, in the forward's order (their wrapper is ours: the
@@ -158,13 +158,13 @@ class Bodies:
         arguments = _argument_storages(body.inputs)
 
         def pack(t: torch.Tensor) -> Any:
-            s = _storage(t)
+            s = storage_of(t)
             i = arguments.get(s) if s is not None else None
             if i is not None and (geometry := _argument_view(t, *body.inputs[i])) is not False:
                 body.input_saves.append((i, geometry))
                 return _FromCheckpoint(checkpoint_pack(t))
             if s is not None and s not in body.saved:
-                storage = _untyped_storage(t)
+                storage = untyped_storage_of(t)
                 body.saved[s] = (StorageWeakRef(storage), storage.nbytes())
             return below[0](t) if below is not None else t.detach()
 
@@ -193,12 +193,12 @@ class Bodies:
     def exit(self, body: _Body, output: Any) -> None:
         self._restore_hooks(body)
         if self.state.preserve_rng_state:
-            rng = _rng_state(_rng_devices([t for t, _ in body.inputs]))
+            rng = rng_state(_rng_devices([t for t, _ in body.inputs]))
             if not _same_rng(rng, body.rng_before):
                 body.rng_after = rng
         body.rng_before = None
         body.rerun = any(version(t) != v for t, v in body.inputs)
-        body.input_storages = tuple(s for t, _ in body.inputs if (s := _storage(t)) is not None)
+        body.input_storages = tuple(s for t, _ in body.inputs if (s := storage_of(t)) is not None)
         body.inputs = []
         if not body.rerun and output is not None:  # (None: it raised, or returned nothing)
             kept = tree_map(_keep, output)
@@ -231,9 +231,9 @@ class Bodies:
                 st.mark_needed(body.input_storages)
             held = {c: n for c, (ref, n) in body.saved.items() if not ref.expired()}
             for k in _leaves_of(body.outputs):
-                s = _storage(k.value)
+                s = storage_of(k.value)
                 if s is not None and s not in held:
-                    held[s] = _untyped_storage(k.value).nbytes()
+                    held[s] = untyped_storage_of(k.value).nbytes()
             nbytes = sum(held.values())
             st.stats.held_bytes += nbytes
             st.stats.held_by_region[body.region] += nbytes
@@ -274,7 +274,7 @@ class Bodies:
         """(recompute) Hand back ``body``'s outputs, or run it again off the checkpoint's hooks;
         first, the arguments the forward's body saved go to their checkpoint holders."""
         if body.input_saves:
-            tensors = _tensors((args, kwargs))
+            tensors = tensors_in((args, kwargs))
             pack = top_saved_tensors_hooks()[0]  # (the engine's recompute hook, then the checkpoint's)
             for i, geometry in body.input_saves:
                 t = tensors[i]
@@ -289,7 +289,7 @@ class Bodies:
                 )
             out = tree_map(_serve, body.outputs, is_leaf=_is_kept)
             if body.rng_after is not None:
-                _set_rng_state(body.rng_after)
+                restore_rng_state(body.rng_after)
             return out
         # (the checkpoint's, and the engine's in front of it: eager/engine.py)
         popped = pop_saved_tensors_hooks(self.state.recompute_hooks)
@@ -342,7 +342,7 @@ def _argument_storages(inputs: list[tuple[torch.Tensor, int]]) -> dict[int, int]
     """Storage -> index of the first plain tensor argument on it."""
     found: dict[int, int] = {}
     for i, (t, _) in enumerate(inputs):
-        if type(t) is torch.Tensor and t.layout == torch.strided and (s := _storage(t)) is not None:
+        if type(t) is torch.Tensor and t.layout == torch.strided and (s := storage_of(t)) is not None:
             found.setdefault(s, i)
     return found
 

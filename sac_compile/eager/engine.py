@@ -87,15 +87,15 @@ from ..keep import KeepSet
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
 from .bodies import Bodies
-from .modes import _CachedMode, _CachingMode, _WatchMode
-from .session import _SESSION, EagerSession
-from .state import EngineStats, _State
+from .modes import CachedMode, CachingMode, WatchMode
+from .session import SESSION, EagerSession
+from .state import EngineState, EngineStats
 
 __all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions", "engine_contexts"]
 
 
 @contextlib.contextmanager
-def _chained_pack_hook(state: _State):
+def _chained_pack_hook(state: EngineState):
     """Note what autograd saves, then hand it to the checkpoint's own pack hook."""
     top = top_saved_tensors_hooks()
     if top is None:
@@ -148,11 +148,11 @@ class _Spans:
     ``settle``, after each region marker, starts and ends the spans), and in a recompute
     that will serve kept writes into outside tensors, the watch below it."""
 
-    def __init__(self, state: _State, forward: bool) -> None:
+    def __init__(self, state: EngineState, forward: bool) -> None:
         self.state = state
         self.forward = forward
-        self.mode = _CachingMode(state) if forward else _CachedMode(state)
-        self.watch: _WatchMode | None = None
+        self.mode = CachingMode(state) if forward else CachedMode(state)
+        self.watch: WatchMode | None = None
         self.pushed = False
 
     def start(self) -> None:
@@ -180,7 +180,7 @@ class _Spans:
 
     def start_recompute(self) -> None:
         if self.state.start_recompute():
-            self.watch = _WatchMode(self.state)
+            self.watch = WatchMode(self.state)
             push_dispatch_mode(self.watch)
 
     def _pop_finished_watch(self) -> None:
@@ -200,11 +200,11 @@ class _Pass:
     forward (``forward=True``, entered as the checkpoint's forward context) or a recompute
     (entered as its recompute context, once per recompute). Installs the marker session
     and sink for the pass and, in the forward, notes what autograd saves; on the way out
-    the forward settles what the recompute needs (:meth:`_State.finalize`)."""
+    the forward settles what the recompute needs (:meth:`EngineState.finalize`)."""
 
     def __init__(
         self,
-        state: _State,
+        state: EngineState,
         bodies: Bodies,
         keep: KeepSet,
         policy: RegionPolicy,
@@ -221,7 +221,7 @@ class _Pass:
         state = self.state
         self.spans = _Spans(state, self.forward)
         self.session = EagerSession(self.keep, self.policy, self.spans, self.bodies, self.forward)
-        self._token = _SESSION.set(self.session)
+        self._token = SESSION.set(self.session)
         self._sink = ops.marker_sink(self.session)
         self._sink.__enter__()
         self._hooks = contextlib.ExitStack()
@@ -258,7 +258,7 @@ class _Pass:
             session.end_span(aborted=True)
             self.spans.close()
             self._sink.__exit__(None, None, None)
-            _SESSION.reset(self._token)
+            SESSION.reset(self._token)
 
 
 class _Recomputes:
@@ -285,13 +285,13 @@ def engine_contexts(
     early_stop: bool = True,
     on_forward=None,
     where: tuple[str, str] = ("", ""),
-) -> tuple[_State, _Pass, _Recomputes]:
+) -> tuple[EngineState, _Pass, _Recomputes]:
     """``(state, forward context, recompute context)`` of one eager engine checkpoint: the
     two contexts are what a non-reentrant ``torch.utils.checkpoint`` enters around the
     forward and each recompute of its function (its ``context_fn``). ``on_forward(stats)``,
     if given, is called with the forward's :class:`EngineStats` as the forward ends; ``where``:
     ``(name, hint)`` of the checkpointed function (a layer), for recompute errors."""
-    state = _State(preserve_rng_state)
+    state = EngineState(preserve_rng_state)
     state.where = where
     bodies = Bodies(state)
     forward = _Pass(state, bodies, keep, policy, True, early_stop, on_forward)

@@ -22,28 +22,28 @@ from .._compat.tensors import storage_id
 from ..markers import ops
 from ..op_classes import MATMULS, communicates, is_collective, is_costly
 from .op_facts import (
-    _NO_WRITES,
-    _all_float_tensors,
-    _arg_storages,
-    _autocast_weight_cast,
-    _Geometry,
-    _is_random,
-    _map_leaves,
-    _rng_state,
-    _served_write,
-    _set_rng_state,
-    _storage,
-    _storage_objects,
-    _tensor_storages,
-    _tensors,
-    _wait_functional,
-    _Writes,
-    _writes,
+    NO_WRITES,
+    Geometry,
+    Writes,
+    all_float_tensors,
+    arg_storages,
+    autocast_weight_cast,
+    is_random,
+    map_leaves,
+    restore_rng_state,
+    rng_state,
     seeded,
+    storage_objects,
+    storage_of,
+    tensor_storages,
+    tensors_in,
+    wait_functional,
+    write_server,
+    writes_of,
     written_args,
 )
-from .session import _SESSION
-from .state import _Entry, _State
+from .session import SESSION
+from .state import EngineState, Entry
 
 # PyTorch's SAC ignores these (detach, prim.device, FunctionalTensor's metadata ops: run a
 # different number of times in the forward and the recompute); the markers are ours.
@@ -85,7 +85,7 @@ class _OpInfo:
         self.effectful = is_effectful(func)
         self.matmul = getattr(func, "overloadpacket", None) in MATMULS
         self.lift_fresh = func in _LIFT_FRESH
-        self.to_copy = func is torch.ops.aten._to_copy.default  # (autocast's casts: _autocast_weight_cast)
+        self.to_copy = func is torch.ops.aten._to_copy.default  # (autocast's casts: autocast_weight_cast)
 
 
 _INFO: dict[int, _OpInfo] = {}  # by id(op): an op's own hash is a Python call
@@ -107,7 +107,7 @@ def _cache_leaf(x: Any) -> Any:
 
 
 def _geometry_leaf(x: Any) -> Any:
-    return _Geometry(x) if isinstance(x, torch.Tensor) else x
+    return Geometry(x) if isinstance(x, torch.Tensor) else x
 
 
 class _EngineMode(TorchDispatchMode):
@@ -120,7 +120,7 @@ class _EngineMode(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return False  # dynamo_free does it
 
-    def __init__(self, state: _State) -> None:
+    def __init__(self, state: EngineState) -> None:
         super().__init__()
         mark_dynamo_free(self)
         self.state = state
@@ -128,7 +128,7 @@ class _EngineMode(TorchDispatchMode):
 
     def _count(self) -> tuple[Any, bool]:
         """The marker session, and whether a kept region is open; counts the op."""
-        session = _SESSION.get()
+        session = SESSION.get()
         kept = session is not None and session.kept()
         if kept:
             self.kept += 1
@@ -138,20 +138,20 @@ class _EngineMode(TorchDispatchMode):
 
 
 @dynamo_free
-class _CachingMode(_EngineMode):
+class CachingMode(_EngineMode):
     # (runs for every op of a kept span: what can be read off the op once is in _OpInfo)
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         st = self.state
         session, kept = self._count()
         info = _info(func)
-        if info.ignored or (info.to_copy and _autocast_weight_cast(func, args)):
+        if info.ignored or (info.to_copy and autocast_weight_cast(func, args)):
             return func(*args, **kwargs)
         regions = session.open_names() if session is not None else ()
         save = session is not None and session.saves(func, regions)
-        inputs = _arg_storages(args) + _arg_storages(kwargs.values()) if kwargs else _arg_storages(args)
-        writes = _writes(func, args, kwargs, info.written) if info.written else _NO_WRITES
-        random = info.seeded is not None and _is_random(func, args, kwargs, info.seeded)
+        inputs = arg_storages(args) + arg_storages(kwargs.values()) if kwargs else arg_storages(args)
+        writes = writes_of(func, args, kwargs, info.written) if info.written else NO_WRITES
+        random = info.seeded is not None and is_random(func, args, kwargs, info.seeded)
         out = func(*args, **kwargs)
         grad = torch.is_grad_enabled()
 
@@ -171,11 +171,11 @@ class _CachingMode(_EngineMode):
             # Whatever the policy: a kept region's write into a tensor from outside
             # the scope (a buffer, an input) happens once, in the forward.
             cached = True
-        entry = _Entry(func, regions, cached, inputs, shrink_of, st.span)
+        entry = Entry(func, regions, cached, inputs, shrink_of, st.span)
         if random and st.preserve_rng_state:
-            entry.rng_after = _rng_state((args, kwargs, out))  # set again if the recompute skips the draw
+            entry.rng_after = rng_state((args, kwargs, out))  # set again if the recompute skips the draw
         if external_writes and cached:
-            entry.served_write = _served_write(func)
+            entry.served_write = write_server(func)
             cached = entry.cached = entry.served_write is None and cached
             if entry.served_write is not None:
                 st.note_external_writes(entry, external_writes)
@@ -187,7 +187,7 @@ class _CachingMode(_EngineMode):
 
 
 def _served(
-    st: _State, info: _OpInfo, func, args, kwargs, inputs, out, writes: _Writes, save: bool, grad: bool
+    st: EngineState, info: _OpInfo, func, args, kwargs, inputs, out, writes: Writes, save: bool, grad: bool
 ):
     """``(cached, shrink_of)``: whether the recompute serves this op's output (the policy
     saves it), or a small read of a kept matmul's output instead of the matmul's."""
@@ -205,38 +205,38 @@ def _served(
     return cached, shrink_of
 
 
-def _note_writes(st: _State, func, regions: tuple[str, ...], writes: _Writes) -> tuple[list, bool]:
+def _note_writes(st: EngineState, func, regions: tuple[str, ...], writes: Writes) -> tuple[list, bool]:
     """Mark the values this op writes into that kept ops made (recomputed with the write).
     Returns the in-place targets made elsewhere (outside the checkpoint: a buffer, an input;
-    or by an unwatched op of this scope: the recompute tells which, _CachedMode), and whether
+    or by an unwatched op of this scope: the recompute tells which, CachedMode), and whether
     it wrote in place into a value a kept op made."""
     external_writes = []
     rewritten = False
     for t in writes.in_place:
-        s = _storage(t)
+        s = storage_of(t)
         if s is not None and s in st.produced:
             st.mark_mutated(s, func, regions, t)
             rewritten = True
         elif s is not None:
             external_writes.append(t)
     for t in writes.out:
-        s = _storage(t)
+        s = storage_of(t)
         if s is not None and s in st.produced:
             st.mark_mutated(s, func, regions, t)
     return external_writes, rewritten
 
 
-def _record(st: _State, info: _OpInfo, entry: _Entry, out, inputs, writes: _Writes, random: bool) -> None:
+def _record(st: EngineState, info: _OpInfo, entry: Entry, out, inputs, writes: Writes, random: bool) -> None:
     """Note the op's outputs: cached (served), or the geometry a skipped recompute stands in
     with; the storages it made; what a random draw made."""
     single = isinstance(out, torch.Tensor)
-    out_tensors = [out] if single else _tensors(out)
-    objects = _storage_objects(out_tensors)
+    out_tensors = [out] if single else tensors_in(out)
+    objects = storage_objects(out_tensors)
     entry.storages = tuple(storage_id(o) for o in objects if o is not None)
     if entry.served_write is not None:
         st.stats.cached_ops += 1
     elif entry.cached:
-        entry.value = _map_leaves(_cache_leaf, out)
+        entry.value = map_leaves(_cache_leaf, out)
         for s in entry.storages:
             st.by_storage[s].append(entry)
         if info.matmul and entry.shrink_of is None:
@@ -249,10 +249,10 @@ def _record(st: _State, info: _OpInfo, entry: _Entry, out, inputs, writes: _Writ
             if single:
                 if out.is_floating_point() or out.is_complex():
                     entry.skippable = True
-                    entry.value = _Geometry(out)
-            elif _all_float_tensors(out):
+                    entry.value = Geometry(out)
+            elif all_float_tensors(out):
                 entry.skippable = True
-                entry.value = _map_leaves(_geometry_leaf, out)
+                entry.value = map_leaves(_geometry_leaf, out)
         st.stats.recomputed_ops += 1
     for o in objects:
         # lift_fresh returns its input: a torch.tensor(...) literal made in the scope
@@ -264,28 +264,28 @@ def _record(st: _State, info: _OpInfo, entry: _Entry, out, inputs, writes: _Writ
 
 
 def _shrinking_read(
-    st: _State,
+    st: EngineState,
     info: _OpInfo,
     func: Any,
     args: tuple,
     kwargs: dict,
     inputs: tuple[int, ...],
     out: Any,
-    writes: _Writes,
+    writes: Writes,
 ) -> int | None:
     """The cached matmul output ``func`` reads and is at most half the size of, if it is a
     cheap, deterministic, non-writing, non-view op with floating-point outputs."""
-    if info.view or info.costly or info.collective or _is_random(func, args, kwargs, info.seeded):
+    if info.view or info.costly or info.collective or is_random(func, args, kwargs, info.seeded):
         return None
-    if writes.in_place or writes.out or not _all_float_tensors(out):
+    if writes.in_place or writes.out or not all_float_tensors(out):
         return None
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors(out))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors_in(out))
     return next((s for s in inputs if 2 * nbytes <= st.matmul_bytes.get(s, 0)), None)
 
 
 @dynamo_free
-class _CachedMode(_EngineMode):
-    def __init__(self, state: _State) -> None:
+class CachedMode(_EngineMode):
+    def __init__(self, state: EngineState) -> None:
         super().__init__(state)
         self.counter: Counter = Counter()  # one mode per recompute, pushed for each kept span
 
@@ -294,7 +294,7 @@ class _CachedMode(_EngineMode):
         st = self.state
         session, kept = self._count()
         info = _info(func)
-        if info.ignored or _autocast_weight_cast(func, args):
+        if info.ignored or autocast_weight_cast(func, args):
             return func(*args, **kwargs)
         key = _key(info, func, args)
         idx = self.counter[key]
@@ -309,40 +309,40 @@ class _CachedMode(_EngineMode):
             )
         e = entries[idx]
         if e.served_write is not None and st.same_write_targets(
-            e, _writes(func, args, kwargs, info.written).in_place
+            e, writes_of(func, args, kwargs, info.written).in_place
         ):
             # a kept write into a tensor from outside the checkpoint: it happened once,
             # in the forward; hand back the written argument without writing again.
             # (Its target made anew by this recompute, it is written again below.)
             st.served_external_write(e)
             if e.rng_after is not None:
-                _set_rng_state(e.rng_after)
+                restore_rng_state(e.rng_after)
             return e.served_write(args, kwargs)
         if e.cached or e.dead:
             # a fresh alias per recompute (autograd attaches view metadata to what it
             # gets); a dropped output, or a dead op's, gets a stand-in of its geometry,
             # which nothing reads. A random op's draw is skipped: the generator is set to
             # where the forward left it, so that what follows draws the same numbers
-            out = _map_leaves(lambda leaf: _serve_leaf(leaf, st), e.value)
+            out = map_leaves(lambda leaf: _serve_leaf(leaf, st), e.value)
             if e.rng_after is not None:
-                _set_rng_state(e.rng_after)
+                restore_rng_state(e.rng_after)
             return out
-        if st.stand_ins and any(s in st.stand_ins for s in _tensor_storages((args, kwargs))):
+        if st.stand_ins and any(s in st.stand_ins for s in tensor_storages((args, kwargs))):
             raise AssertionError(
                 f"sac_compile internal error: {func} would read a dropped cache entry during recompute; "
                 "please report this with the model"
             )
         out = func(*args, **kwargs)
         if info.communicates:
-            _wait_functional(func, out)
+            wait_functional(func, out)
         return out
 
 
 @dynamo_free
-class _WatchMode(_EngineMode):
+class WatchMode(_EngineMode):
     """In a recompute that will serve kept writes into tensors from outside the checkpoint:
     an op that reads one of those tensors before its write is served reads the written
-    value, not the one the forward read (``_State.check_read`` raises).
+    value, not the one the forward read (``EngineState.check_read`` raises).
     Pushed at the start of such a recompute only, below the kept spans' mode, and popped
     once every such write is served."""
 
@@ -352,18 +352,18 @@ class _WatchMode(_EngineMode):
         st.stats.intercepted["recompute", "watch"] += 1
         info = _info(func)
         if st.pending_writes and not info.ignored and not info.view:
-            for t in _tensors((args, kwargs)):
-                s = _storage(t)
+            for t in tensors_in((args, kwargs)):
+                s = storage_of(t)
                 if s in st.pending_writes:
                     st.check_read(s, t, func)
         return func(*args, **kwargs)
 
 
-def _serve_leaf(leaf: Any, st: _State) -> Any:
+def _serve_leaf(leaf: Any, st: EngineState) -> Any:
     if isinstance(leaf, _VersionWrapper):
         val = leaf.get_val(False)
         return detach_helper(val) if isinstance(val, torch.Tensor) else val
-    if isinstance(leaf, _Geometry):
+    if isinstance(leaf, Geometry):
         t = leaf.make()
         st.stand_ins.add_tensor(t)
         return t

@@ -15,7 +15,7 @@ from .._compat.ops import schema as op_schema
 from .._compat.tensors import storage_id
 
 
-def _untyped_storage(t: torch.Tensor) -> Any:
+def untyped_storage_of(t: torch.Tensor) -> Any:
     """The storage holding ``t``'s bytes (a tensor subclass's: its inner tensor's, Note
     [tensor subclasses in the eager engine] in sac_compile/_compat/checkpoint.py), or None
     (sparse, ...)."""
@@ -25,12 +25,12 @@ def _untyped_storage(t: torch.Tensor) -> Any:
         return None
 
 
-def _storage(t: torch.Tensor) -> int | None:
-    s = _untyped_storage(t)
+def storage_of(t: torch.Tensor) -> int | None:
+    s = untyped_storage_of(t)
     return None if s is None else storage_id(s)
 
 
-class _StorageSet:
+class StorageSet:
     """Storages by address, ignoring addresses whose storage has since been freed.
 
     A freed storage's address is soon reused by a new tensor; weak references
@@ -41,7 +41,7 @@ class _StorageSet:
         self._refs: dict[int, StorageWeakRef] = {}
 
     def add_tensor(self, t: torch.Tensor) -> None:
-        storage = _untyped_storage(t)
+        storage = untyped_storage_of(t)
         if storage is not None:
             ref = StorageWeakRef(storage)
             self._refs[ref.cdata] = ref
@@ -106,7 +106,7 @@ def _flatten(x: Any, out: list) -> None:
         out.extend(tree_leaves(x))
 
 
-def _leaves(tree: Any) -> list:
+def flat_leaves(tree: Any) -> list:
     if isinstance(tree, torch.Tensor):
         return [tree]
     out: list = []
@@ -114,28 +114,28 @@ def _leaves(tree: Any) -> list:
     return out
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_in(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         return [tree]
-    return [t for t in _leaves(tree) if isinstance(t, torch.Tensor)]
+    return [t for t in flat_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def _tensor_storages(tree: Any) -> tuple[int, ...]:
+def tensor_storages(tree: Any) -> tuple[int, ...]:
     out = []
-    for t in _tensors(tree):
-        s = _storage(t)
+    for t in tensors_in(tree):
+        s = storage_of(t)
         if s is not None:
             out.append(s)
     return tuple(out)
 
 
-def _arg_storages(args: Any) -> tuple[int, ...]:
-    """:func:`_tensor_storages` of an op's flat arguments (a tuple, or a dict's values),
+def arg_storages(args: Any) -> tuple[int, ...]:
+    """:func:`tensor_storages` of an op's flat arguments (a tuple, or a dict's values),
     without pytree; nested containers take the general path."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            s = _storage(a)
+            s = storage_of(a)
             if s is not None:
                 out.append(s)
         elif isinstance(a, (tuple, list)):
@@ -143,22 +143,22 @@ def _arg_storages(args: Any) -> tuple[int, ...]:
                 continue  # an int[] / float[] argument (a shape, dims): no tensor in it
             for b in a:
                 if isinstance(b, torch.Tensor):
-                    s = _storage(b)
+                    s = storage_of(b)
                     if s is not None:
                         out.append(s)
                 elif isinstance(b, (tuple, list, dict)):
-                    return _tensor_storages(tuple(args))
+                    return tensor_storages(tuple(args))
         elif isinstance(a, dict):
-            return _tensor_storages(tuple(args))
+            return tensor_storages(tuple(args))
     return tuple(out)
 
 
-def _storage_objects(tensors: list[torch.Tensor]) -> list:
+def storage_objects(tensors: list[torch.Tensor]) -> list:
     """The untyped storage of each tensor (None where it has none: sparse, ...)."""
-    return [_untyped_storage(t) for t in tensors]
+    return [untyped_storage_of(t) for t in tensors]
 
 
-def _map_leaves(fn: Any, tree: Any) -> Any:
+def map_leaves(fn: Any, tree: Any) -> Any:
     """``tree_map`` for an op's output: a leaf, or a flat tuple / list of leaves."""
     if isinstance(tree, (tuple, list)) and type(tree) in (tuple, list):
         if not any(isinstance(x, (tuple, list, dict)) for x in tree):
@@ -169,7 +169,7 @@ def _map_leaves(fn: Any, tree: Any) -> Any:
 
 
 @dataclass
-class _Writes:
+class Writes:
     """What an op writes, read off its schema (not its name)."""
 
     in_place: list[torch.Tensor]  # ``alias_info.is_write`` on a non-``out`` argument
@@ -180,7 +180,7 @@ class _Writes:
     has_out: bool
 
 
-_NO_WRITES = _Writes([], [], False)
+NO_WRITES = Writes([], [], False)
 
 
 def written_args(func: Any) -> tuple:
@@ -193,17 +193,17 @@ def written_args(func: Any) -> tuple:
     )
 
 
-def _writes(func: Any, args: tuple, kwargs: dict, written: tuple | None = None) -> _Writes:
+def writes_of(func: Any, args: tuple, kwargs: dict, written: tuple | None = None) -> Writes:
     """What ``func`` writes in this call (``written``: its :func:`written_args`, if known)."""
     if written is None:
         written = written_args(func)
     if not written:
-        return _NO_WRITES  # (shared: never mutated)
-    writes = _Writes([], [], False)
+        return NO_WRITES  # (shared: never mutated)
+    writes = Writes([], [], False)
     for i, name, is_out in written:
         passed = name in kwargs or i < len(args)
         value = kwargs.get(name, args[i] if i < len(args) else None)
-        tensors = _tensors(value)
+        tensors = tensors_in(value)
         if is_out:
             writes.out.extend(tensors)
             writes.has_out = writes.has_out or passed
@@ -212,7 +212,7 @@ def _writes(func: Any, args: tuple, kwargs: dict, written: tuple | None = None) 
     return writes
 
 
-def _served_write(func: Any):
+def write_server(func: Any):
     """For a kept in-place write into an outside tensor: return that argument in the recompute.
 
     Only for ops that return nothing, or whose single return aliases the
@@ -239,7 +239,7 @@ def _served_write(func: Any):
     return None
 
 
-def _autocast_weight_cast(func: Any, args: tuple) -> bool:
+def autocast_weight_cast(func: Any, args: tuple) -> bool:
     """autocast's cast of a leaf that requires grad (a parameter): autocast caches these casts
     for the length of its ``with`` block, so whether the op is dispatched at all depends on
     what ran before (the forward may find a cached cast, the recompute in a fresh autocast
@@ -253,9 +253,9 @@ def _autocast_weight_cast(func: Any, args: tuple) -> bool:
     return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
 
 
-def _wait_functional(func: Any, out: Any) -> None:
+def wait_functional(func: Any, out: Any) -> None:
     if func.namespace == "_c10d_functional":
-        for t in _tensors(out):
+        for t in tensors_in(out):
             torch.ops._c10d_functional.wait_tensor.default(t)
 
 
@@ -272,7 +272,7 @@ def seeded(func: Any) -> int | None:
 _NOT_SEEN = object()
 
 
-def _is_random(func: Any, args: tuple = (), kwargs: dict | None = None, i: Any = _NOT_SEEN) -> bool:
+def is_random(func: Any, args: tuple = (), kwargs: dict | None = None, i: Any = _NOT_SEEN) -> bool:
     """Draws from the RNG: tagged ``nondeterministic_seeded``, except an attention kernel
     called with ``dropout_p=0`` (the CPU flash kernel carries the tag whatever its dropout;
     torch 2.15's partitioner, ``is_rng_op``, makes the same exception). ``i``: :func:`seeded`
@@ -291,12 +291,12 @@ def _is_random(func: Any, args: tuple = (), kwargs: dict | None = None, i: Any =
     return not (isinstance(p, (int, float)) and p == 0)
 
 
-def _rng_state(tree: Any) -> tuple:
+def rng_state(tree: Any) -> tuple:
     """The RNG state a random op drew from: an explicit generator's, else the defaults' of
     the devices in ``tree`` (the op's arguments *and outputs*: a factory such as
     ``rand(n, device="cuda")`` names its device only in a ``device`` argument and on its
     output)."""
-    leaves = _leaves(tree)
+    leaves = flat_leaves(tree)
     generators = [g for g in leaves if isinstance(g, torch.Generator)]
     if generators:
         return tuple((g, g.get_state()) for g in generators)
@@ -313,7 +313,7 @@ def _rng_state(tree: Any) -> tuple:
     return tuple(state)
 
 
-def _set_rng_state(state: tuple) -> None:
+def restore_rng_state(state: tuple) -> None:
     for dev, s in state:
         if isinstance(dev, torch.Generator):
             dev.set_state(s)
@@ -323,14 +323,14 @@ def _set_rng_state(state: tuple) -> None:
             torch.cuda.set_rng_state(s, dev)
 
 
-def _all_float_tensors(out: Any) -> bool:
-    leaves = _leaves(out)
+def all_float_tensors(out: Any) -> bool:
+    leaves = flat_leaves(out)
     return bool(leaves) and all(
         isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves
     )
 
 
-class _Geometry:
+class Geometry:
     """What the stand-in of a dropped cached output needs: its shape, strides, dtype and
     device (and, for a tensor subclass, its kind and metadata); ``make()`` builds one."""
 

@@ -194,6 +194,6 @@ def _answers(policy: RegionPolicy, keep: KeepSet) -> dict:
         return {}
 
 
-_SESSION: contextvars.ContextVar[EagerSession | None] = contextvars.ContextVar(
+SESSION: contextvars.ContextVar[EagerSession | None] = contextvars.ContextVar(
     "sac_compile_eager_session", default=None
 )

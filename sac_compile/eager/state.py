@@ -13,21 +13,21 @@ from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.checkpoint import storage_holders
 from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
-from .op_facts import _Geometry, _leaves, _map_leaves, _storage, _StorageSet, _untyped_storage
+from .op_facts import Geometry, StorageSet, flat_leaves, map_leaves, storage_of, untyped_storage_of
 
 __all__ = ["EngineStats"]
 
 
-class _Entry:
+class Entry:
     """One op of a kept span (one is made per op: a plain class, its defaults on the class)."""
 
     value: Any = None  # tree of _VersionWrapper when cached
     storages: tuple[int, ...] = ()
     dropped: bool = False  # every output dropped (the recompute gets stand-ins)
     # a recomputed op whose outputs are all floating-point tensors and that writes nothing:
-    # the recompute may skip it when nothing live reads it (value then holds _Geometry leaves)
+    # the recompute may skip it when nothing live reads it (value then holds Geometry leaves)
     skippable: bool = False
-    dead: bool = False  # skipped in the recompute (see _State.finalize)
+    dead: bool = False  # skipped in the recompute (see EngineState.finalize)
     # a random op's RNG state after its draw: set in the recompute where the draw is
     # skipped (served or dead), so the ops after it draw what they drew in the forward
     rng_after: Any = None
@@ -85,25 +85,25 @@ class EngineStats:
         return sum(forced for _, _, forced in self.collectives)
 
 
-class _State:
+class EngineState:
     """Shared by the caching (forward) and cached (recompute) modes of one call."""
 
     def __init__(self, preserve_rng_state: bool) -> None:
         self.preserve_rng_state = preserve_rng_state
-        self.entries: dict[Any, list[_Entry]] = defaultdict(list)
+        self.entries: dict[Any, list[Entry]] = defaultdict(list)
         self.matmul_bytes: dict[int, int] = {}  # storage of a cached matmul output -> its bytes
-        self.order: list[_Entry] = []  # every entry in program order (for liveness)
-        self.by_storage: dict[int, list[_Entry]] = defaultdict(list)
-        self.produced = _StorageSet()  # storages created by ops in this scope
-        self.saved_storages = _StorageSet()  # what autograd saved for backward
+        self.order: list[Entry] = []  # every entry in program order (for liveness)
+        self.by_storage: dict[int, list[Entry]] = defaultdict(list)
+        self.produced = StorageSet()  # storages created by ops in this scope
+        self.saved_storages = StorageSet()  # what autograd saved for backward
         self.stats = EngineStats()
         self.forward_done = False
-        self.stand_ins = _StorageSet()  # dropped entries' stand-ins (recompute)
+        self.stand_ins = StorageSet()  # dropped entries' stand-ins (recompute)
         self.needed_storages: set[int] = set()  # read by autograd or by a recomputed op
         # storages holding random numbers or values computed from them
-        self.random_derived = _StorageSet()
+        self.random_derived = StorageSet()
         self.span = 0  # the kept span running now (forward)
-        self.span_entries: list[_Entry] = []
+        self.span_entries: list[Entry] = []
         self.span_produced: list[int] = []
         # storages made in a kept span and still held by a tensor when it ended (-> the
         # span): ops outside kept regions, which the engine does not see, may read them
@@ -115,10 +115,10 @@ class _State:
         self.early_stop = True  # the checkpoint stops its recompute at the last saved tensor
         self.where = ("", "")  # (name, hint) of the checkpointed function, for recompute errors
         self.recompute_hooks = 1  # saved-tensor hook pairs the recompute pushed: the checkpoint's, ours
-        self.write_targets = _StorageSet()  # written by served writes (outside tensors)
+        self.write_targets = StorageSet()  # written by served writes (outside tensors)
         # (recompute) served writes into outside tensors still ahead:
         # storage -> [(the write, the byte span it writes there)]
-        self.pending_writes: dict[int, list[tuple[_Entry, tuple[int, int]]]] = {}
+        self.pending_writes: dict[int, list[tuple[Entry, tuple[int, int]]]] = {}
 
     # -- forward bookkeeping --------------------------------------------------
     def mark_needed(self, storages: Any) -> None:
@@ -142,7 +142,7 @@ class _State:
         for e in self.span_entries:
             if e.cached:
                 for t in _cached_tensors(e.value):
-                    ours[_storage(t)] += 1
+                    ours[storage_of(t)] += 1
         for s in self.span_produced:
             ref = self.produced.ref(s)
             if ref is not None and storage_holders(ref) > ours[s]:
@@ -160,10 +160,10 @@ class _State:
             return set(self.escaped)
         return {s for s, span in self.escaped.items() if self.packed_after >= span}
 
-    def note_external_writes(self, e: _Entry, targets: list[torch.Tensor]) -> None:
+    def note_external_writes(self, e: Entry, targets: list[torch.Tensor]) -> None:
         for t in targets:
             self.write_targets.add_tensor(t)
-        e.write_refs = tuple(self.write_targets.ref(_storage(t)) for t in targets)
+        e.write_refs = tuple(self.write_targets.ref(storage_of(t)) for t in targets)
         e.write_spans = tuple(_byte_span(t) for t in targets)
 
     # -- recompute -----------------------------------------------------------
@@ -182,15 +182,15 @@ class _State:
         return bool(self.pending_writes)
 
     @staticmethod
-    def same_write_targets(e: _Entry, targets: list[torch.Tensor]) -> bool:
+    def same_write_targets(e: Entry, targets: list[torch.Tensor]) -> bool:
         """Whether a served write's targets in the recompute are the forward's tensors (from
         outside the checkpoint), not ones the recompute made anew (outside kept regions)."""
         return len(targets) == len(e.write_refs) and all(
-            ref is not None and not ref.expired() and ref.cdata == _storage(t)
+            ref is not None and not ref.expired() and ref.cdata == storage_of(t)
             for ref, t in zip(e.write_refs, targets, strict=True)
         )
 
-    def served_external_write(self, e: _Entry) -> None:
+    def served_external_write(self, e: Entry) -> None:
         for ref in e.write_refs:
             pending = self.pending_writes.get(ref.cdata)
             if pending is not None:
@@ -209,7 +209,7 @@ class _State:
                 self._read_before_served_write(e, reader)
 
     @staticmethod
-    def _read_before_served_write(e: _Entry, reader: Any) -> None:
+    def _read_before_served_write(e: Entry, reader: Any) -> None:
         raise RuntimeError(
             f"sac_compile: {e.func} writes in place, in kept region(s) {'+'.join(e.regions)}, into a "
             f"tensor from outside the checkpoint that {reader} read earlier in the checkpointed "
@@ -220,8 +220,8 @@ class _State:
     def _keep_or_drop(self, leaf: Any) -> Any:
         if isinstance(leaf, _VersionWrapper) and isinstance(leaf.val, torch.Tensor):
             t = leaf.val
-            if _storage(t) not in self.needed_storages and (t.is_floating_point() or t.is_complex()):
-                return _Geometry(t)
+            if storage_of(t) not in self.needed_storages and (t.is_floating_point() or t.is_complex()):
+                return Geometry(t)
         return leaf
 
     def mark_mutated(self, storage: int, func: Any, regions: tuple[str, ...], target: torch.Tensor) -> None:
@@ -253,7 +253,7 @@ class _State:
         outside kept regions (which the engine does not see) may read it, and it is held. The compiled pass
         applies the same rule (``passes.saving_rules.save_small_reads_of_kept_matmuls``).
         """
-        readers: dict[int, list[_Entry]] = defaultdict(list)
+        readers: dict[int, list[Entry]] = defaultdict(list)
         for e in self.order:
             if getattr(e.func, "is_view", False):
                 continue  # a view shares the storage: its readers are read off the storage too
@@ -328,17 +328,17 @@ class _State:
             # Per output: a value is dropped when nothing reads it. Only
             # floating-point values: Python can read integer results
             # (indices) without an aten op (.tolist()), which we cannot see.
-            e.value = _map_leaves(self._keep_or_drop, e.value)
+            e.value = map_leaves(self._keep_or_drop, e.value)
             if e.storages and not _cached_tensors(e.value):
                 e.dropped = True
                 self.stats.dropped_ops += 1
                 continue
             for t in _cached_tensors(e.value):
-                s = _storage(t)
+                s = storage_of(t)
                 # a view of an input or parameter costs no memory of its own
                 if s not in seen and s in self.produced:
                     seen.add(s)
-                    nbytes = _untyped_storage(t).nbytes()
+                    nbytes = untyped_storage_of(t).nbytes()
                     self.stats.held_bytes += nbytes
                     key = "+".join(e.regions) or NO_REGION
                     self.stats.held_by_region[key] += nbytes
@@ -354,9 +354,9 @@ class _State:
         # freed activations and fragment glibc's heap: the backward then allocates fresh
         # pages instead of reusing them (a Qwen3-MoE layer keeping nothing: backward 2.8 ms,
         # 8%, slower than full recompute's). The recompute needs none of them.
-        self.produced = _StorageSet()
-        self.saved_storages = _StorageSet()
-        self.random_derived = _StorageSet()
+        self.produced = StorageSet()
+        self.saved_storages = StorageSet()
+        self.random_derived = StorageSet()
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -370,13 +370,13 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return (first * size, (last + 1) * size)
 
 
-def _cached_bytes(e: _Entry) -> int:
+def _cached_bytes(e: Entry) -> int:
     return sum(t.numel() * t.element_size() for t in _cached_tensors(e.value)) if e.cached else 0
 
 
 def _wrappers(value: Any) -> list[_VersionWrapper]:
     """The cached aliases in an entry's value (a leaf, or a tree of leaves)."""
-    leaves = _leaves(value) if isinstance(value, (tuple, list, dict)) else (value,)
+    leaves = flat_leaves(value) if isinstance(value, (tuple, list, dict)) else (value,)
     return [w for w in leaves if isinstance(w, _VersionWrapper)]
 
 

@@ -111,7 +111,7 @@ def _shrinks(n: fx.Node, size: int) -> bool:
 # a reduction: at most half its bytes in total, every reader one) is better held as
 # those reads: the recompute never needs the big output, so it is dropped. Both engines
 # apply the same rule: here on the joint graph, and in the eager engine's end-of-forward
-# walk (eager/state.py, _State._settle_shrinking_reads).
+# walk (eager/state.py, EngineState._settle_shrinking_reads).
 
 
 def save_small_reads_of_kept_matmuls(nodes, forward, rec: records.GraphRecord) -> None:
