@@ -16,8 +16,8 @@ Per configuration, on rank 0 (the ranks are symmetric):
 * bwd a2a: all-to-alls the backward runs per step (measured with
   ``collectives_run``); ``recomp`` = those beyond the backward's own
   (one per forward all-to-all), i.e. forward all-to-alls run again;
-* save/recompute: ops the engine served from its cache / re-ran (eager, all
-  layers), or forward nodes the tagging pass marked MUST_SAVE / MUST_RECOMPUTE
+* save/recompute: ops of kept regions the engine served from its cache / re-ran
+  (eager, all layers; it intercepts no other op), or forward nodes the tagging pass marked MUST_SAVE / MUST_RECOMPUTE
   (compiled, all layers) -- the figures the published 18 / 235 and 247 / 6
   counts describe;
 * step: median forward+backward time over interleaved iterations, as a ratio

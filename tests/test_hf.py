@@ -8,6 +8,8 @@ ones match within float tolerance, and the regions show up by name.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -164,3 +166,20 @@ def test_eager_experts_under_compile_are_reported_not_silently_uncompiled(caplog
     msgs = [r.getMessage() for r in caplog.records if r.name == "sac_compile"]
     assert any("[graph-break] region 'experts'" in m for m in msgs), msgs
     assert not any("[unbalanced]" in m for m in msgs), msgs
+
+
+def test_compiling_a_wrapped_layer_raises_no_warning_of_ours(monkeypatch):
+    """A transformers layer compiled through the seam warns of nothing sac-compile does: red
+    while the cache-argument positions were memoised by ``functools.cache`` (Dynamo warns
+    that it traces through an ``lru_cache`` wrapper)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())  # Dynamo warns once per process
+    ref, model, (a, _) = _pair("llama")
+    hf.config_for(model, keep={a}, compile={"inner": "aot_eager"}).apply(model)
+    ids = hf.batch(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm_step(model, ids)
+    ours = [str(w.message) for w in caught if "sac_compile" in str(w.message) or "sac_compile" in w.filename]
+    assert not ours, ours

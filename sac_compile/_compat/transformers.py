@@ -20,7 +20,6 @@ that a model it compiles checkpoints its layers that way.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from typing import Any
@@ -60,16 +59,23 @@ def checkpoints_inside(root: nn.Module) -> bool:
     return any(is_checkpointing_layer(m) and own_checkpointing_on(m) for m in root.modules())
 
 
-@functools.cache
+# per layer class; a plain dict, not functools.cache: Dynamo traces this lookup inside
+# compiled layers and warns about every lru_cache wrapper it traces through
+_POSITIONS: dict[type, dict[str, int]] = {}
+
+
 def _cache_positions(cls: type) -> dict[str, int]:
     """``{name: index in the call's positional arguments}`` of the cache parameters of
     ``cls.forward`` (GPT-2 and RecurrentGemma pass the cache positionally). The signature
     is the layer's own: transformers' wrappers keep it (``functools.wraps``)."""
-    try:
-        params = list(inspect.signature(cls.forward).parameters)[1:]  # less self
-    except (TypeError, ValueError):
-        return {}
-    return {name: i for i, name in enumerate(params) if name in _CACHE_KWARGS}
+    found = _POSITIONS.get(cls)
+    if found is None:
+        try:
+            params = list(inspect.signature(cls.forward).parameters)[1:]  # less self
+        except (TypeError, ValueError):
+            params = []
+        found = _POSITIONS[cls] = {name: i for i, name in enumerate(params) if name in _CACHE_KWARGS}
+    return found
 
 
 def training_call(
