@@ -244,6 +244,10 @@ def normalize_compile(compile: object) -> tuple[tuple[str, Any], ...] | None:
     raise TypeError(f"compile must be a bool or a dict of options, got {type(compile).__name__} {compile!r}")
 
 
+# the generated class's attribute holding its transformers cache-argument positions
+_CACHE_ARGS = "_sac_cache_args"
+
+
 def _subclass_for(cls: type, config: SeamConfig) -> type:
     """The generated subclass of ``cls`` whose ``_call_impl`` applies the seam."""
     key = (
@@ -267,6 +271,7 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
                 CALL_IMPL: call_impl,
                 "__module__": cls.__module__,
                 "_sac_seam_class": True,
+                _CACHE_ARGS: transformers_layers.cache_positions(cls),
                 "__reduce_ex__": _seam_reduce_ex,
                 "__setstate__": _seam_setstate,
             },
@@ -340,7 +345,9 @@ def _transformers_training_call(self, args: tuple, kwargs: dict) -> tuple[tuple,
     checkpointing is on too (two nested checkpoints)."""
     if transformers_layers.own_checkpointing_on(self):
         raise ValueError(_twice_message(self))
-    args, kwargs, turned = transformers_layers.training_call(self, args, kwargs)
+    args, kwargs, turned = transformers_layers.training_call(
+        self, args, kwargs, getattr(type(self), _CACHE_ARGS)
+    )
     if turned and not torch.compiler.is_compiling():
         transformers_layers.note_caches_off(user_class_name(type(self)), turned)
     return args, kwargs

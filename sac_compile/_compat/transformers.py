@@ -28,6 +28,7 @@ import torch.nn as nn
 
 __all__ = [
     "cache_arguments",
+    "cache_positions",
     "checkpoints_inside",
     "is_checkpointing_layer",
     "note_caches_off",
@@ -59,35 +60,29 @@ def checkpoints_inside(root: nn.Module) -> bool:
     return any(is_checkpointing_layer(m) and own_checkpointing_on(m) for m in root.modules())
 
 
-# per layer class; a plain dict, not functools.cache: Dynamo traces this lookup inside
-# compiled layers and warns about every lru_cache wrapper it traces through
-_POSITIONS: dict[type, dict[str, int]] = {}
-
-
-def _cache_positions(cls: type) -> dict[str, int]:
-    """``{name: index in the call's positional arguments}`` of the cache parameters of
+def cache_positions(cls: type) -> tuple[tuple[str, int], ...]:
+    """``(name, index in the call's positional arguments)`` of the cache parameters of
     ``cls.forward`` (GPT-2 and RecurrentGemma pass the cache positionally). The signature
-    is the layer's own: transformers' wrappers keep it (``functools.wraps``)."""
-    found = _POSITIONS.get(cls)
-    if found is None:
-        try:
-            params = list(inspect.signature(cls.forward).parameters)[1:]  # less self
-        except (TypeError, ValueError):
-            params = []
-        found = _POSITIONS[cls] = {name: i for i, name in enumerate(params) if name in _CACHE_KWARGS}
-    return found
+    is the layer's own: transformers' wrappers keep it (``functools.wraps``). Read once per
+    class, when the seam generates its subclass, so that Dynamo never traces it."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters)[1:]  # less self
+    except (TypeError, ValueError):
+        return ()
+    return tuple((name, i) for i, name in enumerate(params) if name in _CACHE_KWARGS)
 
 
 def training_call(
-    module: nn.Module, args: tuple, kwargs: dict[str, Any]
+    module: nn.Module, args: tuple, kwargs: dict[str, Any], cache_args: tuple[tuple[str, int], ...]
 ) -> tuple[tuple, dict[str, Any], list[str]]:
     """``(args, kwargs, what was turned off)`` for a checkpointed call of a transformers layer
     in training with grad enabled: cache writes off, as transformers' own checkpointing turns
-    them off (see the module docstring), whether passed by keyword or by position; the
-    arguments given are not changed."""
+    them off (see the module docstring), whether passed by keyword or by position
+    (``cache_args``: :func:`cache_positions` of the layer's class); the arguments given are
+    not changed."""
     turned: list[str] = []
     names = _READ_ONLY_OK if type(module)._can_checkpoint_with_cache else _CACHE_KWARGS
-    positions = _cache_positions(type(module))
+    positions = dict(cache_args)
     new_kwargs = None
     for name in names:
         off = _CACHE_KWARGS[name]
