@@ -54,6 +54,15 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` in ``package`` imports from."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
     """(imported sac_compile module, line) for every import in the file, lazy ones included."""
     tree = ast.parse(path.read_text())
@@ -63,12 +72,7 @@ def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             # `from . import x` may import a submodule x
             targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names]
         else:
@@ -316,10 +320,7 @@ def _private_names_across_modules(
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - (node.level - 1)] if node.level else []
-            mod = (
-                ".".join(base + ([node.module] if node.module else [])) if node.level else (node.module or "")
-            )
+            mod = _from_module(node, package)
             if not mod.startswith("sac_compile") or mod == name:
                 continue
             for a in node.names:
