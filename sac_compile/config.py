@@ -38,8 +38,14 @@ class SacConfig:
 
     Attributes:
         layers: module path pattern of the checkpointed layers (one checkpoint
-            scope each), e.g. ``"model.layers.*"``; ``*`` matches one component.
+            scope each), e.g. ``"model.layers.*"``; ``*`` matches one component. A
+            tuple of patterns checkpoints several stacks (a vision tower's blocks and
+            a language decoder's layers); each pattern must match some module.
         keep: region names to keep (save), or ``ALL_REGIONS``; ``()`` = full recompute.
+        stack_keep: ``{pattern of layers: keep set}`` for the patterns whose layers
+            keep something other than ``keep`` (keep attention in the language
+            decoder only: ``stack_keep={"model.visual.blocks.*": ()}``); every key is
+            one of ``layers``.
         regions: ``{module path pattern: region name}`` passed to ``declare_regions``.
         compile: ``False``, ``True`` or a dict of options (``fullgraph``,
             ``dynamic``, ``inner``, ``inductor_config``): compile each layer with
@@ -51,9 +57,10 @@ class SacConfig:
             values (compiled layers only; see ``apply_selective_checkpointing``).
     """
 
-    layers: str
+    layers: str | tuple[str, ...]
     keep: KeepSet = frozenset()
     regions: tuple[tuple[str, str], ...] = ()
+    stack_keep: tuple[tuple[str, KeepSet], ...] = ()
     compile: Any = False
     preserve_rng_state: bool = True
     strict: bool = False
@@ -62,13 +69,20 @@ class SacConfig:
     _compile_options: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layers, str) or not self.layers:
+        patterns = self.layers if isinstance(self.layers, tuple) else (self.layers,)
+        if (
+            not patterns
+            or not all(isinstance(p, str) and p for p in patterns)
+            or len(set(patterns)) < len(patterns)
+        ):
             raise TypeError(
-                f"SacConfig.layers must be a non-empty module path pattern such as 'model.layers.*', "
-                f"got {self.layers!r}"
+                "SacConfig.layers must be a non-empty module path pattern such as 'model.layers.*', or a "
+                f"tuple of distinct ones (one per stack of layers), got {self.layers!r}"
             )
-        check_pattern(self.layers)
+        for pattern in patterns:
+            check_pattern(pattern)
         object.__setattr__(self, "keep", normalize_keep(self.keep))
+        object.__setattr__(self, "stack_keep", _stack_keep(self.stack_keep, patterns))
         regions = self.regions
         if isinstance(regions, Mapping):
             regions = tuple(regions.items())
@@ -100,20 +114,23 @@ class SacConfig:
         if not isinstance(model, nn.Module):
             raise TypeError(f"SacConfig.apply takes an nn.Module, got {type(model).__name__}")
         root = unwrap_compiled(model)
-        layers = [(p, m) for p, m in root.named_modules() if match_path(self.layers, p)]
-        if not layers:
-            raise ValueError(
-                no_match_message(self.layers, [p for p, _ in root.named_modules()]).replace(
-                    "declare_regions", "SacConfig.layers"
+        paths = [p for p, _ in root.named_modules()]
+        keeps = dict(self.stack_keep)
+        layers = []  # (module, its keep set), every pattern's layers
+        for pattern in self.patterns:
+            matched = [(p, m) for p, m in root.named_modules() if match_path(pattern, p)]
+            if not matched:
+                raise ValueError(
+                    no_match_message(pattern, paths).replace("declare_regions", "SacConfig.layers")
                 )
-            )
-        containers = [p for p, m in layers if is_container(m)]
-        if containers:
-            raise ValueError(
-                f"SacConfig.layers={self.layers!r} matches {type(dict(layers)[containers[0]]).__name__} "
-                f"{containers[0]!r}, a container without a forward: its call never runs, so wrapping it "
-                f"would checkpoint nothing. Match the layers inside it: layers={_inside(self.layers)!r}"
-            )
+            containers = [p for p, m in matched if is_container(m)]
+            if containers:
+                raise ValueError(
+                    f"SacConfig.layers={pattern!r} matches {type(dict(matched)[containers[0]]).__name__} "
+                    f"{containers[0]!r}, a container without a forward: its call never runs, so wrapping it "
+                    f"would checkpoint nothing. Match the layers inside it: layers={_inside(pattern)!r}"
+                )
+            layers += [(m, keeps.get(pattern, self.keep)) for _, m in matched]
         if self.regions:
             declare_regions(root, dict(self.regions))
         compile_arg: Any = False
@@ -121,10 +138,10 @@ class SacConfig:
             compile_arg = dict(self._compile_options) or True
             if isinstance(compile_arg, dict) and "inductor_config" in compile_arg:
                 compile_arg["inductor_config"] = dict(compile_arg["inductor_config"])
-        for _, layer in layers:
+        for layer, keep in layers:
             apply_selective_checkpointing(
                 layer,
-                keep=self.keep,
+                keep=keep,
                 preserve_rng_state=self.preserve_rng_state,
                 compile=compile_arg,
                 policy=self.policy,
@@ -133,6 +150,26 @@ class SacConfig:
         if self.strict:
             diagnostics.make_strict(root)
         return model
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """``layers`` as a tuple of patterns."""
+        return self.layers if isinstance(self.layers, tuple) else (self.layers,)
+
+
+def _stack_keep(value: Any, patterns: tuple[str, ...]) -> tuple[tuple[str, KeepSet], ...]:
+    items = tuple(value.items()) if isinstance(value, Mapping) else value
+    if not isinstance(items, tuple) or not all(isinstance(i, tuple) and len(i) == 2 for i in items):
+        raise TypeError(
+            f"SacConfig.stack_keep must be a mapping {{pattern of layers: keep set}}, got {value!r}"
+        )
+    for pattern, _ in items:
+        if pattern not in patterns:
+            raise ValueError(
+                f"SacConfig.stack_keep names {pattern!r}, which is not one of layers={list(patterns)}: "
+                "each key is the pattern of a stack of layers this config checkpoints"
+            )
+    return tuple(sorted(((p, normalize_keep(k)) for p, k in items), key=lambda item: item[0]))
 
 
 def _inside(pattern: str) -> str:

@@ -319,7 +319,8 @@ def _seam_call_impl(self, *args, **kwargs):
     call = next_call_impl(_seam_class(self), self)
     if exporting():  # See Note [markers export as nothing] in sac_compile/markers/regions.py.
         return call(*args, **kwargs)
-    if self.training and torch.is_grad_enabled() and transformers_layers.is_checkpointing_layer(self):
+    if torch.is_grad_enabled() and transformers_layers.is_checkpointing_layer(self):
+        # train or eval mode alike: the seam checkpoints whenever grad is on
         args, kwargs = _transformers_training_call(self, args, kwargs)
     legacy = getattr(self, LEGACY_ATTR, False) is True
     if torch.compiler.is_compiling():
@@ -340,7 +341,7 @@ def _seam_call_impl(self, *args, **kwargs):
 
 
 def _transformers_training_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A transformers decoder layer checkpointed while training: cache writes off, as under
+    """A transformers layer checkpointed (grad enabled, in train or eval mode): cache writes off, as under
     transformers' own checkpointing (:mod:`sac_compile._compat.transformers`); refused when that
     checkpointing is on too (two nested checkpoints)."""
     if transformers_layers.own_checkpointing_on(self):

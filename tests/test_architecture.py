@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("seam", "config", "contexts"),
     ("inspection",),
     ("planning",),
-    ("hf",),
+    ("hf", "hf_layers"),
     ("__init__",),
     ("testing",),
 ]

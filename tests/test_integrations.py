@@ -85,9 +85,31 @@ def test_a_default_config_trains_through_the_seam_like_transformers_own_checkpoi
     notes = [r.getMessage() for r in caplog.records if "caching is incompatible" in r.getMessage()]
     assert notes == [
         "sac_compile: caching is incompatible with activation checkpointing in LlamaDecoderLayer: calling it "
-        "with use_cache=False, cache=None while training, as transformers' own checkpointing does (a cache "
-        "written in the forward would be written again in the recompute)"
+        "with use_cache=False, cache=None while it is checkpointed (grad enabled), as transformers' own "
+        "checkpointing does while training (a cache written in the forward would be written again in the "
+        "recompute)"
     ]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_default_config_in_eval_mode_trains_through_the_seam_like_no_checkpoint(compiled):
+    """``eval()`` with grad on (dropout off: reward models, RL): the model makes a KV cache
+    (``use_cache=True`` by default) and the seam checkpoints, so caching is turned off as in
+    training. Red before: "aten.slice.Tensor ran during the recompute of LlamaDecoderLayer"."""
+    ids = _ids()
+    want_loss, want = lm_step(_llama().eval(), ids)
+    model = _llama().eval()
+    hf.config_for(model, keep={"attn"}, compile={"inner": INNER} if compiled else False).apply(model)
+    for _ in range(2):
+        loss, got = lm_step(model, ids)
+        if compiled:
+            torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
+        else:
+            assert _bit_identical((loss, got), (want_loss, want))
+    held = _held(model, ids)
+    assert held < _held(_llama().eval(), ids)  # checkpointed in eval mode too
 
 
 @pytest.mark.parametrize("how", ["per-layer", "whole-model"])

@@ -140,3 +140,49 @@ def test_plain_compile_of_a_plugin_block_is_reported(tmp_path):
     logged = done.stdout + done.stderr  # torchtitan's log handler writes to stdout
     assert done.returncode == 0, logged[-8000:]
     assert "[no-pass]" in logged and "keep={'attn'}" in logged, logged[-8000:]
+
+
+@default_torch_only
+def test_plugin_keeps_torchtitans_moe_regions_and_checkpoints_mtp_layers(tmp_path):
+    """DeepSeek-V3 with an MTP layer (examples/torchtitan/moe_mtp.py): the plugin declares
+    ``moe.router`` / ``moe.routed_experts`` / ``moe.shared_experts`` per block (the dense first
+    block has none) and wraps the MTP layer, which torchtitan's own AC leaves out. Red before:
+    keep experts held exactly full recompute's bytes (no ``moe.experts`` in torchtitan's MoE)."""
+    out = tmp_path / "figures.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, os.path.join(EXAMPLE, "moe_mtp.py"), "--json", str(out)]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    figures = json.loads(out.read_text())
+    held = {name: f["held_bytes"] for name, f in figures.items()}
+    for name, f in figures.items():  # the same weights and batch: the same gradients, bit for bit
+        assert f["max_dgrad"] == 0.0 and f["loss"] == figures["no checkpoint"]["loss"], (name, f)
+    assert "mtp_layers.0" in figures["sac keep {} (full)"]["wrapped"]
+    assert not any(w.startswith("mtp_layers") for w in figures["torchtitan full"]["wrapped"])
+    assert held["sac keep {} (full)"] < held["torchtitan full"]  # the MTP layer is checkpointed too
+    assert held["sac keep {} (full)"] < held["sac keep experts"] < held["sac keep attn+experts"], held
+    assert held["sac keep attn+experts"] <= held["sac keep every region"] < held["no checkpoint"], held
+
+
+def test_plugin_declares_each_blocks_own_regions():
+    """A dense block and an MoE block of torchtitan's shapes, in this process."""
+    sys.path.insert(0, EXAMPLE)
+    try:
+        import sac_compile_ac as plugin
+    finally:
+        sys.path.remove(EXAMPLE)
+    ac = plugin.SacCompileAC.Config(keep=["experts"]).build()
+    dense, moe = torch.nn.Module(), torch.nn.Module()
+    for block in (dense, moe):
+        block.attention = torch.nn.Linear(4, 4)
+    dense.feed_forward = torch.nn.Linear(4, 4)
+    moe.moe = torch.nn.Module()
+    for child in ("router", "routed_experts", "shared_experts"):
+        setattr(moe.moe, child, torch.nn.Linear(4, 4))
+    assert ac.regions_for(dense) == {"attention": "attn", "feed_forward": "mlp"}
+    assert ac.regions_for(moe) == {
+        "attention": "attn",
+        "moe.router": "router",
+        "moe.routed_experts": "experts",
+        "moe.shared_experts": "shared_experts",
+    }

@@ -6,7 +6,8 @@ and wraps each ``TransformerBlock`` of ``model.layers`` with ``_wrap_block`` aft
 parallelism, before ``torch.compile`` and FSDP. ``--override.imports`` swaps that config
 node for another ``Configurable`` (torchtitan's ``@override``): here ``SacCompileAC``,
 whose ``_wrap_block`` declares regions on the block by module path and wraps it with
-``sac_compile.apply_selective_checkpointing``. Put this folder on ``PYTHONPATH`` and::
+``sac_compile.apply_selective_checkpointing``; its ``apply`` also wraps the multi-token
+prediction layers (``model.mtp_layers``), which torchtitan's own policies leave out. Put this folder on ``PYTHONPATH`` and::
 
     torchrun ... -m torchtitan.train --module llama3 --config llama3_debugmodel \\
         --override.imports 'sac_compile_ac.sac_compile={"keep": ["attn"]}'
@@ -15,8 +16,9 @@ The override replaces whichever policy the config selected (the debug configs se
 ``selective``). Its keyword arguments (JSON after ``=``) are the fields of
 ``SacCompileAC.Config``: ``keep`` (region names, ``[]`` for full recompute, ``"all"`` for
 every region), ``regions`` (``{path in the block: region name}``; default: ``attention`` is
-``attn``, ``feed_forward`` is ``mlp``, an MoE block's ``moe.router`` / ``moe.experts`` are
-``router`` / ``experts``), ``policy`` (``"save_costly"`` or ``"save_all"``), ``budget``
+``attn``, ``feed_forward`` is ``mlp``, an MoE block's ``moe.router`` / ``moe.routed_experts`` /
+``moe.shared_experts`` are ``router`` / ``experts`` / ``shared_experts``, each block declaring
+those it has), ``policy`` (``"save_costly"`` or ``"save_all"``), ``budget``
 (compiled only) and ``compile`` (the seam compiles each block itself: see below).
 
 Compiled, with SDPA attention: ``--compile.enable --compile.backend sac_compile``
@@ -41,11 +43,17 @@ from torchtitan.tools.logging import logger
 
 import sac_compile as sc
 
+# torchtitan 0.3.0's blocks: ``attention`` and ``feed_forward`` (dense), or an MoE block
+# (models/common/moe.py: DeepSeek-V3, Qwen3-MoE, ...) with ``moe.router``,
+# ``moe.routed_experts`` (the grouped-mm experts and their token dispatch: all-to-alls under
+# expert parallelism) and ``moe.shared_experts``. Each block declares the ones it has, so a
+# dense first layer and the MoE layers after it each get theirs.
 DEFAULT_REGIONS = {
     "attention": "attn",
     "feed_forward": "mlp",
     "moe.router": "router",
-    "moe.experts": "experts",
+    "moe.routed_experts": "experts",
+    "moe.shared_experts": "shared_experts",
 }
 _POLICIES = {"save_costly": sc.SAVE_COSTLY, "save_all": sc.SAVE_ALL}
 
@@ -90,6 +98,17 @@ class SacCompileAC(ActivationCheckpointing):
             return dict(self.config.regions)
         paths = {name for name, _ in block.named_modules()}
         return {path: name for path, name in DEFAULT_REGIONS.items() if path in paths}
+
+    def apply(self, model: nn.Module) -> None:
+        """torchtitan's ``apply`` wraps every block of ``model.layers``; the multi-token
+        prediction layers (``model.mtp_layers`` of DeepSeek-V3's MTP configs), which
+        torchtitan's own policies leave out, are wrapped here too."""
+        super().apply(model)
+        mtp = getattr(model, "mtp_layers", None)
+        if mtp is not None:
+            for index, block in list(mtp.named_children()):
+                mtp.register_module(index, self._wrap_block(block, base_fqn=f"mtp_layers.{index}"))
+            logger.info(f"sac-compile: checkpointed the {len(mtp)} MTP layer(s) (mtp_layers) too")
 
     def _wrap_block(self, module: nn.Module, *, base_fqn: str | None = None) -> nn.Module:
         config = self.config

@@ -11,7 +11,10 @@ that only reads the cache), with a one-time message. A layer that wrote its KV c
 the forward would write it again in the recompute (the recompute then runs other ops).
 
 The seam wraps a layer's ``__call__``, outside that forward, so it applies the same
-treatment itself (:func:`training_call`), in eager and traced calls alike; the message
+treatment itself (:func:`training_call`), in eager and traced calls alike, whenever it
+checkpoints: with grad enabled, in train *and* eval mode (transformers checkpoints only
+while ``training``; a model in ``eval()`` trained through, dropout off, makes its default
+KV cache, which a recompute would write again); the message
 is logged once per layer class, from eager code only (a logging call in traced code is a
 graph break). transformers' own switch (``activation_checkpointing_enable``, the
 ``Trainer``) applies its own, and :func:`checkpoints_inside` tells the compile backend
@@ -76,7 +79,7 @@ def training_call(
     module: nn.Module, args: tuple, kwargs: dict[str, Any], cache_args: tuple[tuple[str, int], ...]
 ) -> tuple[tuple, dict[str, Any], list[str]]:
     """``(args, kwargs, what was turned off)`` for a checkpointed call of a transformers layer
-    in training with grad enabled: cache writes off, as transformers' own checkpointing turns
+    (grad enabled, train or eval mode): cache writes off, as transformers' own checkpointing turns
     them off (see the module docstring), whether passed by keyword or by position
     (``cache_args``: :func:`cache_positions` of the layer's class); the arguments given are
     not changed."""
@@ -104,8 +107,8 @@ def note_caches_off(layer: str, turned: list[str]) -> None:
         _noted.add(layer)
         log.warning(
             "sac_compile: caching is incompatible with activation checkpointing in %s: calling it with %s "
-            "while training, as transformers' own checkpointing does (a cache written in the forward "
-            "would be written again in the recompute)",
+            "while it is checkpointed (grad enabled), as transformers' own checkpointing does while "
+            "training (a cache written in the forward would be written again in the recompute)",
             layer,
             ", ".join(turned),
         )

@@ -40,7 +40,7 @@ class ModelPlan:
     """One :class:`~sac_compile.planning.Plan` per kind of layer; ``apply(model)`` wraps
     every planned layer with its group's keep set, policy and budget."""
 
-    layers: str
+    layers: str | tuple[str, ...]
     groups: tuple[LayerGroup, ...]
 
     @property
@@ -96,7 +96,7 @@ class ModelPlan:
 def plan_model(
     model: nn.Module,
     *example_args: Any,
-    layers: str,
+    layers: str | tuple[str, ...],
     memory: int | float,
     regions: dict[str, str] | None = None,
     budgets=DEFAULT_BUDGETS,
@@ -109,7 +109,9 @@ def plan_model(
     Args:
         model: the model, run once as ``model(*example_args, **example_kwargs)`` to record
             each layer's inputs (with grad, so that they require grad as in training).
-        layers: module path pattern of the checkpointed layers (``"model.layers.*"``).
+        layers: module path pattern of the checkpointed layers (``"model.layers.*"``), or a
+            tuple of patterns (several stacks); each must match layers that run in the
+            example forward.
         memory: per layer: bytes (``int``) or a fraction of that layer's no-checkpoint bytes.
         regions: ``{module path pattern: region name}`` declared on ``model`` first.
         budgets, policies, eager: as in :func:`~sac_compile.planning.plan`.
@@ -119,15 +121,26 @@ def plan_model(
     from .._compat.dynamo import unwrap_compiled
 
     root = unwrap_compiled(model)
-    matched = [(p, m) for p, m in root.named_modules() if match_path(layers, p)]
-    if not matched:
-        raise ValueError(
-            f"plan_model(layers={layers!r}) matches no module of {type(root).__name__}; "
-            "give the dotted path pattern of the checkpointed layers, e.g. 'model.layers.*'"
-        )
+    patterns = layers if isinstance(layers, tuple) else (layers,)
+    by_pattern = {
+        pattern: [(p, m) for p, m in root.named_modules() if match_path(pattern, p)] for pattern in patterns
+    }
+    for pattern, matched in by_pattern.items():
+        if not matched:
+            raise ValueError(
+                f"plan_model(layers={pattern!r}) matches no module of {type(root).__name__}; "
+                "give the dotted path pattern of the checkpointed layers, e.g. 'model.layers.*'"
+            )
+    matched = [item for found in by_pattern.values() for item in found]
     if regions:
         declare_regions(root, regions)
     calls = _record_calls(model, matched, example_args, example_kwargs)
+    silent = [pattern for pattern, found in by_pattern.items() if not any(p in calls for p, _ in found)]
+    if silent:
+        raise ValueError(
+            f"plan_model: no layer of {', '.join(map(repr, silent))} ran in the example forward, so it cannot be "
+            "planned; give example inputs that run every stack (a vision tower needs an image: pixel_values)"
+        )
     groups: dict[tuple, list[str]] = {}
     for path, module in matched:
         if path in calls:
@@ -166,9 +179,6 @@ def _record_calls(model, matched, args, kwargs) -> dict[str, tuple[tuple, dict]]
     finally:
         for h in handles:
             h.remove()
-    missing = [p for p, _ in matched if p not in calls]
-    if len(missing) == len(matched):
-        raise ValueError("plan_model: no layer matching the pattern ran in the example forward")
     return calls
 
 
