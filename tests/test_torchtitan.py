@@ -1,4 +1,5 @@
-"""torchtitan's own trainer with the ``examples/torchtitan`` plugin, beside its own AC.
+"""torchtitan's own trainer with the ``examples/torchtitan`` plugin, beside its own AC:
+the debug Llama-3, and DeepSeek-V3 with an MTP layer (MoE regions, MTP layers, expert parallel).
 
 Each run is ``examples/torchtitan/compare.py`` in a fresh process (or two ranks under
 torchrun): torchtitan ``Trainer``s built from its command line, the plugin switched on with
@@ -54,7 +55,7 @@ def _compare(tmp_path, *args: str, ranks: int = 1) -> dict:
         command += [f"--master-port={env['MASTER_PORT']}", *argv, "--tp", str(ranks)]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    assert "| sac keep attn |" in done.stdout, done.stdout[-4000:]
+    assert "| sac keep {} (full) |" in done.stdout, done.stdout[-4000:]
     return json.loads(out.read_text())
 
 
@@ -72,7 +73,37 @@ def _check(figures: dict) -> None:
 
 @default_torch_only
 def test_plugin_trains_with_torchtitans_trainer_eager(tmp_path):
-    _check(_compare(tmp_path))
+    _check(_compare(tmp_path, "--seq-len", "64"))
+
+
+# DeepSeek-V3 with MTP: a dense first block, an MoE block, one MTP layer (--layers 2)
+MOE_CONFIGS = "no checkpoint,torchtitan full,sac keep {} (full),sac keep experts,sac keep attn+experts"
+
+
+def _check_moe(figures: dict) -> None:
+    held = {name: f["held_bytes"] for name, f in figures.items()}
+    for name, f in figures.items():
+        assert f["max_dloss"] < 1e-5, (name, f["losses"], figures["no checkpoint"]["losses"])
+    # torchtitan's full AC leaves the MTP layer out; the plugin checkpoints it too
+    assert held["sac keep {} (full)"] < held["torchtitan full"], held
+    assert held["sac keep {} (full)"] < held["sac keep experts"] < held["sac keep attn+experts"], held
+    assert held["sac keep attn+experts"] < held["no checkpoint"], held
+
+
+@default_torch_only
+def test_plugin_trains_torchtitans_deepseek_v3_with_mtp(tmp_path):
+    """Red before: keep experts held full recompute's bytes (no ``moe.experts`` in torchtitan's
+    MoE), and the MTP layer was not checkpointed (full recompute held torchtitan full's bytes)."""
+    _check_moe(_compare(tmp_path, "--model", "deepseek_v3_mtp", "--seq-len", "64", "--configs", MOE_CONFIGS))
+
+
+@default_torch_only
+@pytest.mark.distributed
+def test_plugin_trains_torchtitans_deepseek_v3_with_mtp_expert_parallel(tmp_path):
+    """torchtitan's own expert parallel (EP=2, with TP=2 on 2 gloo ranks): the routed experts'
+    all-to-all token dispatch inside the kept ``experts`` region."""
+    args = ["--model", "deepseek_v3_mtp", "--seq-len", "64", "--configs", MOE_CONFIGS, "--ep", "2"]
+    _check_moe(_compare(tmp_path, *args, ranks=2))
 
 
 @default_torch_only

@@ -3,11 +3,16 @@
     python examples/torchtitan/compare.py                    # 1 process, eager
     python examples/torchtitan/compare.py --compile          # torchtitan compiles each block
     torchrun --nproc-per-node 2 examples/torchtitan/compare.py --tp 2 [--compile]
+    python examples/torchtitan/compare.py --model deepseek_v3_mtp   # MoE + MTP (or deepseek_v3, qwen3_moe)
+    torchrun --nproc-per-node 2 examples/torchtitan/compare.py --model deepseek_v3 --tp 2 --ep 2
 
-Every configuration is a torchtitan ``Trainer`` built from the same command line (the CPU
-debug Llama-3 of ``cpu.py``, ``--debug.seed 0``), differing only in activation
-checkpointing: none, torchtitan's ``full`` and ``selective``, and the ``sac_compile_ac``
-override with several keep sets. Each trains ``--steps`` steps on the same batches
+Every configuration is a torchtitan ``Trainer`` built from the same command line (a CPU
+debug model of ``cpu.py``: ``--model`` picks Llama-3 (default), DeepSeek-V3 with or without
+MTP, or Qwen3-MoE; ``--debug.seed 0``), differing only in activation checkpointing: none,
+torchtitan's ``full`` and ``selective``, and the ``sac_compile_ac`` override with several
+keep sets (``mlp`` on Llama-3, ``experts`` on the MoE models). ``--ep`` is torchtitan's own
+expert parallel (its all-to-all token dispatch); on gloo it runs with TP of the same degree
+(FSDP's reduce-scatter needs a reduce op gloo lacks). Each trains ``--steps`` steps on the same batches
 (``loss`` is the last step's, ``max |dloss|`` the largest difference from no checkpoint
 over all steps), then one more batch measures the bytes held for the backward on this rank
 (``sac_compile.inspection.autograd_saved_bytes``: autograd's saves plus what checkpoints hold,
@@ -34,6 +39,13 @@ import cpu  # noqa: E402
 
 MiB = 2**20
 SAC = "sac_compile_ac.sac_compile"
+#: --model -> the ``cpu.py`` config (torchtitan's debug model, set up for a CPU)
+MODELS = {
+    "llama3": "llama3_debugmodel_cpu",
+    "deepseek_v3": "deepseek_v3_debugmodel_cpu",
+    "deepseek_v3_mtp": "deepseek_v3_debugmodel_mtp_cpu",
+    "qwen3_moe": "qwen3_moe_debug_cpu",
+}
 CONFIGS = {
     "no checkpoint": ["activation-checkpoint:none"],
     "torchtitan full": ["activation-checkpoint:full"],
@@ -42,15 +54,20 @@ CONFIGS = {
     "sac keep attn": ["--override.imports", SAC + '={"keep": ["attn"]}'],
     "sac keep mlp": ["--override.imports", SAC + '={"keep": ["mlp"]}'],
     "sac keep attn+mlp": ["--override.imports", SAC + '={"keep": ["attn", "mlp"]}'],
+    # MoE models (--model deepseek_v3, deepseek_v3_mtp, qwen3_moe): the routed experts
+    "sac keep experts": ["--override.imports", SAC + '={"keep": ["experts"]}'],
+    "sac keep attn+experts": ["--override.imports", SAC + '={"keep": ["attn", "experts"]}'],
     # --compile only: the seam compiles each block (make_sac_backend), torchtitan's compile is off
     # (the way for a FlexAttention model, for which torchtitan refuses a backend by name)
     "sac keep attn (seam compiles)": ["--override.imports", SAC + '={"keep": ["attn"], "compile": true}'],
 }
 SEAM_COMPILES = "sac keep attn (seam compiles)"
+DENSE_ONLY = {"sac keep mlp", "sac keep attn+mlp"}
+MOE_ONLY = {"sac keep experts", "sac keep attn+experts"}
 
 
 def _argv(name: str, args: argparse.Namespace) -> list[str]:
-    argv = ["--module", "cpu", "--config", "llama3_debugmodel_cpu", "--debug.seed", "0"]
+    argv = ["--module", "cpu", "--config", MODELS[args.model], "--debug.seed", "0"]
     argv += ["--training.steps", str(args.steps + args.iters + 2), "--metrics.log-freq", "1000000"]
     argv += ["--training.seq-len", str(args.seq_len), "--training.local-batch-size", str(args.batch)]
     if args.tp > 1:
@@ -60,6 +77,8 @@ def _argv(name: str, args: argparse.Namespace) -> list[str]:
             "--parallelism.spmd-backend",
             "full_dtensor",
         ]
+    if args.ep > 1:  # torchtitan's own expert parallel (all-to-all token dispatch over gloo)
+        argv += ["--parallelism.expert-parallel-degree", str(args.ep), "--training.disable-cuda-graphs"]
     if args.compile and name != SEAM_COMPILES:
         argv += ["--compile.enable", "--compile.components", "model"]
         if name.startswith("sac"):
@@ -103,8 +122,11 @@ class Run:
         tokens = (labels != -100).sum()
         model = trainer.model_parts[0]
 
+        # as the trainer calls it: MTPLoss needs the positions (torchtitan's trainer.py)
+        loss_kwargs = {"positions": extra["positions"]} if "positions" in extra else {}
+
         def loss():
-            out, _ = trainer.loss_fn(model(inputs, **extra), labels, tokens)
+            out, _ = trainer.loss_fn(model(inputs, **extra), labels, tokens, **loss_kwargs)
             return _whole(out)
 
         held = sc.inspection.autograd_saved_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
@@ -116,7 +138,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--model", default="llama3", choices=list(MODELS), help="torchtitan's debug model")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (launch that many ranks)")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree (MoE models; on gloo: with --tp of the same degree)",
+    )
     parser.add_argument("--compile", action="store_true", help="torchtitan compiles each block")
     parser.add_argument("--steps", type=int, default=4, help="training steps whose losses are compared")
     parser.add_argument("--iters", type=int, default=15, help="interleaved timed steps per configuration")
@@ -128,8 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", default=None, help="comma-separated subset of: " + ", ".join(CONFIGS))
     parser.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     args = parser.parse_args(argv)
+    moe = args.model != "llama3"
     if args.configs is None:
-        args.configs = ",".join(n for n in CONFIGS if args.compile or n != SEAM_COMPILES)
+        skip = {SEAM_COMPILES} if not args.compile else set()
+        skip |= DENSE_ONLY if moe else MOE_ONLY
+        args.configs = ",".join(n for n in CONFIGS if n not in skip)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     if SEAM_COMPILES in names and not args.compile:
         parser.error(f"'{SEAM_COMPILES}' is a compiled configuration: add --compile")
@@ -137,7 +169,11 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
 
-    if args.layers is not None:  # read by cpu.llama3_debugmodel_cpu
+    if args.ep > 1 and (not moe or args.tp != args.ep):
+        parser.error(
+            "--ep needs an MoE --model and --tp of the same degree (FSDP over gloo cannot reduce-scatter)"
+        )
+    if args.layers is not None:  # read by cpu.py's configs
         os.environ[cpu.LAYERS_ENV] = str(args.layers)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.tp:
@@ -180,8 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     if rank == 0:
         mode = "compiled (torchtitan's per-block compile)" if args.compile else "eager"
         print(
-            f"\ntorchtitan {_version()} debug Llama-3 on CPU, torch {torch.__version__}, {mode}, "
-            f"TP={args.tp}, batch {args.batch} x seq {args.seq_len}; held = this rank's bytes "
+            f"\ntorchtitan {_version()} {MODELS[args.model]} on CPU, torch {torch.__version__}, {mode}, "
+            f"TP={args.tp}, EP={args.ep}, batch {args.batch} x seq {args.seq_len}; held = this rank's bytes "
             f"for the backward; step = median of {args.iters} interleaved steps / '{base}'\n"
         )
         print(

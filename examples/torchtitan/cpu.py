@@ -144,26 +144,68 @@ def write_assets(folder: str) -> str:
     return folder
 
 
-def llama3_debugmodel_cpu():
-    """torchtitan's ``llama3_debugmodel`` sized and set up for a CPU (see the module docstring)."""
+def _for_cpu(config, seq_len: int):
+    """``config`` (a torchtitan ``Trainer.Config``) set up for a CPU: SDPA in every block (MTP
+    layers too; torchtitan refuses ``attn_backend="sdpa"`` by name), the first
+    ``SAC_TORCHTITAN_LAYERS`` blocks if set, the assets of :func:`write_assets`, no validation
+    or checkpoint saving."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     folder = os.environ.get(ASSETS_ENV)
     if not folder:
         raise RuntimeError(f"set {ASSETS_ENV} to a folder cpu.write_assets wrote (the launcher does)")
-    config = llama3_debugmodel()
+    model = config.model_spec.model
     layers = os.environ.get(LAYERS_ENV)
     if layers:
-        del config.model_spec.model.layers[int(layers) :]
-    for layer in config.model_spec.model.layers:  # torchtitan refuses attn_backend="sdpa" by name
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        del model.layers[int(layers) :]
+    for block in [*model.layers, *(getattr(model, "mtp_layers", None) or [])]:
+        block.attention.inner_attention = ScaledDotProductAttention.Config()
     config.hf_assets_path = os.path.join(folder, "tokenizer")
     config.dataloader.dataset_path = os.path.join(folder, "corpus")
-    config.training.seq_len = 256
+    config.training.seq_len = seq_len
     config.training.local_batch_size = 2
     config.training.steps = 4
     config.validator.enable = False
     config.checkpoint.enable = False
     config.metrics.enable_tensorboard = False
     return config
+
+
+def llama3_debugmodel_cpu():
+    """torchtitan's ``llama3_debugmodel`` sized and set up for a CPU (see the module docstring)."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    return _for_cpu(llama3_debugmodel(), 256)
+
+
+def _moe_for_cpu(config, seq_len: int):
+    """:func:`_for_cpu`, float32: single-device torchtitan trains under ``torch.autocast`` with
+    ``mixed_precision_param`` (bfloat16 by default), whose matmuls this CPU runs emulated
+    (about 20 s a step for the MoE debug models, 5 s in float32)."""
+    config = _for_cpu(config, seq_len)
+    config.training.mixed_precision_param = "float32"
+    return config
+
+
+def deepseek_v3_debugmodel_cpu():
+    """torchtitan's ``deepseek_v3_debugmodel`` (a dense first block, then MoE blocks: 8 routed
+    experts top-3 and shared experts), SDPA, seq 128, float32."""
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    return _moe_for_cpu(deepseek_v3_debugmodel(), 128)
+
+
+def deepseek_v3_debugmodel_mtp_cpu():
+    """``deepseek_v3_debugmodel_mtp``: the above with one multi-token-prediction layer and
+    ``MTPLoss``."""
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel_mtp
+
+    return _moe_for_cpu(deepseek_v3_debugmodel_mtp(), 128)
+
+
+def qwen3_moe_debug_cpu():
+    """torchtitan's ``qwen3_moe_debug`` (every block an MoE: 64 experts top-8, no shared
+    experts), SDPA, seq 128, float32."""
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    return _moe_for_cpu(qwen3_moe_debug(), 128)
