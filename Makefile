@@ -64,10 +64,15 @@ bench: install
 	$(PY) benchmarks/hf_moe_keep_sets.py
 	$(PY) benchmarks/ep_moe.py
 	-$(PY) benchmarks/hf_families.py --compiled  # exits 1: JetMoE's compiled router (graph-reused)
+	-$(PY) benchmarks/hf_vision_families.py --compiled  # every stack of vision-language, audio, seq2seq families
+	-for task in image-text-to-text causal-lm seq2seq speech-seq2seq; do $(PY) benchmarks/hf_scan.py --task $$task; done  # exits 1: refused families
 	$(PY) benchmarks/integrations.py
 	$(PY) examples/torchtitan/compare.py  # torchtitan's trainer, 1 process eager
 	$(PY) examples/torchtitan/compare.py --compile
 	$(VENV)/bin/torchrun --nproc-per-node 2 examples/torchtitan/compare.py --tp 2
+	$(PY) examples/torchtitan/moe_mtp.py  # DeepSeek-V3 + MTP, built directly: gradients bit for bit
+	$(PY) examples/torchtitan/compare.py --model deepseek_v3_mtp --layers 3 --steps 2 --iters 1
+	$(VENV)/bin/torchrun --nproc-per-node 2 examples/torchtitan/compare.py --model deepseek_v3_mtp --tp 2 --ep 2 --layers 2 --seq-len 64 --steps 2 --iters 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
