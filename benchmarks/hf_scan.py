@@ -4,7 +4,9 @@ For each family of a transformers auto-mapping, the model is built on the meta d
 allocated) from the family's default config shrunk to a generic tiny size (hidden 32, two layers,
 four heads, vocabulary 256, in the config and every sub-config), then read: ``hf.stacks`` (every
 list of layers transformers checkpoints) and ``hf.regions_for`` (the regions of each stack's
-layers). A family is ``read`` (its stacks and their regions printed), ``refused`` (the
+layers) and ``hf.unchecked`` (lists of layers transformers does not checkpoint, which
+``config_for`` reports and checkpoints with ``include=``). A family is ``read`` (its stacks,
+their regions and its unchecked lists printed), ``refused`` (the
 ``ValueError`` naming what ``hf`` does not recognise) or ``not built`` (the generic tiny config
 does not build that family: not measured).
 
@@ -85,7 +87,8 @@ def scan(task: str, families: list[str] | None = None) -> dict[str, tuple[str, s
             f"{s} [{', '.join(sorted({r for p, r in regions.items() if p.startswith(f'{s}.')}))}]"
             for s in stacks
         ]
-        out[family] = ("read", "; ".join(per_stack))
+        left = hf.unchecked(model)
+        out[family] = ("read", "; ".join(per_stack) + (f" | unchecked: {', '.join(left)}" if left else ""))
     return out
 
 
@@ -104,13 +107,16 @@ def main() -> int:
 
     found = scan(args.task, args.families.split(",") if args.families else None)
     counts = Counter(outcome for outcome, _ in found.values())
-    stacks = Counter(detail.count("; ") + 1 for outcome, detail in found.values() if outcome == "read")
+    read = [detail for outcome, detail in found.values() if outcome == "read"]
+    stacks = Counter(detail.split(" | ")[0].count("; ") + 1 for detail in read)
+    unchecked = sum(" | unchecked: " in detail for detail in read)
     print(f"transformers {transformers.__version__}, {args.task}: {len(found)} families")
     for family, (outcome, detail) in found.items():
         print(f"  {family:<28} {outcome:<9} {detail}")
     print(
         f"read {counts['read']}, refused {counts['refused']}, not built {counts['not built']}; "
-        f"stacks per read family: {dict(sorted(stacks.items()))}"
+        f"stacks per read family: {dict(sorted(stacks.items()))}; with lists of layers transformers does not "
+        f"checkpoint (hf.unchecked: reported, include= checkpoints them): {unchecked}"
     )
     return 1 if counts["refused"] else 0
 

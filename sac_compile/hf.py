@@ -15,7 +15,8 @@ all or a keep set per stack.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ import torch.nn as nn
 from ._compat.dynamo import unwrap_compiled
 from .config import SacConfig
 from .declare import declare_regions
-from .hf_layers import LAYERS, REGION_NAMES, decoder_layers, read_stacks, regions_for, stacks
+from .hf_layers import LAYERS, REGION_NAMES, decoder_layers, read_stacks, regions_for, stacks, unchecked
 from .keep import ALL_REGIONS, normalize_keep
 from .planning import ModelPlan, plan_model
 from .policy import SAVE_COSTLY
@@ -42,10 +43,13 @@ __all__ = [
     "plan_for",
     "regions_for",
     "stacks",
+    "unchecked",
 ]
 
 
-def config_for(model: nn.Module, keep: Any = (), **options: Any) -> SacConfig:
+def config_for(
+    model: nn.Module, keep: Any = (), *, include: Iterable[str] | None = None, **options: Any
+) -> SacConfig:
     """A :class:`SacConfig` checkpointing every layer of every stack of ``model`` (:func:`stacks`)
     with its regions declared (:func:`regions_for`).
 
@@ -53,8 +57,19 @@ def config_for(model: nn.Module, keep: Any = (), **options: Any) -> SacConfig:
     set}`` for a keep set per stack (``{"model.language_model.layers": {"attn"}}``: attention
     kept in the language decoder, the vision tower fully recomputed); a stack the mapping does
     not name keeps nothing (full recompute: it is still checkpointed). A name no layer of
-    this model has, or a key that is not a stack, is a ``ValueError`` here."""
-    read = read_stacks(model)  # the stacks are found once
+    this model has, or a key that is not a stack, is a ``ValueError`` here.
+
+    ``include``: lists of layers transformers does not checkpoint (:func:`unchecked`: Mllama's
+    vision encoder, Idefics2's perceiver resampler) to checkpoint too, read and kept like a
+    stack (``keep`` may name them). Left as None while the model has such lists, they are not
+    checkpointed and a ``UserWarning`` names them; ``include=()`` leaves them out quietly."""
+    read = read_stacks(model, include or ())  # the stacks are found once
+    _report_unchecked(
+        model,
+        include,
+        "nor does this configuration: include={include!r} checkpoints them too (include=() leaves them out "
+        "without this warning)",
+    )
     keep_all, per_stack = _checked_keep(model, keep, read)
     patterns = tuple(f"{path}.*" for path, _ in read)
     return SacConfig(
@@ -73,6 +88,7 @@ def plan_for(
     batch: int = 2,
     seq: int = 128,
     inputs: dict[str, Any] | None = None,
+    include: Iterable[str] | None = None,
     **options: Any,
 ) -> ModelPlan:
     """Plan the layers of every stack of ``model`` within ``memory`` per layer (bytes, or a
@@ -82,8 +98,14 @@ def plan_for(
     them, a random batch of ``batch`` x ``seq`` tokens; declares the regions
     (:func:`regions_for`). A stack whose layers do not run on the inputs (a vision tower fed
     text only) is a ``ValueError`` naming it. ``options``: ``budgets``, ``policies``,
-    ``eager`` of :func:`sac_compile.planning.plan`. ``.apply(model)`` wraps the layers."""
-    read = read_stacks(model)
+    ``eager`` of :func:`sac_compile.planning.plan`. ``.apply(model)`` wraps the layers.
+    ``include`` as in :func:`config_for`."""
+    read = read_stacks(model, include or ())
+    _report_unchecked(
+        model,
+        include,
+        "nor does this plan: include={include!r} plans them too (include=() leaves them out without this warning)",
+    )
     if inputs is None:
         ids = torch.randint(0, _vocab_size(model), (batch, seq), generator=torch.Generator().manual_seed(1))
         inputs = {"input_ids": ids}
@@ -123,6 +145,12 @@ def checkpointing_kwargs(
     from .contexts import region_context_fn
 
     read = read_stacks(model)
+    _report_unchecked(
+        model,
+        None,
+        "nor does transformers' switch with these kwargs: "
+        "sac_compile.hf.config_for(model, keep, include={include!r}).apply(model) checkpoints them with the rest",
+    )
     keep_all, per_stack = _checked_keep(model, keep, read)
     if per_stack:
         keeps = [per_stack.get(path, keep_all) for path, _ in read]
@@ -138,6 +166,23 @@ def checkpointing_kwargs(
         "preserve_rng_state": preserve_rng_state,
         "early_stop": early_stop,
     }
+
+
+def _report_unchecked(model: nn.Module, include: Iterable[str] | None, fix: str) -> None:
+    """Warn, naming them, of the lists of layers transformers does not checkpoint that are left
+    out (``include`` None: the caller named none)."""
+    if include is not None:
+        return
+    left = unchecked(model)
+    if left:
+        lists = ", ".join(map(repr, left))
+        warnings.warn(
+            f"{type(unwrap_compiled(model)).__name__}: {lists} "
+            f"{'is a list' if len(left) == 1 else 'are lists'} of layers transformers does not "
+            f"checkpoint (held whole, as without checkpointing), {fix.format(include=list(left))}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _merged(read: list[tuple[str, dict[str, str]]]) -> dict[str, str]:

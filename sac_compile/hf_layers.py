@@ -39,12 +39,14 @@ that loop runs uncompiled). Both are supported; see README for what each gives.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch.nn as nn
 
 from ._compat.dynamo import unwrap_compiled
 from ._compat.transformers import is_checkpointing_layer
 
-__all__ = ["LAYERS", "REGION_NAMES", "decoder_layers", "read_stacks", "regions_for", "stacks"]
+__all__ = ["LAYERS", "REGION_NAMES", "decoder_layers", "read_stacks", "regions_for", "stacks", "unchecked"]
 
 #: The decoder layers of Llama-style ``*ForCausalLM`` models (:func:`decoder_layers` finds
 #: any family's).
@@ -223,6 +225,26 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return found
 
 
+def unchecked(model: nn.Module) -> tuple[str, ...]:
+    """The module paths of ``model``'s lists of layers that transformers does not checkpoint:
+    an ``nn.ModuleList`` outside every :func:`stacks` list (and outside each other) whose every
+    entry holds a region and some entry a token mixer (attention, a state-space mixer), as
+    :func:`regions_for` reads layers — Mllama's vision encoder
+    (``model.vision_model.transformer.layers`` and ``...global_transformer.layers``),
+    Idefics2's perceiver resampler, FSMT's encoder. :func:`sac_compile.hf.config_for` and
+    :func:`sac_compile.hf.plan_for` checkpoint them when named in ``include=``, and warn,
+    naming them, when not; transformers' own switch never checkpoints them."""
+    root = unwrap_compiled(model)
+    taken = [path for path, _ in _stacks(model)]
+    out: list[str] = []
+    for path, m in root.named_modules():
+        if any(path == p or path.startswith(f"{p}.") for p in taken + out):
+            continue
+        if isinstance(m, nn.ModuleList) and len(m) and _is_decoder_list(m):
+            out.append(path)
+    return tuple(out)
+
+
 def decoder_layers(model: nn.Module) -> str:
     """The module path pattern of ``model``'s language decoder layers (``"model.layers.*"``,
     ``"transformer.h.*"``, ``"model.language_model.layers.*"``, ...): of its
@@ -280,10 +302,37 @@ def regions_for(model: nn.Module) -> dict[str, str]:
     return {pattern: name for _, regions in read_stacks(model) for pattern, name in regions.items()}
 
 
-def read_stacks(model: nn.Module) -> list[tuple[str, dict[str, str]]]:
+def read_stacks(model: nn.Module, include: Iterable[str] = ()) -> list[tuple[str, dict[str, str]]]:
     """``[(path of a stack, its regions)]`` for every stack of ``model`` (:func:`regions_for`
-    per stack)."""
-    return [(path, _stack_regions(model, path, layers)) for path, layers in _stacks(model)]
+    per stack), then for each list of layers named in ``include`` (paths of
+    :func:`unchecked`: lists transformers does not checkpoint), read the same way."""
+    found = _stacks(model)
+    extra = _included(model, include, found)
+    return [(path, _stack_regions(model, path, layers)) for path, layers in found + extra]
+
+
+def _included(
+    model: nn.Module, include: Iterable[str], found: list[tuple[str, nn.ModuleList]]
+) -> list[tuple[str, nn.ModuleList]]:
+    include = [include] if isinstance(include, str) else list(include)
+    if not include:
+        return []
+    root = unwrap_compiled(model)
+    modules = dict(root.named_modules())
+    candidates = unchecked(model)
+    out = []
+    for path in dict.fromkeys(p[:-2] if p.endswith(".*") else p for p in include):
+        if path in (p for p, _ in found):
+            continue  # a stack already: nothing to add
+        if path not in candidates:
+            what = "is not a module" if path not in modules else f"is a {type(modules[path]).__name__}"
+            raise ValueError(
+                f"include={path!r}: in {type(root).__name__} it {what}, not a list of layers transformers "
+                f"leaves unchecked; those are {', '.join(map(repr, candidates)) or 'none'} "
+                "(sac_compile.hf.unchecked(model))"
+            )
+        out.append((path, modules[path]))
+    return out
 
 
 def _stack_regions(model: nn.Module, path: str, layers: nn.ModuleList) -> dict[str, str]:

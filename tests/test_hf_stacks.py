@@ -11,6 +11,8 @@ keeping attention to not checkpointing it.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -59,6 +61,7 @@ def _equal(got, want) -> None:
 def test_every_stack_is_read_with_one_vocabulary(name):
     model, _ = hf_vision.build(name)
     assert hf.stacks(model) == STACKS[name]
+    assert hf.unchecked(model) == ()  # nothing left out: no warning from config_for
     assert hf.decoder_layers(model) == "model.language_model.layers.*"
     regions = hf.regions_for(model)
     for stack in STACKS[name]:
@@ -177,3 +180,43 @@ def test_plan_for_plans_every_stack_and_names_a_stack_the_inputs_do_not_run():
     plan.apply(model)
     wrapped = {p.rsplit(".", 1)[0] for p, m in model.named_modules() if hasattr(m, "_sac_seam")}
     assert wrapped == set(STACKS["llava"])
+
+
+MLLAMA_VISION = ("model.vision_model.transformer.layers", "model.vision_model.global_transformer.layers")
+
+
+def test_lists_of_layers_transformers_does_not_checkpoint_are_reported_or_included():
+    """Mllama's vision encoder layers are not transformers checkpointing layers: its switch and
+    hf's stacks leave them out. That is a warning naming them, never silence; ``include=``
+    checkpoints them with the same regions (gradients bit-identical, held bytes lower)."""
+    from sac_compile.testing import hf_multimodal
+
+    model, inputs = hf_multimodal.build("mllama")
+    assert hf.stacks(model) == ("model.language_model.layers",)
+    assert hf.unchecked(model) == MLLAMA_VISION
+    for call in (hf.config_for, hf.checkpointing_kwargs):
+        with pytest.warns(
+            UserWarning, match=r"'model\.vision_model\.transformer\.layers', .*global_transformer"
+        ):
+            call(model, keep={"attn"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet = hf.config_for(model, keep={"attn"}, include=())
+    assert quiet.layers == "model.language_model.layers.*"
+    with pytest.raises(
+        ValueError, match=r"include='model\.vision_model': .* those are 'model\.vision_model\.transformer"
+    ):
+        hf.config_for(model, include=["model.vision_model"])
+
+    def trained(include) -> tuple[int, tuple]:
+        model, inputs = hf_multimodal.build("mllama")
+        cfg = hf.config_for(model, keep={"model.language_model.layers": {"attn"}}, include=include)
+        cfg.apply(model)
+        return _held(model, inputs), _step(model, inputs)
+
+    want = _step(*hf_multimodal.build("mllama"))
+    left_out, got_left_out = trained(())
+    included, got_included = trained(MLLAMA_VISION)
+    _equal(got_left_out, want)
+    _equal(got_included, want)
+    assert included < left_out  # the vision encoder's activations are checkpointed too
