@@ -91,17 +91,13 @@ def _check_moe(figures: dict) -> None:
 
 
 @default_torch_only
-def test_plugin_trains_torchtitans_deepseek_v3_with_mtp(tmp_path):
-    """Red before: keep experts held full recompute's bytes (no ``moe.experts`` in torchtitan's
-    MoE), and the MTP layer was not checkpointed (full recompute held torchtitan full's bytes)."""
-    _check_moe(_compare(tmp_path, "--model", "deepseek_v3_mtp", "--seq-len", "64", "--configs", MOE_CONFIGS))
-
-
-@default_torch_only
 @pytest.mark.distributed
 def test_plugin_trains_torchtitans_deepseek_v3_with_mtp_expert_parallel(tmp_path):
     """torchtitan's own expert parallel (EP=2, with TP=2 on 2 gloo ranks): the routed experts'
-    all-to-all token dispatch inside the kept ``experts`` region."""
+    all-to-all token dispatch inside the kept ``experts`` region. One process is
+    test_plugin_keeps_torchtitans_moe_regions_and_checkpoints_mtp_layers (gradients bit for bit).
+    Red before: keep experts held full recompute's bytes (no ``moe.experts`` in torchtitan's
+    MoE), and the MTP layer was not checkpointed (full recompute held torchtitan full's bytes)."""
     args = ["--model", "deepseek_v3_mtp", "--seq-len", "64", "--configs", MOE_CONFIGS, "--ep", "2"]
     _check_moe(_compare(tmp_path, *args, ranks=2))
 
