@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .declare import declare_regions
 from .hf_layers import LAYERS, REGION_NAMES, decoder_layers, read_stacks, regions_for, stacks, unchecked
 from .keep import ALL_REGIONS, normalize_keep
 from .planning import ModelPlan, plan_model
+from .planning.peak import Peak
 from .policy import SAVE_COSTLY
 
 __all__ = [
@@ -41,6 +43,9 @@ __all__ = [
     "layer_call",
     "layer_inputs",
     "plan_for",
+    "StepFigures",
+    "predict_peak",
+    "step_figures",
     "regions_for",
     "stacks",
     "unchecked",
@@ -113,6 +118,110 @@ def plan_for(
     return plan_model(
         model, layers=patterns, memory=memory, regions=_merged(read), use_cache=False, **inputs, **options
     )
+
+
+def predict_peak(
+    model: nn.Module,
+    target: Any,
+    keep: Any = None,
+    *,
+    inputs: dict[str, Any] | None = None,
+    include: Iterable[str] | None = None,
+) -> Peak:
+    """The predicted peak of one training step of ``model`` on ``target`` (a
+    :class:`~sac_compile.planning.devices.Target`), every stack's layers wrapped with the eager
+    engine keeping ``keep`` (None: no checkpoint): ``step_figures(model, target).peak(keep)``."""
+    return step_figures(model, target, inputs=inputs, include=include).peak(keep)
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """What a step's peak is made of, measured once: one plan table per kind of layer, the
+    model's sizes and the target. ``peak(keep)`` composes the step for a keep set."""
+
+    target: Any
+    plan: ModelPlan
+    layer_params: tuple[int, ...]  # per group: parameters of one layer
+    sizes: Any  # planning.peak.ModelSizes
+
+    def peak(self, keep: Any = None) -> Peak:
+        """The predicted peak with every layer keeping ``keep`` under the eager engine (None:
+        no checkpoint)."""
+        from .planning.peak import LayerFigures, step_peak
+
+        keep_set = None if keep is None else normalize_keep(keep)
+        layers = []
+        for group, params in zip(self.plan.groups, self.layer_params):
+            table = group.plan
+            plain = table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
+            if keep_set is None:
+                saved, transient = plain, table.no_checkpoint_transient
+            else:
+                kept = (
+                    frozenset(table.regions)
+                    if keep_set is ALL_REGIONS
+                    else frozenset(keep_set) & set(table.regions)
+                )
+                found = [c for c in table.candidates if c.keep == kept and c.budget is None]
+                saved = found[0].eager_bytes or found[0].saved_bytes
+                # the recompute restores what the layer would hold unchecked, then runs its backward
+                transient = max(plain - saved, 0) + table.no_checkpoint_transient
+            layers.append(LayerFigures(len(group.paths), params, saved, transient))
+        return step_peak(self.sizes, layers, self.target)
+
+
+def step_figures(
+    model: nn.Module,
+    target: Any,
+    *,
+    inputs: dict[str, Any] | None = None,
+    include: Iterable[str] | None = None,
+) -> StepFigures:
+    """Measure what a training step of ``model`` on ``target`` (a
+    :class:`~sac_compile.planning.devices.Target`) is made of: a causal-LM loss on
+    ``target.batch`` x ``target.seq`` tokens (or ``inputs``), optimizer ``target.optimizer``.
+
+    One layer of each kind of every stack is measured on this machine (what it holds for the
+    backward without a checkpoint and with each keep set; the backward graph's transient:
+    :func:`sac_compile.planning.plan`), and the model's terms are read from its sizes: its
+    parameters, and the head's — the loss's ``log_softmax`` output and its two gradients
+    (float32, batch x seq x vocab) and the final norm's saves.
+    :func:`sac_compile.planning.peak.step_peak` composes the step. ``target.device`` must be one
+    this machine runs as (``"cpu"``): a CUDA device's attention kernels save other values, which
+    this does not trace yet."""
+    from .planning.devices import Target
+    from .planning.peak import ModelSizes
+
+    if not isinstance(target, Target):
+        raise TypeError(f"step_figures(target={target!r}): a sac_compile.planning.devices.Target")
+    if target.device.cuda:  # type: ignore[union-attr]
+        raise NotImplementedError(
+            f"a step on {target.device.name}: layers are measured with this machine's kernels "  # type: ignore[union-attr]
+            "(CPU attention saves the score matrix; CUDA's flash / efficient kernels do not); use device='cpu'"
+        )
+    read = read_stacks(model, include or ())
+    _report_unchecked(model, include, "nor does this prediction: include={include!r} counts them too")
+    if inputs is None:
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, _vocab_size(model), (target.batch, target.seq), generator=g)
+        inputs = {"input_ids": ids}
+    patterns = tuple(f"{path}.*" for path, _ in read)
+    planned = plan_model(
+        model, layers=patterns, memory=1.0, regions=_merged(read), use_cache=False, budgets=(None,), **inputs
+    )
+    root = unwrap_compiled(model)
+    modules = dict(root.named_modules())
+    params = tuple(sum(p.numel() for p in modules[g.paths[0]].parameters()) for g in planned.groups)
+    text = root.config.get_text_config() if hasattr(root.config, "get_text_config") else root.config
+    tokens = int(inputs["input_ids"].numel()) if "input_ids" in inputs else target.batch * target.seq
+    width = torch.empty((), dtype=target.param_dtype).element_size()  # type: ignore[arg-type]
+    logits = tokens * text.vocab_size * 4  # the loss upcasts the logits to float32
+    sizes = ModelSizes(
+        params=sum(p.numel() for p in root.parameters()),
+        head_saved_bytes=logits + 3 * tokens * text.hidden_size * width,
+        head_transient_bytes=2 * logits + (tokens * text.vocab_size * width if width != 4 else 0),
+    )
+    return StepFigures(target, planned, params, sizes)
 
 
 def checkpointing_kwargs(

@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_policy
 from ..scope_text import validate_budget
-from .measure import eager_bytes, measure, timed
+from .measure import eager_bytes, measure, plain_bytes, timed
 
 __all__ = ["DEFAULT_BUDGETS", "LEAST", "MAX_EXHAUSTIVE_REGIONS", "Candidate", "Plan", "plan"]
 
@@ -59,6 +59,7 @@ class Candidate:
     pareto: bool = False  # no other candidate has <= bytes and <= FLOPs, one of them strictly
     eager_bytes: int | None = None  # what the eager engine holds for the backward (no budget only)
     step_time: float | None = None  # median forward+backward seconds (estimator="time", Pareto points)
+    transient_bytes: int = 0  # what its backward graph allocates beyond its inputs, at its peak
 
     @property
     def label(self) -> str:
@@ -83,6 +84,8 @@ class Plan:
     search: str  # "exhaustive" or how keep sets were picked
     estimator: str = "flops"  # what the choice minimises: "flops", or "time" (measured steps)
     no_checkpoint_time: float | None = None  # median step seconds without checkpointing ("time")
+    no_checkpoint_transient: int = 0  # the no-checkpoint backward graph's transient bytes
+    no_checkpoint_eager_bytes: int | None = None  # what autograd holds without a checkpoint (eager=True)
 
     @property
     def keep(self) -> frozenset[str]:
@@ -252,7 +255,7 @@ def plan(
         example_kwargs,
         {none: baseline_backend("aot_eager"), every: make_sac_backend(ALL_REGIONS, inner="aot_eager")},
     )
-    (base_bytes, base_flops), regions = first.figures[none], first.regions
+    (base_bytes, base_flops, base_transient), regions = first.figures[none], first.regions
     target = _target(memory, base_bytes)
     sets, search = keep_sets(regions)
     configs = {}
@@ -264,18 +267,25 @@ def plan(
     figures = measure(module, example_args, example_kwargs, configs).figures
     found = []
     for keep, budget, policy in configs:
-        saved, flops = figures[(keep, budget, policy)]
+        saved, flops, transient = figures[(keep, budget, policy)]
         held = None
         if eager and budget is None:
             held = eager_bytes(module, example_args, example_kwargs, keep, policy)
-        found.append(Candidate(keep, budget, policy, saved, max(flops - base_flops, 0), eager_bytes=held))
+        extra = max(flops - base_flops, 0)
+        found.append(
+            Candidate(keep, budget, policy, saved, extra, eager_bytes=held, transient_bytes=transient)
+        )
     found = _mark_pareto(found)
     base_time = None
     if estimator == "time":
         found, base_time = timed(
             module, example_args, example_kwargs, found, order=flops_order, inner=inner, iters=iters
         )
+    plain = plain_bytes(module, example_args, example_kwargs) if eager else None
     table = Plan(target, found[0], tuple(found), base_bytes, tuple(regions), search, estimator, base_time)
+    table = dataclasses.replace(
+        table, no_checkpoint_transient=base_transient, no_checkpoint_eager_bytes=plain
+    )
     return _choose(target, table)
 
 

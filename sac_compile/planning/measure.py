@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..policy import RegionPolicy
 
-__all__ = ["PartitionEach", "eager_bytes", "measure", "timed"]
+__all__ = ["PartitionEach", "eager_bytes", "measure", "plain_bytes", "timed"]
 
 
 class PartitionEach:
@@ -31,7 +31,8 @@ class PartitionEach:
 
     def __init__(self, configs: dict[Any, Any]) -> None:
         self.configs = configs
-        self.figures: dict[Any, list[int]] = {key: [0, 0] for key in configs}  # bytes, backward FLOPs
+        # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in turn)
+        self.figures: dict[Any, list[int]] = {key: [0, 0, 0] for key in configs}
         self.regions: list[str] = []
         self.scopes: list[int] = []  # per graph: the checkpoint scopes of the first configuration
 
@@ -41,6 +42,7 @@ class PartitionEach:
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_costly_flops
         from ..inspection.report import build_partition
+        from .peak import graph_transient
 
         unit = backends.new_unit(gm, example_inputs)
         trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
@@ -62,6 +64,7 @@ class PartitionEach:
                 part = build_partition(0, one)
                 self.figures[key][0] += part.activation_bytes + part.input_bytes
                 self.figures[key][1] += graph_costly_flops(bw)
+                self.figures[key][2] = max(self.figures[key][2], graph_transient(bw))
                 for rec in one.records[-1:]:
                     self.regions.extend(r for r in rec.regions if r not in self.regions)
                     if chosen is None:
@@ -92,6 +95,27 @@ def measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> Partiti
     return measuring
 
 
+def plain_bytes(module: nn.Module, args, kwargs) -> int:
+    """Bytes autograd holds for the backward once ``module``'s forward returned, without any
+    checkpoint (as :func:`eager_bytes` measures)."""
+    from ..inspection.measure import autograd_saved_bytes
+
+    def run():
+        out = module(*args, **kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    held = autograd_saved_bytes(run, exclude=[*module.parameters(), *module.buffers()])
+    _clear_grads(module, args, kwargs)
+    return held
+
+
+def _clear_grads(module: nn.Module, args, kwargs) -> None:
+    module.zero_grad(set_to_none=True)
+    for a in [*args, *kwargs.values()]:
+        if isinstance(a, torch.Tensor) and a.grad is not None:
+            a.grad = None
+
+
 def eager_bytes(module: nn.Module, args, kwargs, keep: frozenset[str], policy: RegionPolicy) -> int:
     """Bytes held for the backward once the eager engine's forward of ``module`` returned
     (:func:`~sac_compile.inspection.measure.autograd_saved_bytes`: autograd's saves, the
@@ -104,10 +128,7 @@ def eager_bytes(module: nn.Module, args, kwargs, keep: frozenset[str], policy: R
         return out[0] if isinstance(out, (tuple, list)) else out
 
     held = autograd_saved_bytes(run, exclude=[*module.parameters(), *module.buffers()])
-    module.zero_grad(set_to_none=True)
-    for a in [*args, *kwargs.values()]:
-        if isinstance(a, torch.Tensor) and a.grad is not None:
-            a.grad = None
+    _clear_grads(module, args, kwargs)
     return held
 
 

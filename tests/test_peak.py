@@ -1,0 +1,97 @@
+"""A training step's peak per device, predicted (``sac_compile.planning.peak``) and measured.
+
+The prediction composes per-layer figures measured by the planner with the model's sizes and
+the target (device, FSDP / TP degrees, dtypes, optimizer, batch x sequence). Checked against
+PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``), which counts every tensor a
+real eager step holds (parameters, gradients, optimizer state, activations, temporaries), on a
+dense and an MoE transformers model: no checkpoint, full recompute, attention kept.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from sac_compile import hf  # noqa: E402
+from sac_compile.planning.devices import DEVICES, Target, device, parse_memory  # noqa: E402
+from sac_compile.planning.peak import TERMS, LayerFigures, ModelSizes, step_peak  # noqa: E402
+from sac_compile.testing.hf_families import tiny_llama, tiny_qwen3_moe  # noqa: E402
+
+BATCH, SEQ = 2, 256
+MODELS = {
+    "llama": lambda: tiny_llama(layers=3, hidden=128),
+    "qwen3_moe": lambda: tiny_qwen3_moe(layers=3, hidden=128),
+}
+
+
+def _measured_peak(make, keep) -> int:
+    """MemTracker's peak over one AdamW step (after a first step made the optimizer state)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = make().train()
+    if keep is not None:
+        hf.config_for(model, keep=keep).apply(model)
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_predicted_peak_is_within_10_percent_of_memtrackers(name):
+    target = Target("cpu", param_dtype="float32", batch=BATCH, seq=SEQ)
+    figures = hf.step_figures(MODELS[name](), target)  # measured once, composed per keep set
+    peaks = {}
+    for keep in (None, (), {"attn"}):
+        peak = figures.peak(keep)
+        measured = _measured_peak(MODELS[name], keep)
+        assert peak.bytes == sum(peak.breakdown.values()) and set(peak.breakdown) == set(TERMS)
+        assert abs(peak.bytes - measured) <= 0.10 * measured, (keep, peak, measured)
+        peaks[str(keep)] = peak.bytes
+    assert peaks["()"] < peaks["{'attn'}"] < peaks["None"]
+
+
+def test_the_terms_follow_the_target():
+    layers = [LayerFigures(count=32, params=200_000_000, saved_bytes=1 << 30, transient_bytes=40 << 30)]
+    sizes = ModelSizes(params=8_000_000_000, head_saved_bytes=3 << 30, head_transient_bytes=6 << 30)
+    one = step_peak(sizes, layers, Target("h100-80gb", seq=8192))
+    eight = step_peak(sizes, layers, Target("h100-80gb", seq=8192, fsdp=8))
+    assert one.breakdown["optimizer_state"] == 2 * 4 * 8_000_000_000  # AdamW: two float32 states
+    assert eight.breakdown["optimizer_state"] == one.breakdown["optimizer_state"] // 8
+    assert eight.phase.startswith("backward of layer"), eight  # the transient dominates here
+    assert eight.breakdown["fsdp_buffers"] > 0 == one.breakdown["fsdp_buffers"]
+    assert eight.bytes < one.bytes
+    sgd = step_peak(sizes, layers, Target("h100-80gb", seq=8192, fsdp=8, optimizer="sgd"))
+    assert sgd.breakdown["optimizer_state"] == 0 and sgd.bytes < eight.bytes
+    less = [LayerFigures(32, 200_000_000, 1 << 28, 40 << 30)]
+    assert step_peak(sizes, less, Target("h100-80gb", fsdp=8)).bytes < eight.bytes
+
+
+def test_bad_targets_are_refused_clearly():
+    with pytest.raises(
+        ValueError, match=r"device='h100' is not a known kind: h100-80gb, h200, a100-80gb, b200"
+    ):
+        Target("h100")
+    with pytest.raises(ValueError, match=r"memory='80 gigs': bytes .* or a number with a unit"):
+        Target("h200", memory="80 gigs")
+    with pytest.raises(ValueError, match=r"Target\(fsdp=0\): a positive int"):
+        Target("h200", fsdp=0)
+    with pytest.raises(ValueError, match=r"optimizer='adam'"):
+        Target("h200", optimizer="adam")
+    assert parse_memory("80GiB") == 80 << 30 and parse_memory("141 GB") == 141 * 10**9
+    assert Target("h200").memory == DEVICES["h200"].memory and device("H100-80GB") is DEVICES["h100-80gb"]
+    assert all(d.source and d.bf16_flops > 0 and d.bandwidth > 0 for d in DEVICES.values())
+    with pytest.raises(NotImplementedError, match="CUDA's flash / efficient kernels"):
+        hf.predict_peak(MODELS["llama"](), Target("h100-80gb"), ())
