@@ -88,36 +88,116 @@ def config_for(
 
 def plan_for(
     model: nn.Module,
-    memory: int | float,
+    memory: Any,
     *,
     batch: int = 2,
     seq: int = 128,
     inputs: dict[str, Any] | None = None,
     include: Iterable[str] | None = None,
+    device: Any = None,
+    fsdp: int = 1,
+    tp: int = 1,
+    compile: bool = True,
     **options: Any,
 ) -> ModelPlan:
-    """Plan the layers of every stack of ``model`` within ``memory`` per layer (bytes, or a
-    fraction of a layer's no-checkpoint bytes), one plan per kind of layer (dense and MoE
+    """Plan the layers of every stack of ``model``, one plan per kind of layer (dense and MoE
     layers, vision blocks and decoder layers apart), measured on ``inputs`` (the model's
     keyword arguments: a vision-language model's ``pixel_values`` and the rest) or, without
     them, a random batch of ``batch`` x ``seq`` tokens; declares the regions
     (:func:`regions_for`). A stack whose layers do not run on the inputs (a vision tower fed
-    text only) is a ``ValueError`` naming it. ``options``: ``budgets``, ``policies``,
-    ``eager`` of :func:`sac_compile.planning.plan`. ``.apply(model)`` wraps the layers.
-    ``include`` as in :func:`config_for`."""
+    text only) is a ``ValueError`` naming it. ``include`` as in :func:`config_for`.
+    ``.apply(model)`` wraps the layers.
+
+    Without ``device``, ``memory`` is per layer (bytes, or a fraction of a layer's
+    no-checkpoint bytes). With ``device`` (a kind of :data:`sac_compile.planning.devices.DEVICES`,
+    ``"cpu"``, or a :class:`~sac_compile.planning.devices.Target`), ``memory`` is the device's
+    (bytes or ``"80GiB"``; None: the device's own) and the plan is the least recompute whose
+    predicted step peak fits it (:mod:`sac_compile.planning.device_plan`): a
+    :class:`~sac_compile.planning.device_plan.DevicePlan` with ``peak_bytes``, ``fits``,
+    ``breakdown`` and ``step_seconds``, for ``batch`` x ``seq`` per device, FSDP and TP
+    degrees ``fsdp`` / ``tp``, ``compile=True`` (compiled layers: keep sets and budgets) or
+    ``False`` (the eager engine: keep sets only). A model on the meta device is planned at
+    its real size without allocating (cast in place to the target's ``param_dtype``), traced
+    with the target's attention kernel (:mod:`sac_compile.planning.kernels`). ``options``:
+    ``budgets``, ``policies``, ``eager`` of :func:`sac_compile.planning.plan`."""
     read = read_stacks(model, include or ())
     _report_unchecked(
         model,
         include,
         "nor does this plan: include={include!r} plans them too (include=() leaves them out without this warning)",
     )
-    if inputs is None:
-        ids = torch.randint(0, _vocab_size(model), (batch, seq), generator=torch.Generator().manual_seed(1))
-        inputs = {"input_ids": ids}
     patterns = tuple(f"{path}.*" for path, _ in read)
-    return plan_model(
-        model, layers=patterns, memory=memory, regions=_merged(read), use_cache=False, **inputs, **options
+    if device is None:
+        if inputs is None:
+            ids = torch.randint(
+                0, _vocab_size(model), (batch, seq), generator=torch.Generator().manual_seed(1)
+            )
+            inputs = {"input_ids": ids}
+        return plan_model(
+            model, layers=patterns, memory=memory, regions=_merged(read), use_cache=False, **inputs, **options
+        )
+    from .planning.device_plan import choose
+    from .planning.devices import Target
+    from .planning.kernels import target_kernels
+
+    if isinstance(device, Target):
+        target = device if memory is None else device.replace(memory=memory)
+    else:
+        dtype = next(unwrap_compiled(model).parameters()).dtype
+        dtype = torch.bfloat16 if next(unwrap_compiled(model).parameters()).is_meta else dtype
+        target = Target(device, memory=memory, fsdp=fsdp, tp=tp, batch=batch, seq=seq, param_dtype=dtype)
+    root = unwrap_compiled(model)
+    meta = any(p.is_meta for p in root.parameters())
+    if meta:
+        root.to(target.param_dtype)
+    inputs = inputs if inputs is not None else _tokens(model, target, "meta" if meta else "cpu")
+    if not compile:
+        options.setdefault("budgets", (None,))
+    options.setdefault("eager", not compile and not meta)
+    with target_kernels(target.device.cuda):  # type: ignore[union-attr]
+        planned = plan_model(
+            model, layers=patterns, memory=1.0, regions=_merged(read), use_cache=False, **inputs, **options
+        )
+    params, sizes = _step_sizes(root, planned, target, inputs)
+    text = _text_config(root)
+    tokens = target.batch * target.seq
+    head_flops = 6 * tokens * text.hidden_size * text.vocab_size
+    return choose(
+        planned.groups, params, sizes, target, compile=compile, layers=planned.layers, head_flops=head_flops
     )
+
+
+def _tokens(model: nn.Module, target: Any, device: str) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, _vocab_size(model), (target.batch, target.seq), generator=g)
+    return {"input_ids": ids.to(device)}
+
+
+def _text_config(root: nn.Module) -> Any:
+    return root.config.get_text_config() if hasattr(root.config, "get_text_config") else root.config
+
+
+def _step_sizes(
+    root: nn.Module, planned: ModelPlan, target: Any, inputs: dict[str, Any]
+) -> tuple[tuple, Any]:
+    """Per kind of layer, one layer's parameters; the model's sizes for the step's peak: its
+    parameters and the head's terms (transformers' causal-LM loss upcasts the logits to
+    float32: its ``log_softmax`` output is held, two gradients of that size live in its
+    backward; the final norm saves three hidden-sized values)."""
+    from .planning.peak import ModelSizes
+
+    modules = dict(root.named_modules())
+    params = tuple(sum(p.numel() for p in modules[g.paths[0]].parameters()) for g in planned.groups)
+    text = _text_config(root)
+    tokens = int(inputs["input_ids"].numel()) if "input_ids" in inputs else target.batch * target.seq
+    width = torch.empty((), dtype=target.param_dtype).element_size()
+    logits = tokens * text.vocab_size * 4
+    sizes = ModelSizes(
+        params=sum(p.numel() for p in root.parameters()),
+        head_saved_bytes=logits + 3 * tokens * text.hidden_size * width,
+        head_transient_bytes=2 * logits + (tokens * text.vocab_size * width if width != 4 else 0),
+    )
+    return params, sizes
 
 
 def predict_peak(
@@ -190,7 +270,6 @@ def step_figures(
     this machine runs as (``"cpu"``): a CUDA device's attention kernels save other values, which
     this does not trace yet."""
     from .planning.devices import Target
-    from .planning.peak import ModelSizes
 
     if not isinstance(target, Target):
         raise TypeError(f"step_figures(target={target!r}): a sac_compile.planning.devices.Target")
@@ -209,18 +288,7 @@ def step_figures(
     planned = plan_model(
         model, layers=patterns, memory=1.0, regions=_merged(read), use_cache=False, budgets=(None,), **inputs
     )
-    root = unwrap_compiled(model)
-    modules = dict(root.named_modules())
-    params = tuple(sum(p.numel() for p in modules[g.paths[0]].parameters()) for g in planned.groups)
-    text = root.config.get_text_config() if hasattr(root.config, "get_text_config") else root.config
-    tokens = int(inputs["input_ids"].numel()) if "input_ids" in inputs else target.batch * target.seq
-    width = torch.empty((), dtype=target.param_dtype).element_size()  # type: ignore[arg-type]
-    logits = tokens * text.vocab_size * 4  # the loss upcasts the logits to float32
-    sizes = ModelSizes(
-        params=sum(p.numel() for p in root.parameters()),
-        head_saved_bytes=logits + 3 * tokens * text.hidden_size * width,
-        head_transient_bytes=2 * logits + (tokens * text.vocab_size * width if width != 4 else 0),
-    )
+    params, sizes = _step_sizes(unwrap_compiled(model), planned, target, inputs)
     return StepFigures(target, planned, params, sizes)
 
 

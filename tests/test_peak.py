@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from sac_compile import hf  # noqa: E402
+from sac_compile import declare_regions, hf  # noqa: E402
 from sac_compile.planning.devices import DEVICES, Target, device, parse_memory  # noqa: E402
 from sac_compile.planning.peak import TERMS, LayerFigures, ModelSizes, step_peak  # noqa: E402
 from sac_compile.testing.hf_families import tiny_llama, tiny_qwen3_moe  # noqa: E402
@@ -31,7 +31,10 @@ def _measured_peak(make, keep) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     model = make().train()
-    if keep is not None:
+    if hasattr(keep, "apply"):  # a plan: the regions declared as hf.plan_for declares them
+        declare_regions(model, hf.regions_for(model))
+        keep.apply(model)
+    elif keep is not None:
         hf.config_for(model, keep=keep).apply(model)
     ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -95,3 +98,72 @@ def test_bad_targets_are_refused_clearly():
     assert all(d.source and d.bf16_flops > 0 and d.bandwidth > 0 for d in DEVICES.values())
     with pytest.raises(NotImplementedError, match="CUDA's flash / efficient kernels"):
         hf.predict_peak(MODELS["llama"](), Target("h100-80gb"), ())
+
+
+def _meta_llama(seq_heads: int = 8):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=seq_heads,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg).train()
+
+
+def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
+    """Red before the kernel substitution: on the meta device SDPA takes the CPU's math path,
+    so keeping attention held the batch x heads x seq x seq probabilities."""
+    seq, heads = 1024, 16
+    scores = heads * seq * seq * 2  # one bf16 seq x seq matrix per head
+    # FSDP over 8 devices: the activations dominate a step of this small model
+    gpu = hf.plan_for(_meta_llama(heads), "80GB", device="h100-80gb", batch=1, seq=seq, fsdp=8)
+    assert gpu.fits and gpu.peak_bytes <= gpu.target.usable
+    table = gpu.measured[0].plan
+
+    def kept_by_attention(table) -> int:  # what keeping attention adds to full recompute's bytes
+        found = {c.keep: c.saved_bytes for c in table.candidates if c.budget is None}
+        return found[frozenset({"attn"})] - found[frozenset()]
+
+    assert kept_by_attention(table) < scores / 4  # flash: output and logsumexp
+    cpu_math = hf.plan_for(_meta_llama(heads), "1TB", device="cpu", batch=1, seq=seq, budgets=(None,))
+    assert kept_by_attention(cpu_math.measured[0].plan) > scores  # the math path: the probabilities
+    # a larger memory never gives more predicted recompute; nothing measured again
+    full = [c for c in table.candidates if not c.keep and c.budget is None][0]
+    held = gpu.breakdown["activations"] + gpu.breakdown["backward_transient"]
+    fixed = gpu.peak_bytes - held
+    sizes = [int((fixed + held * f) / 0.95) for f in (1.2, 1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05)]
+    chosen = []
+    for memory in sizes:
+        try:
+            chosen.append(gpu.select(memory))
+        except ValueError as e:
+            assert "no plan fits" in str(e) and "largest term" in str(e)
+            break
+    flops = [p.recompute_flops for p in chosen]
+    assert flops == sorted(flops) and flops[0] == 0 < flops[-1], flops  # from keeping all to recomputing
+    assert all(p.peak_bytes <= p.target.usable for p in chosen)
+    assert full.recompute_flops * 4 >= flops[-1]  # at most every layer fully recomputed
+    with pytest.raises(
+        ValueError, match=r"no plan fits h100-80gb with .* smallest predicted peak is .* GiB .*largest term"
+    ):
+        gpu.select("10MB")
+
+
+def test_a_cpu_plan_fits_the_memory_asked_and_its_peak_is_predicted():
+    """device='cpu', the eager engine: the plan chosen for a memory between full recompute's
+    and no checkpoint's peaks, applied, trained: MemTracker's peak within the memory asked,
+    and within 10% of the predicted peak."""
+    none, full = _measured_peak(MODELS["llama"], None), _measured_peak(MODELS["llama"], ())
+    memory = (none + full) // 2
+    model = MODELS["llama"]()
+    plan = hf.plan_for(model, memory, device="cpu", batch=BATCH, seq=SEQ, compile=False)
+    assert plan.fits and 0 < plan.recompute_flops, plan
+    measured = _measured_peak(MODELS["llama"], plan)
+    assert measured <= memory, (measured, memory, plan)
+    assert abs(plan.peak_bytes - measured) <= 0.10 * measured, (plan.peak_bytes, measured)

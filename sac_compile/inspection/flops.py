@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from .._compat.checkpoint import TorchDispatchMode, tree_map
 from .._compat.ops import HigherOrderOperator, OpOverload, op_name
@@ -30,6 +30,9 @@ aten = torch.ops.aten
 # these: (rng_state, op, *args); the op inside is dispatched unseen otherwise.
 _RNG_HOPS = {"run_with_rng_state", "run_and_save_rng_state", "graphsafe_run_with_rng_state"}
 _HF_GROUPED_MM = "transformers.grouped_mm_fallback"  # transformers' opaque grouped-mm custom op
+# the planner's flash kernel for a CUDA target on the meta device (planning/kernels.py)
+_PLANNED_FLASH = "sac_compile_plan.flash_attention"
+_PLANNED_FLASH_BACKWARD = "sac_compile_plan.flash_attention_backward"
 
 
 def costly_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
@@ -37,9 +40,12 @@ def costly_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     packet = getattr(func, "overloadpacket", None)
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu:  # not in PyTorch's registry
+    name = op_name(func)
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu or name == _PLANNED_FLASH:
         return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
-    if packet is getattr(aten, "_grouped_mm", None) or op_name(func) == _HF_GROUPED_MM:
+    if name == _PLANNED_FLASH_BACKWARD:  # (grad, query, key, value, ...)
+        return int(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+    if packet is getattr(aten, "_grouped_mm", None) or name == _HF_GROUPED_MM:
         a, b = args[0], args[1]
         if a.dim() == 2 and b.dim() == 3:  # tokens x k  @  experts x k x n
             return 2 * a.shape[0] * a.shape[1] * b.shape[2]

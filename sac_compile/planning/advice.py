@@ -56,7 +56,7 @@ def advise(backend: Any, gm: Any, example_inputs: list[Any], unit: Any) -> None:
             configs.setdefault((frozenset(keep), budget), alternative)
     figures = measured(configs).figures
     base_flops = figures.pop("none")[1]
-    recomputed = {k: (saved, flops - base_flops) for k, (saved, flops) in figures.items()}
+    recomputed = {k: (saved, flops - base_flops) for k, (saved, flops, *_) in figures.items()}
     own_bytes, own_flops = recomputed.pop("own")
     better = [
         Candidate(keep, budget, backend.policy, saved, flops)

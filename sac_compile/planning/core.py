@@ -86,6 +86,8 @@ class Plan:
     no_checkpoint_time: float | None = None  # median step seconds without checkpointing ("time")
     no_checkpoint_transient: int = 0  # the no-checkpoint backward graph's transient bytes
     no_checkpoint_eager_bytes: int | None = None  # what autograd holds without a checkpoint (eager=True)
+    forward_flops: int = 0  # costly FLOPs of the forward
+    no_checkpoint_flops: int = 0  # costly FLOPs of the no-checkpoint backward
 
     @property
     def keep(self) -> frozenset[str]:
@@ -255,7 +257,7 @@ def plan(
         example_kwargs,
         {none: baseline_backend("aot_eager"), every: make_sac_backend(ALL_REGIONS, inner="aot_eager")},
     )
-    (base_bytes, base_flops, base_transient), regions = first.figures[none], first.regions
+    (base_bytes, base_flops, base_transient, forward_flops), regions = first.figures[none], first.regions
     target = _target(memory, base_bytes)
     sets, search = keep_sets(regions)
     configs = {}
@@ -267,7 +269,7 @@ def plan(
     figures = measure(module, example_args, example_kwargs, configs).figures
     found = []
     for keep, budget, policy in configs:
-        saved, flops, transient = figures[(keep, budget, policy)]
+        saved, flops, transient, _ = figures[(keep, budget, policy)]
         held = None
         if eager and budget is None:
             held = eager_bytes(module, example_args, example_kwargs, keep, policy)
@@ -284,7 +286,11 @@ def plan(
     plain = plain_bytes(module, example_args, example_kwargs) if eager else None
     table = Plan(target, found[0], tuple(found), base_bytes, tuple(regions), search, estimator, base_time)
     table = dataclasses.replace(
-        table, no_checkpoint_transient=base_transient, no_checkpoint_eager_bytes=plain
+        table,
+        no_checkpoint_transient=base_transient,
+        no_checkpoint_eager_bytes=plain,
+        forward_flops=forward_flops,
+        no_checkpoint_flops=base_flops,
     )
     return _choose(target, table)
 

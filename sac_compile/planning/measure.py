@@ -31,8 +31,9 @@ class PartitionEach:
 
     def __init__(self, configs: dict[Any, Any]) -> None:
         self.configs = configs
-        # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in turn)
-        self.figures: dict[Any, list[int]] = {key: [0, 0, 0] for key in configs}
+        # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in
+        # turn), forward FLOPs
+        self.figures: dict[Any, list[int]] = {key: [0, 0, 0, 0] for key in configs}
         self.regions: list[str] = []
         self.scopes: list[int] = []  # per graph: the checkpoint scopes of the first configuration
 
@@ -65,6 +66,7 @@ class PartitionEach:
                 self.figures[key][0] += part.activation_bytes + part.input_bytes
                 self.figures[key][1] += graph_costly_flops(bw)
                 self.figures[key][2] = max(self.figures[key][2], graph_transient(bw))
+                self.figures[key][3] += graph_costly_flops(fw)
                 for rec in one.records[-1:]:
                     self.regions.extend(r for r in rec.regions if r not in self.regions)
                     if chosen is None:

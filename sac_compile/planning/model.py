@@ -12,6 +12,7 @@ each group's choice to its layers.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,13 +174,31 @@ def _record_calls(model, matched, args, kwargs) -> dict[str, tuple[tuple, dict]]
         return hook
 
     handles = [m.register_forward_pre_hook(recorder(p), with_kwargs=True) for p, m in matched]
+    meta = any(p.is_meta for p in model.parameters())
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _fake() if meta else contextlib.nullcontext():
             model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
+    if meta:  # the recorded fake tensors become meta tensors of the same shapes, for Dynamo
+        calls = {p: tree_map(_as_meta, call) for p, call in calls.items()}
     return calls
+
+
+def _fake():
+    """A model on the meta device runs its recording forward on fake tensors: code that asks
+    a value (transformers' mask checks call ``.all()``) sees a trace and skips the check."""
+    from .._compat.tensors import fake_mode
+
+    return fake_mode()
+
+
+def _as_meta(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return out.requires_grad_(t.requires_grad)
+    return t
 
 
 def _structure(module: nn.Module) -> tuple:

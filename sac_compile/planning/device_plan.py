@@ -1,0 +1,192 @@
+"""Choosing a plan per kind of layer so that a step's predicted peak fits a device.
+
+:func:`choose` walks one fixed sequence of plans, from the least recompute toward the least
+memory: it starts every kind of layer at its frontier point with the least recomputed FLOPs
+and, step by step, moves the kind whose next frontier point frees the most bytes (held for the
+backward, times its layers) per recomputed FLOP (times its layers). The first point of the
+sequence whose predicted peak (:func:`~sac_compile.planning.peak.step_peak`) fits the target
+is the choice. The sequence does not depend on the memory, and recompute never decreases
+along it, so a larger memory never gives more recompute. When no point fits, the
+``ValueError`` names the smallest predicted peak, its largest term and what shrinks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .core import Candidate, Plan
+from .devices import Target
+from .model import LayerGroup, ModelPlan
+from .peak import LayerFigures, ModelSizes, Peak, step_peak
+
+__all__ = ["DevicePlan", "choose", "figures_of"]
+
+_FIX = {
+    "parameters": "shard wider (a larger fsdp or tp degree)",
+    "optimizer_state": "shard wider (a larger fsdp degree), or an optimizer with fewer states",
+    "gradients": "shard wider (a larger fsdp degree)",
+    "fsdp_buffers": "smaller layers per FSDP unit, or a larger tp degree",
+    "activations": "a shorter sequence or smaller batch per device (every layer is already fully recomputed)",
+    "backward_transient": "a shorter sequence or smaller batch per device, or a larger tp degree",
+    "logits_loss": "a shorter sequence or smaller batch per device, or a chunked loss",
+    "other": "an optimizer without temporaries (fused)",
+}
+
+
+@dataclass(frozen=True)
+class DevicePlan(ModelPlan):
+    """A :class:`ModelPlan` chosen for a :class:`~sac_compile.planning.devices.Target`, with
+    the step's predicted peak (``peak``: bytes, phase, terms) and step time."""
+
+    target: Target | None = None
+    peak: Peak | None = None
+    step_seconds: float | None = None  # costly-op FLOPs at the device's peak rate: a lower bound
+    compile: bool = True
+    measured: tuple[LayerGroup, ...] = ()  # every kind of layer's whole candidate table
+    params: tuple[int, ...] = ()
+    sizes: ModelSizes | None = None
+    head_flops: int = 0
+
+    def select(self, memory: Any) -> DevicePlan:
+        """The same measurements, chosen for another device ``memory`` (nothing measured
+        again)."""
+        assert self.target is not None and self.sizes is not None
+        target = self.target.replace(memory=memory)
+        return choose(
+            self.measured,
+            self.params,
+            self.sizes,
+            target,
+            compile=self.compile,
+            layers=self.layers,
+            head_flops=self.head_flops,
+        )
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.bytes if self.peak else 0
+
+    @property
+    def fits(self) -> bool:
+        return self.peak is not None and self.target is not None and self.peak.bytes <= self.target.usable
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        return dict(self.peak.breakdown) if self.peak else {}
+
+    def format(self) -> str:
+        lines = [super().format()]
+        if self.peak is not None and self.target is not None:
+            t = self.target
+            lines.append(
+                f"  on {t.device.name} ({t.memory / 2**30:.1f} GiB, {t.usable / 2**30:.1f} usable; "  # type: ignore[union-attr,operator]
+                f"fsdp {t.fsdp}, tp {t.tp}, batch {t.batch} x seq {t.seq}): predicted peak "
+                f"{self.peak.bytes / 2**30:.2f} GiB in the {self.peak.phase} ({'fits' if self.fits else 'does not fit'})"
+            )
+            for term, value in self.peak.breakdown.items():
+                if value:
+                    lines.append(f"    {term:<20}{value / 2**30:>10.2f} GiB")
+            if self.step_seconds is not None:
+                lines.append(f"  step: {self.step_seconds:.3f} s estimated (costly-op FLOPs at peak rate)")
+        return "\n".join(lines)
+
+    def apply(self, model: Any, *, compile: Any = None, **options: Any) -> Any:
+        return super().apply(model, compile=self.compile if compile is None else compile, **options)
+
+
+def figures_of(c: Candidate, table: Plan, params: int, count: int, *, compile: bool) -> LayerFigures:
+    """One kind of layer's figures for :func:`step_peak` with candidate ``c``: compiled, what
+    its partition saves and its backward graph's transient; eager, what the eager engine
+    holds (when measured) and the recompute's restoring what the layer holds unchecked."""
+    if compile:
+        return LayerFigures(count, params, c.saved_bytes, c.transient_bytes)
+    plain = table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
+    saved = c.eager_bytes if c.eager_bytes is not None else c.saved_bytes
+    return LayerFigures(count, params, saved, max(plain - saved, 0) + table.no_checkpoint_transient)
+
+
+def _frontier(table: Plan, compile: bool) -> list[Candidate]:
+    """The candidates on the (bytes, FLOPs) frontier, least recompute first."""
+    pool = [c for c in table.candidates if compile or c.budget is None]
+    front = []
+    for c in sorted(
+        pool, key=lambda c: (c.recompute_flops, c.saved_bytes, c.budget is not None, len(c.keep))
+    ):
+        if not front or c.saved_bytes < front[-1].saved_bytes:
+            front.append(c)
+    return front
+
+
+def choose(
+    groups: Sequence[LayerGroup],
+    params: Sequence[int],
+    sizes: ModelSizes,
+    target: Target,
+    *,
+    compile: bool,
+    layers: Any,
+    head_flops: int = 0,
+) -> DevicePlan:
+    """The least-recompute plan per kind of layer whose predicted step peak fits ``target``."""
+    fronts = [_frontier(g.plan, compile) for g in groups]
+    state = [0] * len(groups)
+
+    def peak_of(state: list[int]) -> Peak:
+        figures = [
+            figures_of(f[i], g.plan, p, len(g.paths), compile=compile)
+            for f, i, g, p in zip(fronts, state, groups, params)
+        ]
+        return step_peak(sizes, figures, target)
+
+    best: tuple[list[int], Peak] | None = None
+    smallest: Peak | None = None
+    while True:
+        peak = peak_of(state)
+        if smallest is None or peak.bytes < smallest.bytes:
+            smallest = peak
+        if peak.bytes <= target.usable:
+            best = (list(state), peak)
+            break
+        moves = []
+        for k, (front, i, g) in enumerate(zip(fronts, state, groups)):
+            if i + 1 < len(front):
+                freed = (front[i].saved_bytes - front[i + 1].saved_bytes) * len(g.paths)
+                cost = (front[i + 1].recompute_flops - front[i].recompute_flops) * len(g.paths)
+                moves.append((freed / max(cost, 1), k))
+        if not moves:
+            break
+        state[max(moves)[1]] += 1
+    if best is None:
+        assert smallest is not None
+        term = smallest.largest()
+        raise ValueError(
+            f"no plan fits {target.device.name} with {target.usable / 2**30:.3f} GiB usable "  # type: ignore[union-attr]
+            f"({target.memory / 2**30:.2f} GiB less {target.headroom:.0%} headroom): the smallest predicted peak is "  # type: ignore[operator]
+            f"{smallest.bytes / 2**30:.3f} GiB (every layer at its least memory), its largest term {term} "
+            f"({smallest.breakdown[term] / 2**30:.2f} GiB): {_FIX[term]}"
+        )
+    chosen, peak = best
+    out = tuple(
+        dataclasses.replace(g, plan=dataclasses.replace(g.plan, chosen=f[i], memory=f[i].saved_bytes))
+        for g, f, i in zip(groups, fronts, chosen)
+    )
+    flops = head_flops + sum(
+        (g.plan.forward_flops + g.plan.no_checkpoint_flops + g.plan.chosen.recompute_flops) * len(g.paths)
+        for g in out
+    )
+    seconds = flops / target.tp / target.device.bf16_flops  # type: ignore[union-attr]
+    return DevicePlan(
+        layers,
+        out,
+        target=target,
+        peak=peak,
+        step_seconds=seconds,
+        compile=compile,
+        measured=tuple(groups),
+        params=tuple(params),
+        sizes=sizes,
+        head_flops=head_flops,
+    )

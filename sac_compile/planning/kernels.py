@@ -1,0 +1,119 @@
+"""Tracing with a target's kernels on the meta device.
+
+What runs on the meta device is the CPU's dispatch: ``F.scaled_dot_product_attention`` takes
+the math path there, which saves the ``seq x seq`` attention probabilities for the backward. A
+GPU runs flash attention (or the memory-efficient kernel), which saves its output and the
+logsumexp (``batch x heads x seq`` float32) instead. :func:`target_kernels` makes a trace see
+what the target runs: for a CUDA (or ROCm) target, every ``scaled_dot_product_attention`` call
+becomes the flash kernel (``sac_compile_plan::flash_attention``: output and logsumexp saved,
+its backward the flash backward's shapes), keys and values repeated to the query's heads first when
+the call asks for grouped-query attention. A mask handed to the call is taken for a causal
+or padding mask (flash's ``is_causal``): on the meta device values do not matter, only what
+the kernel saves. Nothing changes for a CPU target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["flash_attention", "target_kernels"]
+
+_SDPA = F.scaled_dot_product_attention
+
+
+# The flash kernel as one op that is not tagged ``nondeterministic_seeded`` (aten's flash ops
+# are, for dropout: the partitioner would wrap a recomputed call in ``run_and_save_rng_state``,
+# which has no meta kernel). Its namespace is not PyTorch's, so the policies count it costly
+# (``op_classes.is_costly``), and ``inspection.flops`` counts its FLOPs as flash attention's.
+# Off the meta device it runs the CPU flash kernel: same values, same saved tensors.
+@torch.library.custom_op("sac_compile_plan::flash_attention", mutates_args=())
+def _flash(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, scale=scale
+    )
+    return out, lse
+
+
+@_flash.register_fake
+def _(query, key, value, is_causal, scale):
+    b, h, s = query.shape[:3]
+    return query.new_empty(query.shape), query.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("sac_compile_plan::flash_attention_backward", mutates_args=())
+def _flash_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, query, key, value, out, lse, 0.0, is_causal, scale=scale
+    )
+    return dq, dk, dv
+
+
+@_flash_backward.register_fake
+def _(grad, query, key, value, out, lse, is_causal, scale):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _setup(ctx, inputs, output) -> None:
+    query, key, value, ctx.is_causal, ctx.scale = inputs
+    ctx.save_for_backward(query, key, value, *output)
+
+
+def _backward(ctx, grad, _grad_lse):
+    query, key, value, out, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_backward(grad.contiguous(), query, key, value, out, lse, ctx.is_causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_flash.register_autograd(_backward, setup_context=_setup)
+
+
+def flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``'s signature, run as the flash kernel: it saves its
+    output and the logsumexp for the backward (no ``seq x seq`` matrix)."""
+    heads = query.shape[-3]
+    if key.shape[-3] != heads:  # grouped-query attention: the kernel sees every head
+        key = key.repeat_interleave(heads // key.shape[-3], dim=-3)
+        value = value.repeat_interleave(heads // value.shape[-3], dim=-3)
+    causal = bool(is_causal) or attn_mask is not None
+    out, _ = _flash(query, key, value, causal, scale)
+    return out
+
+
+@contextlib.contextmanager
+def target_kernels(cuda: bool) -> Iterator[None]:
+    """While open, ``torch.nn.functional.scaled_dot_product_attention`` is the target's kernel
+    (:func:`flash_attention` when ``cuda``; unchanged otherwise). Code that looks the function
+    up when it calls it (transformers' ``sdpa_attention_forward``, torchtitan's attention) sees
+    the substitute, in eager code and in what Dynamo traces."""
+    if not cuda:
+        yield
+        return
+    F.scaled_dot_product_attention = flash_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
