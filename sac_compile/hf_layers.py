@@ -39,6 +39,7 @@ that loop runs uncompiled). Both are supported; see README for what each gives.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch.nn as nn
@@ -155,6 +156,12 @@ def _entries(layer: nn.Module) -> list[tuple[str, str, nn.Module]]:
         else:
             found.append((name, name, child))
     return found
+
+
+def layer_regions(layer: nn.Module) -> dict[str, str]:
+    """``{path relative to the layer: region}`` of one layer, as :func:`regions_for` reads it
+    (children it does not recognise left out)."""
+    return _layer_regions(layer)[0]
 
 
 def _layer_regions(layer: nn.Module) -> tuple[dict[str, str], list[str]]:
@@ -361,3 +368,30 @@ def _stack_regions(model: nn.Module, path: str, layers: nn.ModuleList) -> dict[s
         else:
             out.update({f"{path}.{i}.{rel}": region for i in where})
     return out
+
+
+def report_unchecked(model: nn.Module, include: Iterable[str] | None, fix: str) -> None:
+    """Warn, naming them, of the lists of layers transformers does not checkpoint that are left
+    out (``include`` None: the caller named none)."""
+    if include is not None:
+        return
+    left = unchecked(model)
+    if left:
+        lists = ", ".join(map(repr, left))
+        warnings.warn(
+            f"{type(unwrap_compiled(model)).__name__}: {lists} "
+            f"{'is a list' if len(left) == 1 else 'are lists'} of layers transformers does not "
+            f"checkpoint (held whole, as without checkpointing), {fix.format(include=list(left))}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def merged(read: list[tuple[str, dict[str, str]]]) -> dict[str, str]:
+    return {pattern: name for _, regions in read for pattern, name in regions.items()}
+
+
+def vocab_size(model: nn.Module) -> int:
+    config = unwrap_compiled(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text.vocab_size

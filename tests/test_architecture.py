@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("seam", "config", "contexts"),
     ("inspection",),
     ("planning",),
-    ("hf", "hf_layers"),
-    ("__init__",),
+    ("hf", "hf_layers", "hf_plan"),
+    ("__init__", "__main__"),
     ("testing",),
 ]
 

@@ -49,6 +49,8 @@ def costly_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
         a, b = args[0], args[1]
         if a.dim() == 2 and b.dim() == 3:  # tokens x k  @  experts x k x n
             return 2 * a.shape[0] * a.shape[1] * b.shape[2]
+        if a.dim() == 2 and b.dim() == 2:  # k x tokens  @  tokens x n -> experts x k x n (weight gradients)
+            return 2 * a.shape[0] * a.shape[1] * b.shape[1]
         return 2 * math.prod(out.shape) * a.shape[-1]
     return 0
 

@@ -46,7 +46,7 @@ class DevicePlan(ModelPlan):
     step_seconds: float | None = None  # costly-op FLOPs at the device's peak rate: a lower bound
     compile: bool = True
     measured: tuple[LayerGroup, ...] = ()  # every kind of layer's whole candidate table
-    params: tuple[int, ...] = ()
+    params: tuple[tuple[int, int], ...] = ()
     sizes: ModelSizes | None = None
     head_flops: int = 0
 
@@ -97,15 +97,20 @@ class DevicePlan(ModelPlan):
         return super().apply(model, compile=self.compile if compile is None else compile, **options)
 
 
-def figures_of(c: Candidate, table: Plan, params: int, count: int, *, compile: bool) -> LayerFigures:
+def figures_of(
+    c: Candidate, table: Plan, params: tuple[int, int], count: int, *, compile: bool
+) -> LayerFigures:
     """One kind of layer's figures for :func:`step_peak` with candidate ``c``: compiled, what
     its partition saves and its backward graph's transient; eager, what the eager engine
-    holds (when measured) and the recompute's restoring what the layer holds unchecked."""
+    holds (when measured) and the recompute's restoring what the layer holds unchecked.
+    ``params``: one layer's (parameters, of them the routed experts')."""
     if compile:
-        return LayerFigures(count, params, c.saved_bytes, c.transient_bytes)
+        return LayerFigures(count, params[0], c.saved_bytes, c.transient_bytes, params[1])
     plain = table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
     saved = c.eager_bytes if c.eager_bytes is not None else c.saved_bytes
-    return LayerFigures(count, params, saved, max(plain - saved, 0) + table.no_checkpoint_transient)
+    return LayerFigures(
+        count, params[0], saved, max(plain - saved, 0) + table.no_checkpoint_transient, params[1]
+    )
 
 
 def _frontier(table: Plan, compile: bool) -> list[Candidate]:
@@ -122,7 +127,7 @@ def _frontier(table: Plan, compile: bool) -> list[Candidate]:
 
 def choose(
     groups: Sequence[LayerGroup],
-    params: Sequence[int],
+    params: Sequence[tuple[int, int]],
     sizes: ModelSizes,
     target: Target,
     *,

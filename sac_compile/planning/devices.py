@@ -172,6 +172,9 @@ class Target:
         fsdp: FSDP degree: parameters, gradients and optimizer state sharded this many ways;
             a layer's parameters (and in the backward its gradients) unsharded while it runs.
         tp: tensor-parallel degree: a layer's weights and most of its activations split.
+        ep: expert-parallel degree (torchtitan's layout: a divisor of ``fsdp``): an MoE
+            layer's routed experts split this many ways and FSDP-sharded over the other
+            ``fsdp / ep``, so only ``1 / ep`` of them is all-gathered while the layer runs.
         param_dtype: the dtype layers compute in (FSDP's ``MixedPrecisionPolicy.param_dtype``).
         master_dtype: the dtype parameters, gradients after reduction and optimizer state
             are kept in.
@@ -187,6 +190,7 @@ class Target:
     memory: int | str | None = None
     fsdp: int = 1
     tp: int = 1
+    ep: int = 1
     param_dtype: torch.dtype | str = torch.bfloat16
     master_dtype: torch.dtype | str = torch.float32
     reduce_dtype: torch.dtype | str = torch.float32
@@ -199,10 +203,15 @@ class Target:
         dev = device(self.device)
         object.__setattr__(self, "device", dev)
         object.__setattr__(self, "memory", dev.memory if self.memory is None else parse_memory(self.memory))
-        for name in ("fsdp", "tp", "batch", "seq"):
+        for name in ("fsdp", "tp", "ep", "batch", "seq"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Target({name}={value!r}): a positive int")
+        if self.fsdp % self.ep:
+            raise ValueError(
+                f"Target(ep={self.ep}, fsdp={self.fsdp}): the expert-parallel degree divides the FSDP degree "
+                "(experts are split ep ways and FSDP-sharded over the other fsdp / ep)"
+            )
         for name in ("param_dtype", "master_dtype", "reduce_dtype"):
             object.__setattr__(self, name, _dtype(getattr(self, name), name))
         if self.optimizer not in OPTIMIZER_STATES:

@@ -43,7 +43,8 @@ def _flash(
 @_flash.register_fake
 def _(query, key, value, is_causal, scale):
     b, h, s = query.shape[:3]
-    return query.new_empty(query.shape), query.new_empty((b, h, s), dtype=torch.float32)
+    out = query.new_empty((*query.shape[:-1], value.shape[-1]))  # MLA: values narrower than queries
+    return out, query.new_empty((b, h, s), dtype=torch.float32)
 
 
 @torch.library.custom_op("sac_compile_plan::flash_attention_backward", mutates_args=())

@@ -103,6 +103,7 @@ def plan_model(
     budgets=DEFAULT_BUDGETS,
     policies=(SAVE_COSTLY,),
     eager: bool = True,
+    progress: Any = None,
     **example_kwargs: Any,
 ) -> ModelPlan:
     """Plan every kind of layer matching ``layers`` within ``memory`` per layer.
@@ -116,6 +117,8 @@ def plan_model(
         memory: per layer: bytes (``int``) or a fraction of that layer's no-checkpoint bytes.
         regions: ``{module path pattern: region name}`` declared on ``model`` first.
         budgets, policies, eager: as in :func:`~sac_compile.planning.plan`.
+        progress: called as ``progress(done, total, kind)`` before each kind of layer is
+            measured and once at the end (``done == total``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"plan_model plans an nn.Module, got {type(model).__name__}")
@@ -149,12 +152,16 @@ def plan_model(
     modules = dict(matched)
     kinds = _kinds(groups, modules)
     out = []
-    for key, paths in groups.items():
+    for i, (key, paths) in enumerate(groups.items()):
+        if progress is not None:
+            progress(i, len(groups), f"{kinds[key]} x{len(paths)}")
         args, kwargs = calls[paths[0]]
         chosen = plan(
             modules[paths[0]], *args, memory=memory, budgets=budgets, policies=policies, eager=eager, **kwargs
         )
         out.append(LayerGroup(kinds[key], tuple(paths), chosen))
+    if progress is not None:
+        progress(len(groups), len(groups), "done")
     return ModelPlan(layers, tuple(out))
 
 

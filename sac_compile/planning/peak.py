@@ -54,6 +54,7 @@ class LayerFigures:
     params: int  # parameters (elements, whole, before any sharding)
     saved_bytes: int
     transient_bytes: int
+    expert_params: int = 0  # of ``params``, the routed experts' (split by expert parallelism)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,8 @@ def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target)
     for i, g in enumerate(order):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
         # its gradients unsharded before the reduce-scatter
-        buffers = int(2 * g.params / tp * param_b + g.params / tp * reduce_b) if fsdp > 1 else 0
+        gathered = (g.params - g.expert_params) / tp + g.expert_params / target.ep
+        buffers = int(2 * gathered * param_b + gathered * reduce_b) if fsdp > 1 else 0
         phases.append(
             (
                 f"backward of layer {len(order) - 1 - i}",
