@@ -134,7 +134,7 @@ class StepFigures:
     ]  # per group: one layer's parameters, of them the routed experts'
     sizes: Any  # planning.peak.ModelSizes
 
-    def peak(self, keep: Any = None) -> Peak:
+    def peak(self, keep: Any = None, *, compile: bool = False) -> Peak:
         """The predicted peak with every layer keeping ``keep`` under the eager engine (None:
         no checkpoint)."""
         from .planning.device_plan import figures_of
@@ -156,7 +156,7 @@ class StepFigures:
                 else frozenset(keep_set) & set(table.regions)
             )
             found = [c for c in table.candidates if c.keep == kept and c.budget is None]
-            layers.append(figures_of(found[0], table, params, len(group.paths), compile=False))
+            layers.append(figures_of(found[0], table, params, len(group.paths), compile=compile))
         return step_peak(self.sizes, layers, self.target)
 
 
