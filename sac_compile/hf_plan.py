@@ -40,16 +40,15 @@ def plan_for_device(
     from .planning.devices import Target
     from .planning.kernels import target_kernels
 
+    root = unwrap_compiled(model)
+    meta = any(p.is_meta for p in root.parameters())
     if isinstance(device, Target):
         target = device if memory is None else device.replace(memory=memory)
     else:
-        dtype = next(unwrap_compiled(model).parameters()).dtype
-        dtype = torch.bfloat16 if next(unwrap_compiled(model).parameters()).is_meta else dtype
+        dtype = torch.bfloat16 if meta else next(root.parameters()).dtype
         target = Target(
             device, memory=memory, fsdp=fsdp, tp=tp, ep=ep, batch=batch, seq=seq, param_dtype=dtype
         )
-    root = unwrap_compiled(model)
-    meta = any(p.is_meta for p in root.parameters())
     if meta:
         root.to(target.param_dtype)
     inputs = inputs if inputs is not None else _tokens(model, target, "meta" if meta else "cpu")
@@ -191,9 +190,7 @@ def step_figures(
     read = read_stacks(model, include or ())
     report_unchecked(model, include, "nor does this prediction: include={include!r} counts them too")
     if inputs is None:
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, vocab_size(model), (target.batch, target.seq), generator=g)
-        inputs = {"input_ids": ids}
+        inputs = _tokens(model, target, "cpu")
     patterns = tuple(f"{path}.*" for path, _ in read)
     planned = plan_model(
         model, layers=patterns, memory=1.0, regions=merged(read), use_cache=False, budgets=(None,), **inputs

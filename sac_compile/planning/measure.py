@@ -100,22 +100,7 @@ def measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> Partiti
 def plain_bytes(module: nn.Module, args, kwargs) -> int:
     """Bytes autograd holds for the backward once ``module``'s forward returned, without any
     checkpoint (as :func:`eager_bytes` measures)."""
-    from ..inspection.measure import autograd_saved_bytes
-
-    def run():
-        out = module(*args, **kwargs)
-        return out[0] if isinstance(out, (tuple, list)) else out
-
-    held = autograd_saved_bytes(run, exclude=[*module.parameters(), *module.buffers()])
-    _clear_grads(module, args, kwargs)
-    return held
-
-
-def _clear_grads(module: nn.Module, args, kwargs) -> None:
-    module.zero_grad(set_to_none=True)
-    for a in [*args, *kwargs.values()]:
-        if isinstance(a, torch.Tensor) and a.grad is not None:
-            a.grad = None
+    return _held(module, module, args, kwargs)
 
 
 def eager_bytes(module: nn.Module, args, kwargs, keep: frozenset[str], policy: RegionPolicy) -> int:
@@ -123,14 +108,27 @@ def eager_bytes(module: nn.Module, args, kwargs, keep: frozenset[str], policy: R
     (:func:`~sac_compile.inspection.measure.autograd_saved_bytes`: autograd's saves, the
     checkpoint's inputs and the engine's cache; parameters and buffers excluded)."""
     from ..eager import checkpoint_with_regions
+
+    def checkpointed(*a, **kw):
+        return checkpoint_with_regions(module, *a, keep=keep, policy=policy, **kw)
+
+    return _held(module, checkpointed, args, kwargs)
+
+
+def _held(module: nn.Module, call, args, kwargs) -> int:
+    """``autograd_saved_bytes`` of ``call(*args, **kwargs)`` (its first output when it returns
+    several), ``module``'s parameters and buffers excluded; gradients cleared after."""
     from ..inspection.measure import autograd_saved_bytes
 
     def run():
-        out = checkpoint_with_regions(module, *args, keep=keep, policy=policy, **kwargs)
+        out = call(*args, **kwargs)
         return out[0] if isinstance(out, (tuple, list)) else out
 
     held = autograd_saved_bytes(run, exclude=[*module.parameters(), *module.buffers()])
-    _clear_grads(module, args, kwargs)
+    module.zero_grad(set_to_none=True)
+    for a in [*args, *kwargs.values()]:
+        if isinstance(a, torch.Tensor) and a.grad is not None:
+            a.grad = None
     return held
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from .._compat.checkpoint import tree_map
+from .._compat.tensors import fake_mode
 from ..declare import declare_regions, match_path
 from ..policy import SAVE_COSTLY
 from .core import DEFAULT_BUDGETS, Plan, plan
@@ -181,9 +182,11 @@ def _record_calls(model, matched, args, kwargs) -> dict[str, tuple[tuple, dict]]
         return hook
 
     handles = [m.register_forward_pre_hook(recorder(p), with_kwargs=True) for p, m in matched]
+    # A model on the meta device runs its recording forward on fake tensors: code that asks
+    # a value (transformers' mask checks call ``.all()``) sees a trace and skips the check.
     meta = any(p.is_meta for p in model.parameters())
     try:
-        with torch.enable_grad(), _fake() if meta else contextlib.nullcontext():
+        with torch.enable_grad(), fake_mode() if meta else contextlib.nullcontext():
             model(*args, **kwargs)
     finally:
         for h in handles:
@@ -191,14 +194,6 @@ def _record_calls(model, matched, args, kwargs) -> dict[str, tuple[tuple, dict]]
     if meta:  # the recorded fake tensors become meta tensors of the same shapes, for Dynamo
         calls = {p: tree_map(_as_meta, call) for p, call in calls.items()}
     return calls
-
-
-def _fake():
-    """A model on the meta device runs its recording forward on fake tensors: code that asks
-    a value (transformers' mask checks call ``.all()``) sees a trace and skips the check."""
-    from .._compat.tensors import fake_mode
-
-    return fake_mode()
 
 
 def _as_meta(t: Any) -> Any:
