@@ -10,16 +10,29 @@ Inductor, trained side by side from the same weights:
 Per configuration: the peak memory of one training step above the memory held before it
 (``torch.cuda.max_memory_allocated``; on a CPU, which has no allocator statistics, the bytes
 held for the backward once the forward returned, ``autograd_saved_bytes``), tokens/s as the
-median of ``--iters`` interleaved steps, and the loss. Sized to finish in under 5 minutes on
-one GPU at the defaults; ``tests/test_gpu_benchmark.py`` runs it on a CPU at a tiny size.
+median of ``--iters`` interleaved steps, and the loss.
 
-    python benchmarks/gpu.py [--model demo|llama|qwen3moe] [--device cuda] [--layers 8 --d 1024 --seq 2048]
+Then, for the transformers models, the prediction checked: whole AdamW steps (causal-LM loss,
+parameters, gradients and optimizer state included) with no checkpoint, full recompute, every
+region kept and ``hf.plan_for(model, memory, device=...)`` for a memory between full
+recompute's and no checkpoint's predicted peaks; per configuration the predicted peak
+(:class:`sac_compile.hf.StepFigures`, for the device present: ``planning.devices.present()``)
+beside the measured one (``torch.cuda.max_memory_allocated`` from zero; on a CPU the
+allocator's timeline, ``sac_compile._compat.profiler.allocation_peak``, plus what was live),
+and the roofline step estimate beside the measured median step. Exit 1 when a loss differs or
+a predicted peak is more than ``--peak-tolerance`` off the measured one.
+
+Sized to finish in under 5 minutes on one GPU at the defaults; ``tests/test_gpu_benchmark.py``
+runs it on a CPU at a tiny size.
+
+    python benchmarks/gpu.py [--model llama|qwen3moe|demo] [--device cuda] [--layers 8 --d 1024 --seq 2048]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import statistics
 import sys
 import time
@@ -89,7 +102,7 @@ def configurations(args, planned):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("demo", "llama", "qwen3moe"), default="demo")
+    parser.add_argument("--model", choices=("llama", "qwen3moe", "demo"), default="llama")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--layers", type=int, default=8)
@@ -102,6 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("--inner", choices=("inductor", "aot_eager"), default="inductor")
     parser.add_argument("--fractions", default="0.3,0.5", help="plan memory targets, of a layer's bytes")
     parser.add_argument("--plan-budgets", default="", help="budgets the planner tries (default: its own)")
+    parser.add_argument("--peak-tolerance", type=float, default=0.10, help="predicted vs measured step peak")
     args = parser.parse_args(argv)
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     cuda = args.device.startswith("cuda")
@@ -178,10 +192,100 @@ def main(argv=None) -> int:
         )
         if abs(r["loss"] - base["loss"]) > 1e-2 * max(1.0, abs(base["loss"])):
             problems.append(f"{name}: loss {r['loss']} differs from no checkpoint's {base['loss']}")
+    if args.model != "demo":
+        problems += predicted_beside_measured(args, ids)
     if problems:
         print("\n".join(problems))
         return 1
     return 0
+
+
+def predicted_beside_measured(args, ids) -> list[str]:
+    """Whole AdamW steps: the predicted peak and step time beside the measured ones."""
+    from sac_compile import hf
+    from sac_compile._compat.profiler import allocation_peak
+    from sac_compile.planning.devices import Target, present
+
+    cuda = args.device.startswith("cuda")
+    dtype = args.dtype
+    target = Target(
+        present() if cuda else "cpu",
+        batch=args.batch,
+        seq=args.seq,
+        param_dtype=dtype,
+        master_dtype=dtype,  # the model is trained in its dtype: no float32 master copy
+        reduce_dtype=dtype,
+    )
+    start = time.perf_counter()
+    figures = hf.step_figures(build(args)[0], target, inputs={"input_ids": ids})
+    none, full = figures.peak(None, compile=True).bytes, figures.peak((), compile=True).bytes
+    plan = hf.plan_for(build(args)[0], (none + full) // 2, device=target, inputs={"input_ids": ids})
+    print(
+        f"\nwhole AdamW steps on {target.device.name}: predicted (measured {time.perf_counter() - start:.1f} s, "
+        f"one layer of each kind) beside measured; plan for {(none + full) / 2 / 2**20:.1f} MiB: {'; '.join(g.plan.chosen.label for g in plan.groups)}"
+    )
+    rows = {
+        "no checkpoint": (None, figures.peak(None, compile=True), figures.seconds(None)),
+        "full recompute": ((), figures.peak((), compile=True), figures.seconds(())),
+        "keep every region": (
+            sc.ALL_REGIONS,
+            figures.peak(sc.ALL_REGIONS, compile=True),
+            figures.seconds(sc.ALL_REGIONS),
+        ),
+        "plan_for(memory)": (plan, plan.peak, plan.step_seconds),
+    }
+    steps, measured = {}, {}
+    with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
+        for name, (keep, _, _) in rows.items():
+            model, layers = build(args)
+            options = {"inner": args.inner}
+            if keep is None:
+                configurations(args, {})["no checkpoint"](model, layers)
+            elif hasattr(keep, "apply"):
+                keep.apply(model, compile=options)
+            else:
+                sc.SacConfig(layers=layers, keep=keep, compile=options).apply(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=cuda)
+
+            def step(model=model, opt=opt):
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if cuda:
+                    torch.cuda.synchronize()
+
+            step()  # compiles, makes the optimizer state
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                measured[name] = torch.cuda.max_memory_allocated() - ids.untyped_storage().nbytes()
+            else:
+                state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+                before = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *state])
+                measured[name] = before + allocation_peak(step)
+            steps[name] = step
+            del model, opt
+            gc.collect()
+        times = interleaved_times(steps, args.iters)
+    head = f"{'configuration':<24} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>6}  {'peak in':<22} {'est. s':>8} {'step s':>8}"
+    print(head)
+    print("-" * len(head))
+    problems = []
+    for name, (_, peak, seconds) in rows.items():
+        ratio = peak.bytes / measured[name]
+        print(
+            f"{name:<24} {peak.bytes / 2**20:>14.1f} {measured[name] / 2**20:>13.1f} {ratio:>6.3f}  {peak.phase:<22} "
+            f"{seconds:>8.4f} {statistics.median(times[name]):>8.4f}"
+        )
+        if abs(ratio - 1) > args.peak_tolerance:
+            problems.append(
+                f"{name}: predicted peak {peak.bytes} B is {ratio:.3f}x the measured {measured[name]} B"
+            )
+    print(
+        "est. s: roofline (matmul / attention FLOPs at the datasheet's peak rate, other ops' unfused bytes at its "
+        "bandwidth): a bound, not a forecast"
+    )
+    return problems
 
 
 if __name__ == "__main__":

@@ -35,10 +35,8 @@ def plan_for_device(
     options: dict[str, Any],
 ) -> Any:
     """``hf.plan_for`` with ``device``: see its docstring."""
-    patterns = tuple(f"{path}.*" for path, _ in read)
     from .planning.device_plan import choose
     from .planning.devices import Target
-    from .planning.kernels import target_kernels
 
     root = unwrap_compiled(model)
     meta = any(p.is_meta for p in root.parameters())
@@ -49,29 +47,97 @@ def plan_for_device(
         target = Target(
             device, memory=memory, fsdp=fsdp, tp=tp, ep=ep, batch=batch, seq=seq, param_dtype=dtype
         )
-    if meta:
-        root.to(target.param_dtype)
-    inputs = inputs if inputs is not None else _tokens(model, target, "meta" if meta else "cpu")
     if not compile:
         options.setdefault("budgets", (None,))
     options.setdefault("eager", not compile and not meta)
-    with target_kernels(target.device.cuda):  # type: ignore[union-attr]
+    planned, params, sizes, inputs = _measure(model, read, target, inputs, options)
+    return choose(planned.groups, params, sizes, target, compile=compile, layers=planned.layers)
+
+
+def _measure(
+    model: nn.Module,
+    read: list[tuple[str, dict[str, str]]],
+    target: Any,
+    inputs: dict[str, Any] | None,
+    options: dict[str, Any],
+) -> tuple[ModelPlan, tuple, Any, dict[str, Any]]:
+    """One plan table per kind of layer of ``model``'s stacks ``read``, traced with the
+    target's kernels (a model on the meta device, cast to ``param_dtype`` first; a model on
+    a CUDA device runs its own), and the step's sizes."""
+    from .planning.kernels import target_kernels
+
+    root = unwrap_compiled(model)
+    where = next(root.parameters()).device
+    if where.type == "meta":
+        root.to(target.param_dtype)
+    if inputs is None:
+        inputs = _tokens(model, target, where)
+    patterns = tuple(f"{path}.*" for path, _ in read)
+    with target_kernels(target.device.cuda and where.type != "cuda"):
         planned = plan_model(
             model, layers=patterns, memory=1.0, regions=merged(read), use_cache=False, **inputs, **options
         )
     params, sizes = _step_sizes(root, planned, target, inputs)
-    text = _text_config(root)
-    tokens = target.batch * target.seq
-    head_flops = 6 * tokens * text.hidden_size * text.vocab_size
-    return choose(
-        planned.groups, params, sizes, target, compile=compile, layers=planned.layers, head_flops=head_flops
-    )
+    return planned, params, sizes, inputs
 
 
-def _tokens(model: nn.Module, target: Any, device: str) -> dict[str, Any]:
+def _tokens(model: nn.Module, target: Any, device: Any) -> dict[str, Any]:
+    """A batch of ``target.batch`` x ``target.seq`` random tokens; for a vision-language model
+    of a family :func:`_images` knows, one image a row taking about a quarter of the
+    sequence (placeholders from position 1), so that its vision stack runs too."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size(model), (target.batch, target.seq), generator=g)
-    return {"input_ids": ids.to(device)}
+    inputs = {"input_ids": ids}
+    images = _images(unwrap_compiled(model).config, target.batch, target.seq)
+    if images is not None:
+        tokens, extra = images
+        token = _image_token(unwrap_compiled(model).config)
+        ids[ids == token] = 0
+        ids[:, 1 : 1 + tokens] = token
+        inputs.update(extra)
+        if "token_type_ids" in inputs:
+            inputs["token_type_ids"] = (ids == token).long()
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def _image_token(config: Any) -> int | None:
+    token = getattr(config, "image_token_id", None)
+    return getattr(config, "image_token_index", None) if token is None else token
+
+
+#: vision-language families whose image inputs _images makes from the config alone
+IMAGE_FAMILIES = ("llava", "gemma3", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+
+
+def _images(config: Any, batch: int, seq: int) -> tuple[int, dict[str, Any]] | None:
+    """``(image tokens a row, model inputs)`` for one image a row, or None for a model
+    without a vision tower. A vision-language family not in :data:`IMAGE_FAMILIES` is a
+    ``ValueError``: its image inputs are the caller's (``inputs=``)."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None or _image_token(config) is None:
+        return None
+    kind = config.model_type
+    g = torch.Generator().manual_seed(2)
+    channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", None) or 3
+    if kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+        merge, patch = vision.spatial_merge_size, vision.patch_size
+        side = max(int((seq // 4) ** 0.5), 1)  # merged patches a side
+        grid = torch.tensor([[1, side * merge, side * merge]] * batch)
+        flat = channels * vision.temporal_patch_size * patch * patch
+        pixels = torch.randn(int(grid.prod(-1).sum()), flat, generator=g)
+        return side * side, {"pixel_values": pixels, "image_grid_thw": grid}
+    size = getattr(vision, "image_size", None)
+    if kind == "gemma3":
+        pixels = torch.randn(batch, channels, size, size, generator=g)
+        return config.mm_tokens_per_image, {"pixel_values": pixels, "token_type_ids": None}
+    if kind == "llava":
+        tokens = (size // vision.patch_size) ** 2 + (config.vision_feature_select_strategy == "full")
+        return tokens, {"pixel_values": torch.randn(batch, channels, size, size, generator=g)}
+    raise ValueError(
+        f"{type(config).__name__} ({kind!r}) has a vision tower, and sac_compile makes image inputs for "
+        f"{', '.join(IMAGE_FAMILIES)} only: pass the model's inputs (inputs={{'input_ids': ..., 'pixel_values': "
+        "..., ...}}) to hf.plan_for / hf.step_figures"
+    )
 
 
 def _text_config(root: nn.Module) -> Any:
@@ -84,7 +150,9 @@ def _step_sizes(
     """Per kind of layer, one layer's parameters; the model's sizes for the step's peak: its
     parameters and the head's terms (transformers' causal-LM loss upcasts the logits to
     float32: its ``log_softmax`` output is held, two gradients of that size live in its
-    backward; the final norm saves three hidden-sized values)."""
+    backward; the final norm saves three hidden-sized values; the output projection's
+    FLOPs, forward and backward; the loss's six passes over the float32 logits, forward and
+    backward, for its traffic)."""
     from .planning.peak import ModelSizes
 
     modules = dict(root.named_modules())
@@ -103,6 +171,8 @@ def _step_sizes(
         params=sum(p.numel() for p in root.parameters()),
         head_saved_bytes=logits + 3 * tokens * text.hidden_size * width,
         head_transient_bytes=2 * logits + (tokens * text.vocab_size * width if width != 4 else 0),
+        head_flops=6 * tokens * text.hidden_size * text.vocab_size,
+        head_traffic=6 * logits,
     )
     return params, sizes
 
@@ -133,30 +203,43 @@ class StepFigures:
     ]  # per group: one layer's parameters, of them the routed experts'
     sizes: Any  # planning.peak.ModelSizes
 
+    def _chosen(self, keep: Any) -> list[Any]:
+        """Per kind of layer, the candidate keeping ``keep`` (None: no checkpoint)."""
+        if keep is None:
+            return [None] * len(self.plan.groups)
+        keep_set = normalize_keep(keep)
+        out = []
+        for group in self.plan.groups:
+            table = group.plan
+            regions = set(table.regions)
+            kept = frozenset(regions) if keep_set is ALL_REGIONS else frozenset(keep_set) & regions
+            out.append([c for c in table.candidates if c.keep == kept and c.budget is None][0])
+        return out
+
     def peak(self, keep: Any = None, *, compile: bool = False) -> Peak:
-        """The predicted peak with every layer keeping ``keep`` under the eager engine (None:
-        no checkpoint)."""
+        """The predicted peak with every layer keeping ``keep`` (None: no checkpoint), under
+        the eager engine or (``compile``) compiled."""
         from .planning.device_plan import figures_of
         from .planning.peak import LayerFigures, step_peak
 
-        keep_set = None if keep is None else normalize_keep(keep)
         layers = []
-        for group, params in zip(self.plan.groups, self.layer_params):
-            table = group.plan
-            if keep_set is None:
+        for group, params, c in zip(self.plan.groups, self.layer_params, self._chosen(keep)):
+            table, count = group.plan, len(group.paths)
+            if c is None:
                 plain = table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
-                layers.append(
-                    LayerFigures(len(group.paths), params[0], plain, table.no_checkpoint_transient, params[1])
-                )
-                continue
-            kept = (
-                frozenset(table.regions)
-                if keep_set is ALL_REGIONS
-                else frozenset(keep_set) & set(table.regions)
-            )
-            found = [c for c in table.candidates if c.keep == kept and c.budget is None]
-            layers.append(figures_of(found[0], table, params, len(group.paths), compile=compile))
+                layers.append(LayerFigures(count, params[0], plain, table.no_checkpoint_transient, params[1]))
+            else:
+                layers.append(figures_of(c, table, params, count, compile=compile))
         return step_peak(self.sizes, layers, self.target)
+
+    def seconds(self, keep: Any = None) -> float:
+        """The step's time on the target, estimated from its roofline
+        (:func:`sac_compile.planning.device_plan.step_seconds`), every layer keeping ``keep``."""
+        from .planning.device_plan import step_seconds
+
+        groups = self.plan.groups
+        layers = [(len(g.paths), g.plan, c) for g, c in zip(groups, self._chosen(keep))]
+        return step_seconds(layers, self.sizes, self.target)
 
 
 def step_figures(
@@ -175,25 +258,15 @@ def step_figures(
     :func:`sac_compile.planning.plan`), and the model's terms are read from its sizes: its
     parameters, and the head's — the loss's ``log_softmax`` output and its two gradients
     (float32, batch x seq x vocab) and the final norm's saves.
-    :func:`sac_compile.planning.peak.step_peak` composes the step. ``target.device`` must be one
-    this machine runs as (``"cpu"``): a CUDA device's attention kernels save other values, which
-    this does not trace yet."""
+    :func:`sac_compile.planning.peak.step_peak` composes the step. For a CUDA target, a model
+    that is not on a CUDA device is traced with the target's attention kernel
+    (:mod:`sac_compile.planning.kernels`); a model on the meta device is cast in place to
+    ``target.param_dtype``."""
     from .planning.devices import Target
 
     if not isinstance(target, Target):
         raise TypeError(f"step_figures(target={target!r}): a sac_compile.planning.devices.Target")
-    if target.device.cuda:  # type: ignore[union-attr]
-        raise NotImplementedError(
-            f"a step on {target.device.name}: layers are measured with this machine's kernels "  # type: ignore[union-attr]
-            "(CPU attention saves the score matrix; CUDA's flash / efficient kernels do not); use device='cpu'"
-        )
     read = read_stacks(model, include or ())
     report_unchecked(model, include, "nor does this prediction: include={include!r} counts them too")
-    if inputs is None:
-        inputs = _tokens(model, target, "cpu")
-    patterns = tuple(f"{path}.*" for path, _ in read)
-    planned = plan_model(
-        model, layers=patterns, memory=1.0, regions=merged(read), use_cache=False, budgets=(None,), **inputs
-    )
-    params, sizes = _step_sizes(unwrap_compiled(model), planned, target, inputs)
+    planned, params, sizes, _ = _measure(model, read, target, inputs, {"budgets": (None,)})
     return StepFigures(target, planned, params, sizes)

@@ -1,10 +1,11 @@
 """The CPU allocator's peak during a call, from ``torch.profiler``'s memory timeline.
 
 ``torch.profiler.profile(profile_memory=True)`` records every allocation and free the
-allocator reports (CPU included); ``torch.profiler._memory_profiler.MemoryProfile`` (private:
-what ``export_memory_timeline`` is built on) turns them into a timeline of ``CREATE`` /
-``DESTROY`` events with sizes. The running sum over that timeline is exact at the allocator's
-level, compiled code included — where PyTorch's ``MemTracker`` (a dispatch mode) makes compiled
+allocator reports (CPU included), as ``Allocation`` events of the profiler's event tree
+(``kineto_results.experimental_event_tree()``, private: what ``export_memory_timeline`` reads;
+its ``MemoryProfile`` also builds a data-flow graph, which asserts on some FSDP steps, so the
+events are summed here directly). The running sum of their sizes in time order is exact at
+the allocator's level, compiled code included — where PyTorch's ``MemTracker`` (a dispatch mode) makes compiled
 layers fall back to eager. Per-op summaries (``cpu_memory_usage``) would miss a peak inside one
 op (an allocation freed before the op returns); the timeline does not.
 """
@@ -20,16 +21,22 @@ __all__ = ["allocation_peak"]
 def allocation_peak(fn: Callable[[], Any]) -> int:
     """The most bytes allocated during ``fn()`` and not yet freed, at any moment: the peak
     above what was live when it started."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.typed[0] == _EventType.Allocation:
+            events.append((event.start_time_ns, event.typed[1].alloc_size))
     live = peak = 0
-    for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
-        if action.name == "CREATE":
-            live += size
-            peak = max(peak, live)
-        elif action.name == "DESTROY":
-            live -= size
+    for _, size in sorted(
+        events, key=lambda e: e[0]
+    ):  # stable: a free and an allocation at one time stay in order
+        live += size
+        peak = max(peak, live)
     return peak

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
-__all__ = ["fake_mode", "storage_id", "version"]
+__all__ = ["DataDependentOutputException", "fake_mode", "storage_id", "version"]
 
 
 def version(t: torch.Tensor) -> int:

@@ -23,8 +23,11 @@ that a model it compiles checkpoints its layers that way.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
@@ -37,6 +40,7 @@ __all__ = [
     "note_caches_off",
     "own_checkpointing_on",
     "training_call",
+    "value_checks_off",
 ]
 
 log = logging.getLogger("sac_compile")
@@ -130,3 +134,21 @@ def from_config(model_cls: type, config: Any, **kwargs: Any) -> nn.Module:
     (``PreTrainedModel._from_config``: no checkpoint is read), ``kwargs`` such as
     ``attn_implementation`` passed on."""
     return model_cls._from_config(config, **kwargs)
+
+
+@contextlib.contextmanager
+def value_checks_off() -> Iterator[None]:
+    """While open, transformers skips its checks on tensor values
+    (``torch_compilable_check``: "image features and image tokens do not match", ...): its own
+    switch, ``TRANSFORMERS_DISABLE_TORCH_CHECK=1``, read at every check. For a forward on
+    fake tensors of a meta model, whose values do not exist."""
+    key = "TRANSFORMERS_DISABLE_TORCH_CHECK"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before

@@ -15,14 +15,16 @@ import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from .._compat.checkpoint import TorchDispatchMode, tree_map
-from .._compat.ops import HigherOrderOperator, OpOverload, op_name
+from .._compat.ops import HigherOrderOperator, OpOverload, is_view_op, op_name
 
 __all__ = [
     "CountFlops",
     "costly_flops",
     "graph_costly_flops",
+    "graph_traffic",
     "saved_bytes_and_backward_flops",
     "scalar_loss",
+    "val_bytes",
 ]
 
 aten = torch.ops.aten
@@ -98,6 +100,38 @@ def graph_costly_flops(gm: torch.fx.GraphModule) -> int:
             n.target, tree_map(val, n.args), tree_map(val, dict(n.kwargs)), n.meta.get("val")
         )
     return total
+
+
+def graph_traffic(gm: torch.fx.GraphModule) -> int:
+    """The bytes the graph's other ops (every call that is not :func:`costly_flops`'s: the
+    memory-bound ones) read and write, each run on its own (unfused: what eager code moves,
+    an upper bound on what a fusing compiler moves), read off ``node.meta["val"]``. Views,
+    aliases and ``getitem`` move nothing."""
+    total = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, (OpOverload, HigherOrderOperator)):
+            continue
+        if is_view_op(n.target):
+            continue
+        args = tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, n.args)
+        kwargs = tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, dict(n.kwargs))
+        if _call_flops(n.target, args, kwargs, n.meta.get("val")):
+            continue
+        total += sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes) + val_bytes(n.meta.get("val"))
+    return total
+
+
+def val_bytes(val: Any) -> int:
+    """The bytes of a tensor (or a tuple / list of them) in ``node.meta["val"]``; 0 for a
+    symbolic size."""
+    if isinstance(val, torch.Tensor):
+        try:
+            return int(val.numel()) * val.element_size()
+        except (RuntimeError, TypeError):  # an unbacked or symbolic size
+            return 0
+    if isinstance(val, (tuple, list)):
+        return sum(val_bytes(v) for v in val)
+    return 0
 
 
 def scalar_loss(out: Any) -> torch.Tensor:

@@ -60,6 +60,7 @@ class Candidate:
     eager_bytes: int | None = None  # what the eager engine holds for the backward (no budget only)
     step_time: float | None = None  # median forward+backward seconds (estimator="time", Pareto points)
     transient_bytes: int = 0  # what its backward graph allocates beyond its inputs, at its peak
+    recompute_traffic: int = 0  # bytes its backward's memory-bound ops move beyond no checkpoint's
 
     @property
     def label(self) -> str:
@@ -88,6 +89,8 @@ class Plan:
     no_checkpoint_eager_bytes: int | None = None  # what autograd holds without a checkpoint (eager=True)
     forward_flops: int = 0  # costly FLOPs of the forward
     no_checkpoint_flops: int = 0  # costly FLOPs of the no-checkpoint backward
+    forward_traffic: int = 0  # bytes the forward's memory-bound ops move (inspection.flops.graph_traffic)
+    no_checkpoint_traffic: int = 0  # the same for the no-checkpoint backward
 
     @property
     def keep(self) -> frozenset[str]:
@@ -257,7 +260,8 @@ def plan(
         example_kwargs,
         {none: baseline_backend("aot_eager"), every: make_sac_backend(ALL_REGIONS, inner="aot_eager")},
     )
-    (base_bytes, base_flops, base_transient, forward_flops), regions = first.figures[none], first.regions
+    base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic = first.figures[none]
+    regions = first.regions
     target = _target(memory, base_bytes)
     sets, search = keep_sets(regions)
     configs = {}
@@ -269,13 +273,22 @@ def plan(
     figures = measure(module, example_args, example_kwargs, configs).figures
     found = []
     for keep, budget, policy in configs:
-        saved, flops, transient, _ = figures[(keep, budget, policy)]
+        saved, flops, transient, _, traffic, _ = figures[(keep, budget, policy)]
         held = None
         if eager and budget is None:
             held = eager_bytes(module, example_args, example_kwargs, keep, policy)
         extra = max(flops - base_flops, 0)
         found.append(
-            Candidate(keep, budget, policy, saved, extra, eager_bytes=held, transient_bytes=transient)
+            Candidate(
+                keep,
+                budget,
+                policy,
+                saved,
+                extra,
+                eager_bytes=held,
+                transient_bytes=transient,
+                recompute_traffic=max(traffic - base_traffic, 0),
+            )
         )
     found = _mark_pareto(found)
     base_time = None
@@ -291,6 +304,8 @@ def plan(
         no_checkpoint_eager_bytes=plain,
         forward_flops=forward_flops,
         no_checkpoint_flops=base_flops,
+        forward_traffic=forward_traffic,
+        no_checkpoint_traffic=base_traffic,
     )
     return _choose(target, table)
 

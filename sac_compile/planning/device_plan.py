@@ -22,7 +22,7 @@ from .devices import Target
 from .model import LayerGroup, ModelPlan
 from .peak import LayerFigures, ModelSizes, Peak, step_peak
 
-__all__ = ["DevicePlan", "choose", "figures_of"]
+__all__ = ["DevicePlan", "choose", "figures_of", "step_seconds"]
 
 _FIX = {
     "parameters": "shard wider (a larger fsdp or tp degree)",
@@ -43,12 +43,11 @@ class DevicePlan(ModelPlan):
 
     target: Target | None = None
     peak: Peak | None = None
-    step_seconds: float | None = None  # costly-op FLOPs at the device's peak rate: a lower bound
+    step_seconds: float | None = None  # a roofline estimate (:func:`step_seconds`)
     compile: bool = True
     measured: tuple[LayerGroup, ...] = ()  # every kind of layer's whole candidate table
     params: tuple[tuple[int, int], ...] = ()
     sizes: ModelSizes | None = None
-    head_flops: int = 0
 
     def select(self, memory: Any) -> DevicePlan:
         """The same measurements, chosen for another device ``memory`` (nothing measured
@@ -62,7 +61,6 @@ class DevicePlan(ModelPlan):
             target,
             compile=self.compile,
             layers=self.layers,
-            head_flops=self.head_flops,
         )
 
     @property
@@ -90,7 +88,10 @@ class DevicePlan(ModelPlan):
                 if value:
                     lines.append(f"    {term:<20}{value / 2**30:>10.2f} GiB")
             if self.step_seconds is not None:
-                lines.append(f"  step: {self.step_seconds:.3f} s estimated (costly-op FLOPs at peak rate)")
+                lines.append(
+                    f"  step: {self.step_seconds:.3f} s estimated (roofline: matmul / attention FLOPs at the "
+                    "peak rate, other ops' bytes at the peak bandwidth)"
+                )
         return "\n".join(lines)
 
     def apply(self, model: Any, *, compile: Any = None, **options: Any) -> Any:
@@ -133,7 +134,6 @@ def choose(
     *,
     compile: bool,
     layers: Any,
-    head_flops: int = 0,
 ) -> DevicePlan:
     """The least-recompute plan per kind of layer whose predicted step peak fits ``target``."""
     fronts = [_frontier(g.plan, compile) for g in groups]
@@ -178,11 +178,7 @@ def choose(
         dataclasses.replace(g, plan=dataclasses.replace(g.plan, chosen=f[i], memory=f[i].saved_bytes))
         for g, f, i in zip(groups, fronts, chosen)
     )
-    flops = head_flops + sum(
-        (g.plan.forward_flops + g.plan.no_checkpoint_flops + g.plan.chosen.recompute_flops) * len(g.paths)
-        for g in out
-    )
-    seconds = flops / target.tp / target.device.bf16_flops  # type: ignore[union-attr]
+    seconds = step_seconds([(len(g.paths), g.plan, g.plan.chosen) for g in out], sizes, target)
     return DevicePlan(
         layers,
         out,
@@ -193,5 +189,24 @@ def choose(
         measured=tuple(groups),
         params=tuple(params),
         sizes=sizes,
-        head_flops=head_flops,
     )
+
+
+def step_seconds(
+    layers: Sequence[tuple[int, Plan, Candidate | None]], sizes: ModelSizes, target: Target
+) -> float:
+    """A step's time on ``target`` from its roofline, an estimate: every matmul / attention /
+    grouped-matmul FLOP (forward, backward, recomputed) at the device's peak dense rate, and
+    every byte the other ops read and write (unfused) at its peak bandwidth, the two summed
+    (each op is bound by one of them), split ``tp`` ways. ``layers``: per kind of layer, its
+    count, plan table and chosen candidate (None: no checkpoint). Leaves out communication,
+    launch overheads and kernel efficiency (real steps run at 40-60% of it); Inductor's fusion
+    moves fewer bytes than counted here."""
+    flops, traffic = sizes.head_flops, sizes.head_traffic
+    for count, table, c in layers:
+        flops += count * (table.forward_flops + table.no_checkpoint_flops + (c.recompute_flops if c else 0))
+        traffic += count * (
+            table.forward_traffic + table.no_checkpoint_traffic + (c.recompute_traffic if c else 0)
+        )
+    device = target.device
+    return (flops / device.bf16_flops + traffic / device.bandwidth) / target.tp  # type: ignore[union-attr]

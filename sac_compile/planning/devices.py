@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEVICES", "Device", "Target", "device", "parse_memory"]
+__all__ = ["DEVICES", "Device", "Target", "device", "parse_memory", "present"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,33 @@ def device(name: str | Device) -> Device:
             "(or pass sac_compile.planning.devices.Device(name, memory, bf16_flops, bandwidth, source))"
         )
     return DEVICES[key]
+
+
+# the kind a present GPU is, from the name its driver reports
+_NAMES = (
+    ("H200", "h200"),
+    ("H100", "h100-80gb"),
+    ("A100", "a100-80gb"),
+    ("B200", "b200"),
+    ("MI300X", "mi300x"),
+)
+
+
+def present(index: int | None = None) -> Device:
+    """The :class:`Device` this process runs on: the CUDA (or ROCm) device ``index`` (default
+    the current one) — its kind's datasheet rates, the memory the driver reports — or, without
+    one, ``device("cpu")``. A GPU none of :data:`DEVICES` names is a ``ValueError`` naming it."""
+    if not torch.cuda.is_available():
+        return _cpu()
+    index = torch.cuda.current_device() if index is None else index
+    props = torch.cuda.get_device_properties(index)
+    for part, kind in _NAMES:
+        if part.lower() in props.name.lower():
+            return dataclasses.replace(DEVICES[kind], memory=int(props.total_memory))
+    raise ValueError(
+        f"the GPU present is {props.name!r}, not one of the kinds known ({', '.join(DEVICES)}): pass "
+        "sac_compile.planning.devices.Device(name, memory, bf16_flops, bandwidth, source) with its datasheet figures"
+    )
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12, "kib": 2**10, "mib": 2**20}

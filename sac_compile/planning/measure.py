@@ -32,8 +32,8 @@ class PartitionEach:
     def __init__(self, configs: dict[Any, Any]) -> None:
         self.configs = configs
         # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in
-        # turn), forward FLOPs
-        self.figures: dict[Any, list[int]] = {key: [0, 0, 0, 0] for key in configs}
+        # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move)
+        self.figures: dict[Any, list[int]] = {key: [0, 0, 0, 0, 0, 0] for key in configs}
         self.regions: list[str] = []
         self.scopes: list[int] = []  # per graph: the checkpoint scopes of the first configuration
 
@@ -41,7 +41,7 @@ class PartitionEach:
         from .._compat import aot
         from ..compiler import backend as backends
         from ..diagnostics import trace_watch
-        from ..inspection.flops import graph_costly_flops
+        from ..inspection.flops import graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition
         from .peak import graph_transient
 
@@ -67,6 +67,8 @@ class PartitionEach:
                 self.figures[key][1] += graph_costly_flops(bw)
                 self.figures[key][2] = max(self.figures[key][2], graph_transient(bw))
                 self.figures[key][3] += graph_costly_flops(fw)
+                self.figures[key][4] += graph_traffic(bw)
+                self.figures[key][5] += graph_traffic(fw)
                 for rec in one.records[-1:]:
                     self.regions.extend(r for r in rec.regions if r not in self.regions)
                     if chosen is None:

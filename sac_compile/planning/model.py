@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 
 from .._compat.checkpoint import tree_map
-from .._compat.tensors import fake_mode
+from .._compat.tensors import DataDependentOutputException, fake_mode
+from .._compat.transformers import value_checks_off
 from ..declare import declare_regions, match_path
 from ..policy import SAVE_COSTLY
 from .core import DEFAULT_BUDGETS, Plan, plan
@@ -183,17 +184,36 @@ def _record_calls(model, matched, args, kwargs) -> dict[str, tuple[tuple, dict]]
 
     handles = [m.register_forward_pre_hook(recorder(p), with_kwargs=True) for p, m in matched]
     # A model on the meta device runs its recording forward on fake tensors: code that asks
-    # a value (transformers' mask checks call ``.all()``) sees a trace and skips the check.
+    # a value (transformers' mask checks call ``.all()``) sees a trace and skips the check;
+    # transformers' checks on values (image tokens against image features) are switched off.
     meta = any(p.is_meta for p in model.parameters())
     try:
-        with torch.enable_grad(), fake_mode() if meta else contextlib.nullcontext():
-            model(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            if meta:
+                stack.enter_context(fake_mode())
+                stack.enter_context(value_checks_off())
+            try:
+                model(*args, **kwargs)
+            except (RuntimeError, DataDependentOutputException) as e:
+                if not meta or not _reads_values(e):
+                    raise
+                raise ValueError(
+                    f"{type(model).__name__} on the meta device: its forward reads the values of a tensor "
+                    f"({str(e).splitlines()[0]}), which a meta model does not have (only shapes): plan it with "
+                    "weights (on this machine: a smaller config with the same layers)"
+                ) from e
     finally:
         for h in handles:
             h.remove()
     if meta:  # the recorded fake tensors become meta tensors of the same shapes, for Dynamo
         calls = {p: tree_map(_as_meta, call) for p, call in calls.items()}
     return calls
+
+
+def _reads_values(e: BaseException) -> bool:
+    message = str(e)
+    return isinstance(e, DataDependentOutputException) or "unallocated storage" in message
 
 
 def _as_meta(t: Any) -> Any:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._compat.ops import is_view_op
+from ..inspection.flops import val_bytes
 from .devices import OPTIMIZER_STATES, Target
 
 __all__ = ["TERMS", "LayerFigures", "ModelSizes", "Peak", "graph_transient", "step_peak"]
@@ -64,6 +65,8 @@ class ModelSizes:
     params: int  # every parameter (elements)
     head_saved_bytes: int  # held for the backward outside the layers (embedding out, norm, logits / loss)
     head_transient_bytes: int  # the loss's and the head's backward temporaries
+    head_flops: int = 0  # the output projection's forward and backward FLOPs
+    head_traffic: int = 0  # bytes the loss's memory-bound ops move (forward and backward)
 
 
 @dataclass(frozen=True)
@@ -106,25 +109,29 @@ def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target)
     def terms(**found: int) -> dict[str, int]:
         return {t: found.get(t, 0) for t in TERMS}
 
+    param_b = _bytes(target.param_dtype)  # type: ignore[arg-type]
+    reduce_b = _bytes(target.reduce_dtype)  # type: ignore[arg-type]
+    # FSDP2 keeps the root's parameters (embeddings, final norm, head: everything outside the
+    # layers) unsharded from the forward to the end of the backward
+    root = int(other_params * param_b) if fsdp > 1 else 0
     phases.append(
         (
             "loss backward",
             terms(
                 parameters=params_all,
                 optimizer_state=optimizer,
+                fsdp_buffers=root,
                 activations=held_all,
                 logits_loss=model.head_saved_bytes + model.head_transient_bytes,
             ),
         )
     )
-    param_b = _bytes(target.param_dtype)  # type: ignore[arg-type]
-    reduce_b = _bytes(target.reduce_dtype)  # type: ignore[arg-type]
     done_grads = grads_head
     for i, g in enumerate(order):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
         # its gradients unsharded before the reduce-scatter
         gathered = (g.params - g.expert_params) / tp + g.expert_params / target.ep
-        buffers = int(2 * gathered * param_b + gathered * reduce_b) if fsdp > 1 else 0
+        buffers = root + int(2 * gathered * param_b + gathered * reduce_b) if fsdp > 1 else 0
         phases.append(
             (
                 f"backward of layer {len(order) - 1 - i}",
@@ -176,7 +183,7 @@ def graph_transient(gm: torch.fx.GraphModule) -> int:
         ):
             base[n] = base.get(n.args[0], n.args[0])
         elif n.op in ("placeholder", "call_function"):
-            size[n] = _val_bytes(n.meta.get("val"))
+            size[n] = val_bytes(n.meta.get("val"))
     last: dict[torch.fx.Node, int] = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
@@ -195,14 +202,3 @@ def graph_transient(gm: torch.fx.GraphModule) -> int:
                 live -= size[root]
                 last.pop(root)
     return max(peak - inputs, 0)
-
-
-def _val_bytes(val) -> int:
-    if isinstance(val, torch.Tensor):
-        try:
-            return int(val.numel()) * val.element_size()
-        except (RuntimeError, TypeError):  # an unbacked or symbolic size
-            return 0
-    if isinstance(val, (tuple, list)):
-        return sum(_val_bytes(v) for v in val)
-    return 0
