@@ -47,6 +47,15 @@ def plan_for_device(
         target = Target(
             device, memory=memory, fsdp=fsdp, tp=tp, ep=ep, batch=batch, seq=seq, param_dtype=dtype
         )
+    if options.get("estimator") == "time":
+        where = next(root.parameters()).device
+        here = "cuda" if target.device.cuda else "cpu"  # type: ignore[union-attr]
+        if not compile or where.type != here or (here == "cuda" and not torch.cuda.is_available()):
+            raise ValueError(
+                f"estimator='time' measures compiled steps on the device itself: a model on {here} planned with "
+                f"compile=True (this one is on {where.type}, compile={compile}); for {target.device.name} from "  # type: ignore[union-attr]
+                "another machine the step is the roofline estimate (estimator='flops', the default)"
+            )
     if not compile:
         options.setdefault("budgets", (None,))
     options.setdefault("eager", not compile and not meta)

@@ -313,3 +313,30 @@ def test_the_roofline_counts_memory_bound_bytes_and_leaves_matmuls_to_flops():
     gm = make_fx(f)(torch.randn(64, 16), torch.randn(16, 32))
     assert graph_costly_flops(gm) == 2 * 64 * 16 * 32
     assert graph_traffic(gm) == 2 * (2 * 64 * 32 * 4)
+
+
+def test_on_the_device_itself_estimator_time_measures_the_step():
+    """``estimator="time"`` where the device is present (here the CPU): each kind of layer's
+    frontier ordered by measured step time, the step the layers' measured time plus the head's
+    estimate; a plan for another device refuses it (it cannot be measured here)."""
+    from sac_compile.planning.device_plan import step_seconds
+
+    model = tiny_llama(layers=2, hidden=64)
+    timed = hf.plan_for(
+        model,
+        "1TB",
+        device="cpu",
+        batch=2,
+        seq=64,
+        estimator="time",
+        iters=3,
+        inner="aot_eager",
+        budgets=(None,),
+    )
+    (group,) = timed.groups
+    assert timed.step_measured and group.plan.chosen.step_time > 0
+    head = step_seconds([], timed.sizes, timed.target)
+    assert timed.step_seconds == pytest.approx(2 * group.plan.chosen.step_time + head)
+    assert "s measured" in timed.format()
+    with pytest.raises(ValueError, match=r"estimator='time' measures compiled steps on the device itself"):
+        hf.plan_for(model, "80GB", device="h100-80gb", estimator="time")

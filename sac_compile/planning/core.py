@@ -270,26 +270,7 @@ def plan(
             continue  # a policy only decides inside kept regions: keep={} is the same for all
         backend = make_sac_backend(set(keep), policy=policy, budget=budget, inner="aot_eager")
         configs[(frozenset(keep), budget, policy)] = backend
-    figures = measure(module, example_args, example_kwargs, configs).figures
-    found = []
-    for keep, budget, policy in configs:
-        saved, flops, transient, _, traffic, _ = figures[(keep, budget, policy)]
-        held = None
-        if eager and budget is None:
-            held = eager_bytes(module, example_args, example_kwargs, keep, policy)
-        extra = max(flops - base_flops, 0)
-        found.append(
-            Candidate(
-                keep,
-                budget,
-                policy,
-                saved,
-                extra,
-                eager_bytes=held,
-                transient_bytes=transient,
-                recompute_traffic=max(traffic - base_traffic, 0),
-            )
-        )
+    found = _candidates(module, example_args, example_kwargs, configs, first.figures[none], eager)
     found = _mark_pareto(found)
     base_time = None
     if estimator == "time":
@@ -308,6 +289,39 @@ def plan(
         no_checkpoint_traffic=base_traffic,
     )
     return _choose(target, table)
+
+
+def _candidates(
+    module: nn.Module,
+    example_args: tuple,
+    example_kwargs: dict,
+    configs: dict,
+    base: tuple,
+    eager: bool,
+) -> list[Candidate]:
+    """One ``Candidate`` per ``configs`` entry, its recompute counted over the no-checkpoint
+    figures ``base``; ``eager`` also measures what the eager engine holds without a budget."""
+    base_flops, base_traffic = base[1], base[4]
+    figures = measure(module, example_args, example_kwargs, configs).figures
+    found = []
+    for keep, budget, policy in configs:
+        saved, flops, transient, _, traffic, _ = figures[(keep, budget, policy)]
+        held = None
+        if eager and budget is None:
+            held = eager_bytes(module, example_args, example_kwargs, keep, policy)
+        found.append(
+            Candidate(
+                keep,
+                budget,
+                policy,
+                saved,
+                max(flops - base_flops, 0),
+                eager_bytes=held,
+                transient_bytes=transient,
+                recompute_traffic=max(traffic - base_traffic, 0),
+            )
+        )
+    return found
 
 
 def _choose(target: int, table: Plan) -> Plan:

@@ -43,7 +43,8 @@ class DevicePlan(ModelPlan):
 
     target: Target | None = None
     peak: Peak | None = None
-    step_seconds: float | None = None  # a roofline estimate (:func:`step_seconds`)
+    step_seconds: float | None = None  # a roofline estimate (:func:`step_seconds`), or measured
+    step_measured: bool = False  # estimator="time": each layer's step measured on the device
     compile: bool = True
     measured: tuple[LayerGroup, ...] = ()  # every kind of layer's whole candidate table
     params: tuple[tuple[int, int], ...] = ()
@@ -79,19 +80,22 @@ class DevicePlan(ModelPlan):
         lines = [super().format()]
         if self.peak is not None and self.target is not None:
             t = self.target
+            scale, unit = (2**30, "GiB") if self.peak.bytes >= 2**30 else (2**20, "MiB")
             lines.append(
                 f"  on {t.device.name} ({t.memory / 2**30:.1f} GiB, {t.usable / 2**30:.1f} usable; "  # type: ignore[union-attr,operator]
                 f"fsdp {t.fsdp}, tp {t.tp}, batch {t.batch} x seq {t.seq}): predicted peak "
-                f"{self.peak.bytes / 2**30:.2f} GiB in the {self.peak.phase} ({'fits' if self.fits else 'does not fit'})"
+                f"{self.peak.bytes / scale:.2f} {unit} in the {self.peak.phase} ({'fits' if self.fits else 'does not fit'})"
             )
             for term, value in self.peak.breakdown.items():
                 if value:
-                    lines.append(f"    {term:<20}{value / 2**30:>10.2f} GiB")
+                    lines.append(f"    {term:<20}{value / scale:>10.2f} {unit}")
             if self.step_seconds is not None:
-                lines.append(
-                    f"  step: {self.step_seconds:.3f} s estimated (roofline: matmul / attention FLOPs at the "
-                    "peak rate, other ops' bytes at the peak bandwidth)"
+                how = (
+                    "measured: every layer's compiled forward + backward, the head estimated"
+                    if self.step_measured
+                    else "estimated (roofline: matmul / attention FLOPs at the peak rate, other ops' bytes at the peak bandwidth)"
                 )
+                lines.append(f"  step: {self.step_seconds:.3f} s {how}")
         return "\n".join(lines)
 
     def apply(self, model: Any, *, compile: Any = None, **options: Any) -> Any:
@@ -114,13 +118,21 @@ def figures_of(
     )
 
 
+def _cost(c: Candidate) -> float:
+    """What a candidate costs: its measured step time (``estimator="time"``), else its
+    recomputed FLOPs."""
+    return c.step_time if c.step_time is not None else c.recompute_flops
+
+
 def _frontier(table: Plan, compile: bool) -> list[Candidate]:
-    """The candidates on the (bytes, FLOPs) frontier, least recompute first."""
+    """The candidates on the (bytes, cost) frontier, the cheapest first: cost is the measured
+    step time where the table was timed (``estimator="time"``: its timed points), else the
+    recomputed FLOPs."""
     pool = [c for c in table.candidates if compile or c.budget is None]
-    front = []
-    for c in sorted(
-        pool, key=lambda c: (c.recompute_flops, c.saved_bytes, c.budget is not None, len(c.keep))
-    ):
+    if table.estimator == "time":
+        pool = [c for c in pool if c.step_time is not None]
+    front: list[Candidate] = []
+    for c in sorted(pool, key=lambda c: (_cost(c), c.saved_bytes, c.budget is not None, len(c.keep))):
         if not front or c.saved_bytes < front[-1].saved_bytes:
             front.append(c)
     return front
@@ -159,8 +171,8 @@ def choose(
         for k, (front, i, g) in enumerate(zip(fronts, state, groups)):
             if i + 1 < len(front):
                 freed = (front[i].saved_bytes - front[i + 1].saved_bytes) * len(g.paths)
-                cost = (front[i + 1].recompute_flops - front[i].recompute_flops) * len(g.paths)
-                moves.append((freed / max(cost, 1), k))
+                cost = (_cost(front[i + 1]) - _cost(front[i])) * len(g.paths)
+                moves.append((freed / max(cost, 1e-12 if front[i].step_time is not None else 1), k))
         if not moves:
             break
         state[max(moves)[1]] += 1
@@ -179,6 +191,9 @@ def choose(
         for g, f, i in zip(groups, fronts, chosen)
     )
     seconds = step_seconds([(len(g.paths), g.plan, g.plan.chosen) for g in out], sizes, target)
+    timed = all(g.plan.chosen.step_time is not None for g in out)
+    if timed:  # measured on the device: the layers' forward + backward, the head's estimate
+        seconds = sum(g.plan.chosen.step_time * len(g.paths) for g in out) + step_seconds([], sizes, target)  # type: ignore[operator]
     return DevicePlan(
         layers,
         out,
@@ -189,6 +204,7 @@ def choose(
         measured=tuple(groups),
         params=tuple(params),
         sizes=sizes,
+        step_measured=timed,
     )
 
 
