@@ -23,13 +23,14 @@ endif
 TORCHTITAN := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sac-compile-installed
+DEMO_STAMP := $(VENV)/.sac-compile-demo-installed
 # pytest-xdist workers; Inductor's own compile pool is kept to one thread per worker.
 JOBS   ?= 2
 
 export TORCHINDUCTOR_COMPILE_THREADS ?= 1
 export PYTHONDONTWRITEBYTECODE = 1
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test test-fast lint demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,16 +44,35 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
 	touch $(STAMP)
 
+# The demo needs torch and the package (matplotlib for its plot): nothing of the test,
+# torchtitan or bench extras. A venv that `make install` made has it all already.
+$(DEMO_STAMP): pyproject.toml Makefile | $(PY)
+	: > $(VENV)/no-constraints.txt
+	$(PIP_ENV) $(PY) -m pip install --quiet --upgrade pip
+	$(PIP_ENV) $(PY) -m pip install --quiet torch==$(TORCH)
+	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[demo]'
+	touch $(DEMO_STAMP)
+
 install: $(STAMP)
 
+# mypy reads torch's annotations: it runs on the default release only (what the
+# package's `# type: ignore[...]` comments are checked against).
 lint: install
 	$(PY) -m ruff check sac_compile tests examples benchmarks
 	$(PY) -m ruff format --check sac_compile tests examples benchmarks
+ifeq ($(TORCH),$(DEFAULT_TORCH))
+	$(PY) -m mypy
+endif
 
 test: install lint
 	$(PY) -m pytest -n $(JOBS) --dist worksteal -q --durations=25 tests
 
-demo: install
+# The unit tier (docs/testing.md): no end-to-end Inductor compile, no rank process, no fresh
+# interpreter. Minutes, for the inner loop; `make test` runs every tier.
+test-fast: install
+	$(PY) -m pytest -n $(JOBS) --dist worksteal -q --durations=10 -m "not slow and not distributed and not subprocess" tests
+
+demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
 
 bench: install
@@ -75,4 +95,4 @@ bench: install
 	$(VENV)/bin/torchrun --nproc-per-node 2 examples/torchtitan/compare.py --model deepseek_v3_mtp --tp 2 --ep 2 --layers 2 --seq-len 64 --steps 2 --iters 1
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache

@@ -25,6 +25,8 @@ that too):
 imported by ``import sac_compile``.
 """
 
+from typing import TYPE_CHECKING, NoReturn
+
 from . import compiler as compiler
 from . import declare as declare
 from . import inspection as inspection
@@ -85,17 +87,19 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str):
-    if name in _MOVED:
-        raise AttributeError(
-            f"sac_compile.{name} is sac_compile.{_MOVED[name]}.{name}: the top level holds what training "
-            f"code uses (from sac_compile.{_MOVED[name]} import {name})"
-        )
-    raise AttributeError(f"module 'sac_compile' has no attribute {name!r}")
+if not TYPE_CHECKING:  # (a module __getattr__ would make a type checker accept any name)
+
+    def __getattr__(name: str) -> NoReturn:
+        if name in _MOVED:
+            raise AttributeError(
+                f"sac_compile.{name} is sac_compile.{_MOVED[name]}.{name}: the top level holds what "
+                f"training code uses (from sac_compile.{_MOVED[name]} import {name})"
+            )
+        raise AttributeError(f"module 'sac_compile' has no attribute {name!r}")
 
 
 # The composition root wires the planner's advice into the compile session, which sits below
 # the planner (sac_compile.planning.advice: one INFO line when a plan dominates a keep set).
 _session.set_advisor(_advice.advise)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

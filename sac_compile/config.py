@@ -15,7 +15,7 @@ module path), whether each layer is compiled, and whether diagnostics are errors
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,9 +58,10 @@ class SacConfig:
     """
 
     layers: str | tuple[str, ...]
-    keep: KeepSet = frozenset()
-    regions: tuple[tuple[str, str], ...] = ()
-    stack_keep: tuple[tuple[str, KeepSet], ...] = ()
+    # (keep, regions and stack_keep are normalized by __post_init__ to a KeepSet and tuples)
+    keep: KeepSet | Collection[str] = frozenset()
+    regions: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
+    stack_keep: tuple[tuple[str, KeepSet], ...] | Mapping[str, Any] = ()
     compile: Any = False
     preserve_rng_state: bool = True
     strict: bool = False

@@ -27,6 +27,8 @@ over a string and two bools: Dynamo accepts only a function or a partial as a
 from __future__ import annotations
 
 import functools
+from contextlib import AbstractContextManager
+from typing import Any, NoReturn
 
 import torch
 
@@ -74,7 +76,9 @@ def region_context_fn(
     return functools.partial(_region_contexts, scope, preserve_rng_state, early_stop)
 
 
-def _region_contexts(scope: str, preserve_rng_state: bool, early_stop: bool):
+def _region_contexts(
+    scope: str, preserve_rng_state: bool, early_stop: bool
+) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     """The two contexts of one checkpoint call (``scope``: the scope markers' text)."""
     if checkpoint_is_traced():
         forward, recompute = selective_checkpoint_contexts(_prefer_recompute)
@@ -83,9 +87,9 @@ def _region_contexts(scope: str, preserve_rng_state: bool, early_stop: bool):
     keep = parse_keep(keep_text)
     module = innermost_module()  # the module whose method called the checkpoint
     if budget is not None:
-        where = type(module).__name__ if module is not None else "a checkpoint"
+        who = type(module).__name__ if module is not None else "a checkpoint"
         raise ValueError(
-            f"{where}: region_context_fn(budget={budget:g}) runs in the eager engine, which has no "
+            f"{who}: region_context_fn(budget={budget:g}) runs in the eager engine, which has no "
             "partitioner to spend a budget: budget= applies under torch.compile only. Compile the "
             "model, or drop budget="
         )
@@ -99,7 +103,7 @@ def _region_contexts(scope: str, preserve_rng_state: bool, early_stop: bool):
     return forward, recompute
 
 
-def _prefer_recompute(ctx, op, *args, **kwargs):
+def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -118,21 +122,23 @@ class _ScopeMarked(TorchDispatchMode):
         self.scope = scope
 
     @property
-    def ac_graph_id(self):
+    def ac_graph_id(self) -> Any:
         return self.inner.ac_graph_id
 
     @ac_graph_id.setter
-    def ac_graph_id(self, value) -> None:
+    def ac_graph_id(self, value: Any) -> None:
         self.inner.ac_graph_id = value
 
-    def __enter__(self):
+    def __enter__(self) -> _ScopeMarked:
         torch.ops.sac_compile.scope_enter(0, self.scope)
         self.inner.__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.inner.__exit__(*exc)
         torch.ops.sac_compile.scope_exit(0, self.scope)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # never pushed
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> NoReturn:  # never pushed
         raise AssertionError("_ScopeMarked is entered through its inner mode only")

@@ -16,7 +16,7 @@ all or a keep set per stack.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,10 @@ from .hf_plan import StepFigures, predict_peak, step_figures
 from .keep import ALL_REGIONS, normalize_keep
 from .planning import ModelPlan, plan_model
 from .policy import SAVE_COSTLY
+
+if TYPE_CHECKING:
+    from .planning.device_plan import DevicePlan
+    from .planning.devices import Device, Target
 
 __all__ = [
     "LAYERS",
@@ -93,6 +97,42 @@ def config_for(
         regions=merged(read),
         **options,
     )
+
+
+@overload
+def plan_for(
+    model: nn.Module,
+    memory: Any,
+    *,
+    batch: int = 2,
+    seq: int = 128,
+    inputs: dict[str, Any] | None = None,
+    include: Iterable[str] | None = None,
+    device: None = None,
+    fsdp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    compile: bool = True,
+    **options: Any,
+) -> ModelPlan: ...
+
+
+@overload
+def plan_for(
+    model: nn.Module,
+    memory: Any,
+    *,
+    batch: int = 2,
+    seq: int = 128,
+    inputs: dict[str, Any] | None = None,
+    include: Iterable[str] | None = None,
+    device: str | Device | Target,
+    fsdp: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    compile: bool = True,
+    **options: Any,
+) -> DevicePlan: ...
 
 
 def plan_for(
@@ -238,7 +278,7 @@ def _known(model_name: str, keep_set: Any, have: set[str], where: str) -> Any:
 def batch(model: nn.Module, *, batch: int = 2, seq: int = 16, seed: int = 1) -> torch.Tensor:
     """Random token ids for ``model`` (also usable as labels)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+    return torch.randint(0, cast(Any, model.config).vocab_size, (batch, seq), generator=g)
 
 
 def layer_inputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:

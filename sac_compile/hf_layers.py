@@ -353,11 +353,11 @@ def _stack_regions(model: nn.Module, path: str, layers: nn.ModuleList) -> dict[s
                 else "holds no module regions_for recognises"
             )
             patterns = [f"{p}.*" for p in stacks(model)]
-            layers = repr(patterns[0]) if len(patterns) == 1 else f"({', '.join(map(repr, patterns))})"
+            layers_arg = repr(patterns[0]) if len(patterns) == 1 else f"({', '.join(map(repr, patterns))})"
             raise ValueError(
                 f"{type(unwrap_compiled(model)).__name__}: stack {path}, layer {path}.{i} ({type(layer).__name__}) "
                 f"{what} (it knows {', '.join(REGION_NAMES)}). Write the configuration by hand: "
-                f"sac_compile.SacConfig(layers={layers}, keep=..., regions={{'{path}.*.<child>': '<region>', ...}})"
+                f"sac_compile.SacConfig(layers={layers_arg}, keep=..., regions={{'{path}.*.<child>': '<region>', ...}})"
             )
         per_layer.append(found)
     out: dict[str, str] = {}

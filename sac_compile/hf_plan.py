@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn as nn
@@ -16,6 +16,9 @@ from .hf_layers import layer_regions, merged, read_stacks, report_unchecked, voc
 from .keep import ALL_REGIONS, normalize_keep
 from .planning import ModelPlan, plan_model
 from .planning.peak import Peak
+
+if TYPE_CHECKING:
+    from .planning.device_plan import DevicePlan
 
 __all__ = ["StepFigures", "plan_for_device", "predict_peak", "step_figures"]
 
@@ -33,7 +36,7 @@ def plan_for_device(
     ep: int,
     compile: bool,
     options: dict[str, Any],
-) -> Any:
+) -> DevicePlan:
     """``hf.plan_for`` with ``device``: see its docstring."""
     from .planning.device_plan import choose
     from .planning.devices import Target
@@ -100,7 +103,7 @@ def _tokens(model: nn.Module, target: Any, device: Any) -> dict[str, Any]:
     images = _images(unwrap_compiled(model).config, target.batch, target.seq)
     if images is not None:
         tokens, extra = images
-        token = _image_token(unwrap_compiled(model).config)
+        token = cast(int, _image_token(unwrap_compiled(model).config))  # (not None: _images made images)
         ids[ids == token] = 0
         ids[:, 1 : 1 + tokens] = token
         inputs.update(extra)
@@ -135,7 +138,7 @@ def _images(config: Any, batch: int, seq: int) -> tuple[int, dict[str, Any]] | N
         flat = channels * vision.temporal_patch_size * patch * patch
         pixels = torch.randn(int(grid.prod(-1).sum()), flat, generator=g)
         return side * side, {"pixel_values": pixels, "image_grid_thw": grid}
-    size = getattr(vision, "image_size", None)
+    size: Any = getattr(vision, "image_size", None)  # (an int for gemma3 and llava, which read it)
     if kind == "gemma3":
         pixels = torch.randn(batch, channels, size, size, generator=g)
         return config.mm_tokens_per_image, {"pixel_values": pixels, "token_type_ids": None}
@@ -150,7 +153,9 @@ def _images(config: Any, batch: int, seq: int) -> tuple[int, dict[str, Any]] | N
 
 
 def _text_config(root: nn.Module) -> Any:
-    return root.config.get_text_config() if hasattr(root.config, "get_text_config") else root.config
+    return (
+        cast(Any, root.config).get_text_config() if hasattr(root.config, "get_text_config") else root.config
+    )
 
 
 def _step_sizes(
@@ -221,7 +226,11 @@ class StepFigures:
         for group in self.plan.groups:
             table = group.plan
             regions = set(table.regions)
-            kept = frozenset(regions) if keep_set is ALL_REGIONS else frozenset(keep_set) & regions
+            kept = (
+                frozenset(regions)
+                if keep_set is ALL_REGIONS
+                else frozenset(cast("frozenset[str]", keep_set)) & regions
+            )
             out.append([c for c in table.candidates if c.keep == kept and c.budget is None][0])
         return out
 

@@ -9,7 +9,7 @@ plausible readings of it, and the difference is the whole point of the library.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, cast
 
 __all__ = [
     "ALL_REGIONS",
@@ -126,7 +126,7 @@ def format_keep(keep: KeepSet) -> str:
     """Stable text for a keep set (cache keys, reports, scope-marker payloads)."""
     if keep is ALL_REGIONS:
         return "*"
-    return ",".join(sorted(keep))
+    return ",".join(sorted(cast("frozenset[str]", keep)))
 
 
 def parse_keep(text: str) -> KeepSet:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 __all__ = [
     "ENTER_WITHOUT_EXIT",
@@ -123,6 +123,8 @@ def balance(
             walk.exit(str(args[0]))
         elif kind is MarkerKind.SCOPE_ENTER:
             open_scopes.append(int(args[0]))
-        elif not close_innermost(open_scopes, lambda sid, args=args: sid == int(args[0])):
+        elif not close_innermost(
+            open_scopes, cast("Callable[[int], bool]", lambda sid, args=args: sid == int(args[0]))
+        ):
             pre_scopes.insert(0, (int(args[0]), str(args[1])))
     return walk.unopened, pre_scopes, walk.unbalanced + walk.left_open()

@@ -54,7 +54,10 @@ __all__ = [
     "resolve_policy",
 ]
 
-RegionPolicy = Callable[[Any, tuple[str, ...], KeepSet], CheckpointPolicy]
+#: ``policy(op, regions, keep)``: a ``CheckpointPolicy``; a bool (True = MUST_SAVE, False =
+#: PREFER_RECOMPUTE, as in ``torch.utils.checkpoint``) or None (the node left untagged, to the
+#: partitioner; eagerly recomputed) is accepted too (:func:`checked_decision`).
+RegionPolicy = Callable[[Any, tuple[str, ...], KeepSet], CheckpointPolicy | bool | None]
 
 
 def _is_kept(regions: tuple[str, ...], keep: KeepSet) -> bool:
@@ -120,8 +123,8 @@ def validate_policy(policy: object) -> RegionPolicy:
             f"{type(policy).__name__} {policy!r}; e.g. policy=sac_compile.SAVE_ALL"
         )
     with _REGISTRY_LOCK:
-        _REGISTRY[policy_key(policy)] = policy  # type: ignore[assignment]
-    return policy  # type: ignore[return-value]
+        _REGISTRY[policy_key(policy)] = policy
+    return policy
 
 
 def resolve_policy(key: str) -> RegionPolicy:
@@ -133,7 +136,9 @@ def resolve_policy(key: str) -> RegionPolicy:
     return found
 
 
-def checked_decision(policy: RegionPolicy, op: Any, regions: tuple[str, ...], keep: KeepSet):
+def checked_decision(
+    policy: RegionPolicy, op: Any, regions: tuple[str, ...], keep: KeepSet
+) -> CheckpointPolicy | None:
     """Call ``policy`` and check that it returned a ``CheckpointPolicy`` (a bool is accepted:
     True = MUST_SAVE, False = PREFER_RECOMPUTE, as in ``torch.utils.checkpoint``)."""
     got = policy(op, regions, keep)

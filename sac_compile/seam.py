@@ -37,9 +37,9 @@ undoes the wrapping.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import torch
 import torch.nn as nn
@@ -85,7 +85,7 @@ class SeamConfig:
     scope_text: str = ""
 
 
-_SUBCLASSES: dict[tuple, type] = {}
+_SUBCLASSES: dict[tuple, type[nn.Module]] = {}
 
 
 def is_container(module: nn.Module) -> bool:
@@ -161,7 +161,7 @@ def apply_selective_checkpointing(
         )
     if options is not None:
         _backend_and_compile_kwargs(config)  # bad mode / options fail here, not at the first call
-    module._sac_seam = config
+    cast(Any, module)._sac_seam = config
     module.__class__ = _subclass_for(type(module), config)
     _compile(module, config)
     return module
@@ -200,7 +200,7 @@ def remove_selective_checkpointing(module: nn.Module) -> nn.Module:
 
 def _backend_and_compile_kwargs(config: SeamConfig) -> tuple[Any, dict[str, Any]]:
     """The backend and the ``torch.compile`` arguments of a ``compile=...`` wrap."""
-    opts = {k: dict(v) if k in _DICT_KEYS else v for k, v in (config.compile_options or ())}
+    opts: dict[str, Any] = {k: dict(v) if k in _DICT_KEYS else v for k, v in (config.compile_options or ())}
     backend = make_sac_backend(
         config.keep,
         policy=config.policy,
@@ -248,7 +248,7 @@ def normalize_compile(compile: object) -> tuple[tuple[str, Any], ...] | None:
 _CACHE_ARGS = "_sac_cache_args"
 
 
-def _subclass_for(cls: type, config: SeamConfig) -> type:
+def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
     """The generated subclass of ``cls`` whose ``_call_impl`` applies the seam."""
     key = (
         cls,
@@ -264,17 +264,20 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
         # needs its own entries, so distinct layer classes or keep sets do not share
         # (and exhaust) one budget and silently run eagerly.
         call_impl = frames.fresh_function(_seam_call_impl, f"{SEAM_CALL_PREFIX}{cls.__name__}")
-        _SUBCLASSES[key] = type(
-            f"{SEAM_PREFIX}{cls.__name__}",
-            (cls,),
-            {
-                CALL_IMPL: call_impl,
-                "__module__": cls.__module__,
-                "_sac_seam_class": True,
-                _CACHE_ARGS: transformers_layers.cache_positions(cls),
-                "__reduce_ex__": _seam_reduce_ex,
-                "__setstate__": _seam_setstate,
-            },
+        _SUBCLASSES[key] = cast(
+            "type[nn.Module]",
+            type(
+                f"{SEAM_PREFIX}{cls.__name__}",
+                (cls,),
+                {
+                    CALL_IMPL: call_impl,
+                    "__module__": cls.__module__,
+                    "_sac_seam_class": True,
+                    _CACHE_ARGS: transformers_layers.cache_positions(cls),
+                    "__reduce_ex__": _seam_reduce_ex,
+                    "__setstate__": _seam_setstate,
+                },
+            ),
         )
     return _SUBCLASSES[key]
 
@@ -286,7 +289,7 @@ def _subclass_for(cls: type, config: SeamConfig) -> type:
 # deepcopy of a compile=True module ran eagerly.
 
 
-def _seam_class(module: nn.Module) -> type:
+def _seam_class(module: nn.Module) -> type[Any]:
     """The generated class in ``module``'s MRO (``fully_shard`` may have put a subclass on top)."""
     for klass in type(module).__mro__:
         if "_sac_seam_class" in klass.__dict__:
@@ -294,26 +297,26 @@ def _seam_class(module: nn.Module) -> type:
     raise TypeError(f"{type(module).__name__} is not wrapped by apply_selective_checkpointing")
 
 
-def _seam_reduce_ex(self, protocol):
+def _seam_reduce_ex(self: nn.Module, protocol: SupportsIndex) -> str | tuple[Any, ...]:
     klass = type(self)
     if klass.__dict__.get("_sac_seam_class") is not True:  # a class made from ours (fully_shard): its own way
         return object.__reduce_ex__(self, protocol)
     return _rewrapped, (klass.__mro__[1], self._sac_seam), self.__getstate__()
 
 
-def _rewrapped(cls: type, config: SeamConfig) -> nn.Module:
+def _rewrapped(cls: type[nn.Module], config: SeamConfig) -> nn.Module:
     validate_policy(config.policy)  # a user's policy is registered in this process too
     klass = _subclass_for(cls, config)
     return klass.__new__(klass)
 
 
-def _seam_setstate(self, state: dict) -> None:
+def _seam_setstate(self: nn.Module, state: dict) -> None:
     super(_seam_class(self), self).__setstate__(state)
-    _compile(self, self._sac_seam)
+    _compile(self, cast(SeamConfig, self._sac_seam))
 
 
-def _seam_call_impl(self, *args, **kwargs):
-    config: SeamConfig = self._sac_seam
+def _seam_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    config = cast(SeamConfig, self._sac_seam)
     # The original class's call (hooks included) is the next one after the
     # generated class in the MRO; fully_shard may have swapped in a subclass.
     call = next_call_impl(_seam_class(self), self)
@@ -340,7 +343,7 @@ def _seam_call_impl(self, *args, **kwargs):
     return _eager(self, config, call, legacy, args, kwargs)
 
 
-def _transformers_training_call(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _transformers_training_call(self: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A transformers layer checkpointed (grad enabled, in train or eval mode): cache writes off, as under
     transformers' own checkpointing (:mod:`sac_compile._compat.transformers`); refused when that
     checkpointing is on too (two nested checkpoints)."""
@@ -365,7 +368,7 @@ def _twice_message(module: nn.Module) -> str:
     )
 
 
-def _where(self, args: tuple, kwargs: dict) -> tuple[str, str]:
+def _where(self: nn.Module, args: tuple, kwargs: dict) -> tuple[str, str]:
     """The layer a recompute error names, and what to say of its cache arguments (a cache
     written in the forward is written again in the recompute, which then runs other ops)."""
     caches = transformers_layers.cache_arguments(args, kwargs)
@@ -378,7 +381,9 @@ def _where(self, args: tuple, kwargs: dict) -> tuple[str, str]:
     return user_class_name(type(self)), hint
 
 
-def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: dict):
+def _eager(
+    self: nn.Module, config: SeamConfig, call: Callable[..., Any], legacy: bool, args: tuple, kwargs: dict
+) -> Any:
     diagnosed.report_compiled_inside(self)
     if legacy:
         diagnosed.report_legacy(self, config.keep, LEGACY_ATTR)
@@ -410,7 +415,7 @@ def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: di
         call = functools.partial(call, **kwargs)
     if config.keep is not ALL_REGIONS and not config.keep:
         return checkpoint(call, *args, use_reentrant=False, preserve_rng_state=config.preserve_rng_state)
-    engine_kwargs = {
+    engine_kwargs: dict[str, Any] = {
         "keep": config.keep,
         "policy": config.policy,
         "preserve_rng_state": config.preserve_rng_state,
@@ -425,7 +430,7 @@ def _eager(self, config: SeamConfig, call, legacy: bool, args: tuple, kwargs: di
 
 
 @functools.cache
-def _eager_uncompiled():
+def _eager_uncompiled() -> Callable[..., Any]:
     """:func:`_eager` that Dynamo never traces (made on first use: torch.compiler.disable
     imports Dynamo, which `import sac_compile` must not)."""
     return torch.compiler.disable(_eager, recursive=True)

@@ -1,7 +1,19 @@
+import os
+
 import pytest
 import torch
 
 from sac_compile._compat.inductor import pass_skipping_caches_disabled
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test``: one worker per core) each worker computes on one
+    thread, and so do the processes it starts (ranks, trainers, fresh interpreters): two
+    workers with an OpenMP pool of two threads each on two cores spend the difference
+    waiting for each other (tests/test_planning.py + test_peak.py: 131 s, 92 s single-threaded)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

@@ -31,6 +31,7 @@ def _train(keep, layers: int = 2) -> None:
     model(ids).sum().backward()
 
 
+@pytest.mark.slow
 def test_a_dominated_keep_set_gets_one_line_naming_the_plan_that_beats_it(caplog):
     # The demo's MoE layer: its attention costs a fraction of the experts, so keeping it alone
     # is beaten by PyTorch's knapsack (torch 2.13 and 2.15 alike); the planner's own table
@@ -57,6 +58,7 @@ def test_a_dominated_keep_set_gets_one_line_naming_the_plan_that_beats_it(caplog
     assert f"sac_compile.plan(layer, *example_inputs, memory={own.saved_bytes})" in line
 
 
+@pytest.mark.slow
 def test_a_keep_set_on_the_frontier_is_silent(caplog):
     torch._dynamo.reset()
     with caplog.at_level(logging.INFO, logger="sac_compile"):

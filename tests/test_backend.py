@@ -67,6 +67,7 @@ class TestMemoisation:
         with pytest.raises(ValueError, match="installs its own"):
             sc.make_sac_backend({"a"}, inductor_config={"joint_custom_pre_pass": None})
 
+    @pytest.mark.slow
     def test_inductor_config_is_not_set_globally(self):
         import torch._inductor.config as config
 
@@ -96,6 +97,7 @@ class TestRecompileSafety:
         assert counts == [counts[0]] * 12
         assert counts[0] < eager_saved
 
+    @pytest.mark.slow
     def test_a_new_backend_object_per_layer_falls_back_after_the_limit(self):
         """The failure the memoisation prevents (this is why make_sac_backend is memoised)."""
         base = sc.make_sac_backend({"attn"}, inner="aot_eager")
@@ -129,6 +131,7 @@ class TestRecompileSafety:
 
 
 class TestDropout:
+    @pytest.mark.slow
     @pytest.mark.parametrize("inner", INNERS)
     def test_sac_equals_no_checkpoint_under_the_same_seed(self, inner):
         """Dropout in the kept MLP region and in the recomputed attention output."""
@@ -176,6 +179,7 @@ class TestNoRuntimeTrace:
         assert g_marked == g_unmarked
         assert not any("sac_compile" in op for ops in g_marked.values() for op in ops)
 
+    @pytest.mark.slow
     def test_inductor_code_carries_no_marker(self):
         block = Block(16)
         x = torch.randn(2, 4, 16, requires_grad=True)
@@ -209,6 +213,7 @@ class TestNoRuntimeTrace:
 
 
 class TestTrainingAndInference:
+    @pytest.mark.slow
     def test_fullgraph_block_trains_and_infers(self):
         torch.manual_seed(0)
         block = Block(16, dropout=0.1)

@@ -373,6 +373,7 @@ def test_a_compile_true_layer_running_eagerly_is_reported(reports):
     assert reports("compiled-in-eager") == []  # a layer's own compile is not "compiled code inside"
 
 
+@pytest.mark.slow
 def test_many_keep_sets_on_one_layer_class_all_compile(reports):
     # One generated code object per (class, configuration): Dynamo's recompile_limit (8)
     # counts per code object, so ten keep sets on one class must not exhaust it.

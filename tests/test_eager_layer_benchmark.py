@@ -9,6 +9,7 @@ import copy
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -61,6 +62,7 @@ def test_bare_modes_put_the_engines_modes_back():
     assert stats[0].cached_ops > 0  # the engine caches again
 
 
+@pytest.mark.slow
 def test_the_benchmark_prints_the_bounds(capsys):
     found = eager_layer.main(["--models", "demo", "--iters", "2", *TINY])
     out = capsys.readouterr().out

@@ -107,6 +107,7 @@ def _in_a_scope(g) -> bool:
 KEEP_SETS = [frozenset(), frozenset({"attn"}), frozenset({"mlp", "gate"})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", KEEP_SETS, ids=lambda k: "+".join(sorted(k)) or "none")
 def test_a_graph_broken_layer_saves_what_it_saves_compiled_on_its_own(keep):
     """Whole-model compile with ``sac_backend`` and with a backend keeping nothing. Red before:
@@ -140,6 +141,7 @@ def test_a_graph_broken_layer_saves_what_it_saves_compiled_on_its_own(keep):
         assert starts["mlp"] >= 1, starts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keep", [KEEP_SETS[0], KEEP_SETS[2]], ids=["none", "gate+mlp"])
 def test_saved_bytes_match_the_per_layer_compile(keep):
     """Activation bytes autograd holds: whole-model compile (sac_backend) == the layer compiled
@@ -228,6 +230,7 @@ MIXTRAL_REGIONS = {
 }
 
 
+@pytest.mark.slow
 def test_mixtral_eager_experts_keeps_each_layers_keep_set():
     """keep={"attn"} under sac_backend and under a backend keeping nothing (the synthetic layer
     above covers three keep sets). Red before: the pieces after the router's break were "whole
@@ -255,6 +258,7 @@ def test_mixtral_eager_experts_keeps_each_layers_keep_set():
                 assert [s.keep for s in g.record.scopes] in ([keep], []), (g.index, g.record.scopes)
 
 
+@pytest.mark.slow
 def test_gpt2_whole_model_compile_leaves_the_loss_untagged(monkeypatch):
     """transformers' ``warning_once`` breaks the graph before the loss: the loss graph holds no
     scope (red before: one "whole graph" scope, ``_log_softmax`` and all MUST_RECOMPUTE)."""

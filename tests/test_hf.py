@@ -68,6 +68,7 @@ COMPILED_CASES = [(name, "aot_eager") for name in MODELS] + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, inner", COMPILED_CASES)
 def test_compiled_per_layer_sac_matches_the_unwrapped_model(name, inner):
     ref, model, (a, b) = _pair(name)
@@ -81,6 +82,7 @@ def test_compiled_per_layer_sac_matches_the_unwrapped_model(name, inner):
         torch.testing.assert_close(g[k], g_ref[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen3moe-grouped_mm"])
 def test_whole_model_fullgraph_compile_with_declared_regions(name):
     ref, model, (a, _) = _pair(name)
@@ -98,6 +100,7 @@ def test_whole_model_fullgraph_compile_with_declared_regions(name):
     assert rec.regions[a].entered == 2 and rec.regions[a].saved_nodes > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen3moe-grouped_mm"])
 def test_compiled_saved_bytes_per_layer_fall_from_none_and_rise_from_full(name):
     _, model, (a, b) = _pair(name)
@@ -152,6 +155,7 @@ def test_parity_report_names_the_declared_regions(name):
     assert f"\n{a} " in report.format() and f"\n{b} " in report.format()
 
 
+@pytest.mark.slow
 def test_eager_experts_under_compile_are_reported_not_silently_uncompiled(caplog):
     """The 'eager' experts loop graph-breaks at nonzero: the diagnostics say that the declared
     region is split across graphs (each piece still starts inside it: tests/test_graph_breaks.py)."""

@@ -289,6 +289,7 @@ ORDERED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ORDERED)
 def test_eager_keep_sets_are_ordered(family):
     """What a forward holds for the backward (``autograd_saved_bytes``, eager engine): full
@@ -315,6 +316,7 @@ COMPILED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", COMPILED)
 def test_compiled_per_layer_sac_keeps_every_region_read(family):
     """Per-layer compile (aot_eager): loss and gradients match the unwrapped model, and every
@@ -353,6 +355,7 @@ def _profiler_held_bytes(fn, ids) -> int:
     return held
 
 
+@pytest.mark.slow
 def test_saved_bytes_agree_with_the_profiler_in_every_mode():
     """autograd_saved_bytes sees what an eagerly checkpointed model holds (red before: the
     same 20,864 B for full recompute, attn and attn+mlp: only autograd's own saves outside

@@ -99,6 +99,7 @@ def test_transformers_switch_with_checkpointing_kwargs_keeps_regions_in_every_st
         assert ("attn",) in [names for p, names in declared.items() if p.startswith(f"{stack}.")]
 
 
+@pytest.mark.slow
 @default_torch_only  # the seam's and engine's bytes on every release: test_hf, test_hf_families
 @pytest.mark.parametrize("name", FAMILIES)
 def test_each_stack_holds_full_below_keep_attn_below_no_checkpoint(name):
@@ -121,6 +122,7 @@ def test_each_stack_holds_full_below_keep_attn_below_no_checkpoint(name):
     assert max(full, attn) < held(None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2_5_vl"] if TORCH > (2, 13) else FAMILIES)
 def test_compiled_per_layer_matches_transformers_own_checkpointing(name):
     want_loss, want = _transformers_own(name)
@@ -136,6 +138,7 @@ def test_compiled_per_layer_matches_transformers_own_checkpointing(name):
     assert len(kept) >= 2 and all(s.kept and s.saved_nodes > 0 for s in kept)  # a graph per stack's layer
 
 
+@pytest.mark.slow
 def test_a_keep_set_per_stack():
     name = "llava"
     vision, language = STACKS[name]
@@ -168,6 +171,7 @@ def test_bad_stack_keeps_are_refused():
         sc.SacConfig(layers="model.language_model.layers.*", stack_keep={"x.*": ()})
 
 
+@pytest.mark.slow
 @default_torch_only  # planning on every release: test_planning
 def test_plan_for_plans_every_stack_and_names_a_stack_the_inputs_do_not_run():
     model, inputs = hf_vision.build("llava")

@@ -91,6 +91,7 @@ def test_a_default_config_trains_through_the_seam_like_transformers_own_checkpoi
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_default_config_in_eval_mode_trains_through_the_seam_like_no_checkpoint(compiled):
     """``eval()`` with grad on (dropout off: reward models, RL): the model makes a KV cache
@@ -179,6 +180,7 @@ def test_a_recompute_running_other_ops_names_the_op_the_layer_and_the_cache():
 # --- transformers' own switch: activation_checkpointing_kwargs --------------------------------
 
 
+@pytest.mark.slow
 def test_transformers_switch_keeps_regions_eagerly_bit_identical_to_its_own_checkpointing():
     ids = _ids()
     own = _transformers_own()
@@ -197,6 +199,7 @@ def test_transformers_switch_keeps_regions_eagerly_bit_identical_to_its_own_chec
     assert kept < _held(every, ids) <= none
 
 
+@pytest.mark.slow
 def test_every_n_layers_is_honoured():
     ids = _ids()
     model = _llama(layers=4)
@@ -349,6 +352,7 @@ def _train(tmp_path, kind: str, compile_backend=None, steps: int = 3):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
 
 
+@pytest.mark.slow
 def test_trainer_trains_with_regions_kept_eagerly(tmp_path):
     want, own = _train(tmp_path, "transformers")
     got, trainer = _train(tmp_path, "sac")

@@ -52,6 +52,7 @@ class TestValidation:
 
 
 class TestEager:
+    @pytest.mark.slow
     def test_marker_outside_any_scope_is_a_no_op(self):
         """No sink outside a scope: the markers record nothing, and autograd sees the same
         program (the same values, the same saved tensors) as without them."""

@@ -94,6 +94,7 @@ def _held(model, ids, seed=3):
     return net_forward_bytes(lambda: model(input_ids=ids, labels=ids).loss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_eager_keeping_every_region_is_bit_identical_and_holds_no_more(name):
     ref, model, layers, regions = _pair(name)

@@ -13,6 +13,7 @@ recomputed ops are left out: how a release decomposes them is not ours (2.14:
 
 import re
 
+import pytest
 import torch
 from expecttest import TestCase
 
@@ -184,6 +185,7 @@ total: 3 activations, 384 B""",
         )
         _check_grads("in_checkpoint", self.inner)
 
+    @pytest.mark.slow
     def test_scoped_stack(self):
         self.assertExpectedInline(
             _report("scoped_stack", self.inner),
@@ -220,6 +222,7 @@ class TestInductor(TestCase):
 
     inner = "inductor"
 
+    @pytest.mark.slow
     def test_attn_kept_mlp_recomputed(self):
         self.assertExpectedInline(
             _report("attn_kept_mlp_recomputed", self.inner),
@@ -237,6 +240,7 @@ total: 2 activations, 576 B""",
         )
         _check_grads("attn_kept_mlp_recomputed", self.inner)
 
+    @pytest.mark.slow
     def test_regions_and_saved_bytes_match_aot_eager(self):
         for name in ("nested_overlap_keep_inner_x",):
             got, want = _summary(name, "inductor"), _summary(name, "aot_eager")

@@ -71,6 +71,7 @@ def _profiled_peak(make, keep, *, compiled: bool) -> int:
     return before + allocation_peak(step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_predicted_peak_is_within_10_percent_of_the_measured_peak_eager_and_compiled(name):
     target = Target("cpu", param_dtype="float32", batch=BATCH, seq=SEQ)
@@ -150,6 +151,7 @@ def _meta_llama(seq_heads: int = 8):
         return LlamaForCausalLM(cfg).train()
 
 
+@pytest.mark.slow
 def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
     """Red before the kernel substitution: on the meta device SDPA takes the CPU's math path,
     so keeping attention held the batch x heads x seq x seq probabilities."""
@@ -189,6 +191,7 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
         gpu.select("10MB")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, compiled", [("llama", False), ("qwen3_moe", True)], ids=["llama-eager", "moe-compiled"]
 )
@@ -237,6 +240,7 @@ SMALL = dict(
 )
 
 
+@pytest.mark.slow
 def test_the_plan_command_writes_the_plan_and_refuses_bad_input(tmp_path):
     done, plan = _plan_command(tmp_path, SMALL, "--seq", "2048", "--device", "h100-80gb", "--memory", "40GiB")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -252,6 +256,7 @@ def test_the_plan_command_writes_the_plan_and_refuses_bad_input(tmp_path):
     assert done.returncode != 0 and "model_type 'no_such_model' is not one transformers knows" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_plan_command_plans_every_stack_of_a_vision_language_config(tmp_path):
     """A vision-language config.json: one image a row made from the config, so that the vision
     tower's blocks are planned beside the decoder's (red before: "no layer of
@@ -315,6 +320,7 @@ def test_the_roofline_counts_memory_bound_bytes_and_leaves_matmuls_to_flops():
     assert graph_traffic(gm) == 2 * (2 * 64 * 32 * 4)
 
 
+@pytest.mark.slow
 def test_on_the_device_itself_estimator_time_measures_the_step():
     """``estimator="time"`` where the device is present (here the CPU): each kind of layer's
     frontier ordered by measured step time, the step the layers' measured time plus the head's

@@ -29,6 +29,7 @@ def _rows(key: str, *flags: str) -> tuple[peers.Model, dict]:
     return model, peers.run_model(model, args)[1]
 
 
+@pytest.mark.slow
 @needs_remat
 @pytest.mark.parametrize("key", ["blocks", "demo", "llama"])
 def test_save_all_holds_no_more_than_torch_remat_eagerly(key):

@@ -29,6 +29,7 @@ def _block_plan():
     return block, x, plan(block, x, memory=0.5, budgets=BUDGETS)
 
 
+@pytest.mark.slow
 def test_every_keep_set_and_budget_is_measured_and_the_choice_fits():
     block, x, p = _block_plan()
     assert p.regions == ("attn", "mlp") and p.search == "exhaustive"
@@ -62,6 +63,7 @@ def test_the_chosen_plan_saves_what_the_partition_report_says():
     assert saved == p.saved_bytes
 
 
+@pytest.mark.slow
 def test_every_candidate_is_what_its_own_compile_saves_and_recomputes():
     """The planner partitions one trace per candidate and reads the figures off the graphs;
     each candidate compiled and run on its own (autograd's saved-tensor hooks, the backward
@@ -157,6 +159,7 @@ def test_many_regions_are_searched_not_enumerated():
     assert p.recompute_flops == 0
 
 
+@pytest.mark.slow
 def test_eager_bytes_are_what_the_eager_engine_holds_for_each_keep_set():
     block, x, p = _block_plan()
     for c in p.candidates:
@@ -179,9 +182,10 @@ def _two_kinds():
     return model, torch.randn(2, 16, 32, requires_grad=True)
 
 
+@pytest.mark.slow
 def test_a_model_is_planned_once_per_kind_of_layer_and_applied():
     model, x = _two_kinds()
-    mp = plan_model(model, x, layers="*", memory=0.5, budgets=(None,))
+    mp = plan_model(model, x, layers="*", memory=0.5, budgets=(None,), eager=False)
     assert [(g.kind, g.paths) for g in mp.groups] == [("Block", ("0", "1", "3")), ("_FiveRegions", ("2",))]
     block_plan, five_plan = (g.plan for g in mp.groups)
     assert block_plan.regions == ("attn", "mlp") and len(five_plan.regions) == 5
@@ -241,6 +245,7 @@ def test_dense_and_moe_layers_of_one_model_are_planned_apart():
         assert g.plan.saved_bytes <= g.plan.memory
 
 
+@pytest.mark.slow
 @default_torch_only
 def test_the_time_estimator_times_each_pareto_point_and_chooses_the_fastest_that_fits():
     torch.manual_seed(0)

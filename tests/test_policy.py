@@ -241,6 +241,7 @@ def _saved_bytes(fn, x, params):
     return sc.inspection.autograd_saved_bytes(fn, x, exclude=params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_kept_swiglu_saves_exactly_its_two_up_projections(inner):
     torch.manual_seed(0)
@@ -267,6 +268,7 @@ def test_kept_swiglu_saves_exactly_its_two_up_projections(inner):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_keeping_everything_never_saves_more_than_no_checkpoint():
     from sac_compile.testing.models import Block
 
@@ -284,6 +286,7 @@ def test_keeping_everything_never_saves_more_than_no_checkpoint():
     assert every <= none and every < save_all  # SAVE_ALL also stores the cheap pointwise outputs
 
 
+@pytest.mark.slow
 def test_budget_saves_the_kept_values_then_fills_up_to_the_budget():
     from sac_compile.testing.models import Block
 

@@ -71,6 +71,7 @@ def _sac_nodes(gm: torch.fx.GraphModule) -> list[str]:
 # -- pickle, torch.save, deepcopy ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("how", ["pickle", "deepcopy"])
 def test_a_wrapped_model_pickles_and_deep_copies_with_its_wrapping(compile, how, caplog):
@@ -117,6 +118,7 @@ def test_a_layer_that_lost_its_compiled_call_says_why_and_rewrapping_compiles_it
 # -- remove_selective_checkpointing ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_remove_selective_checkpointing_restores_the_plain_model(compile):
     torch.manual_seed(0)
@@ -305,6 +307,7 @@ def test_compile_mode_without_inductor_fails_naming_the_fix():
         sc.make_sac_backend().compile_patches(options={"joint_custom_pre_pass": None})
 
 
+@pytest.mark.slow
 def test_dynamic_shapes_compile_once_for_two_batch_sizes():
     from torch._dynamo.testing import CompileCounterWithBackend
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import re
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -180,6 +181,7 @@ def with_tricky(test):
     return test
 
 
+@pytest.mark.slow
 @bounded(EAGER_EXAMPLES)
 @given(program=programs, keep=keeps)
 @with_tricky
@@ -237,6 +239,7 @@ def _kept(region: str, keep) -> bool:
     return any(n in keep for n in names)
 
 
+@pytest.mark.slow
 @bounded(COMPILED_EXAMPLES)
 @given(program=programs, keep=keeps)
 @with_tricky

@@ -235,6 +235,7 @@ class TestIdentity:
 
 
 class TestCompiled:
+    @pytest.mark.slow
     def test_twelve_wrapped_layers_with_compile_true_all_compile(self, x):
         torch.manual_seed(0)
         layers = [sc.apply_selective_checkpointing(Block(16), {"attn"}, compile=AOT) for _ in range(12)]
@@ -255,6 +256,7 @@ class TestCompiled:
             Block(16)(x)
         assert packed[0] < len(eager)
 
+    @pytest.mark.slow
     def test_whole_model_compile_saves_the_layer_boundaries(self, stack, x):
         wrap_layers(stack, {"attn"})
         report = sc.inspection.capture_partition(

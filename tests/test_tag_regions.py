@@ -226,6 +226,7 @@ class TestHigherOrderOps:
     def f(self, x, w):
         return self.sub(self.sub(x, w), w).cos()
 
+    @pytest.mark.slow
     def test_region_inside_nested_compile_region_is_honoured(self, inner):
         x = torch.randn(4, 8, requires_grad=True)
         w = torch.randn(8, 8, requires_grad=True)

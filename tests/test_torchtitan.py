@@ -106,11 +106,17 @@ def test_plugin_trains_torchtitans_deepseek_v3_with_mtp_expert_parallel(tmp_path
 @pytest.mark.slow
 def test_plugin_trains_with_torchtitans_trainer_compiled(tmp_path):
     configs = "no checkpoint,torchtitan full,torchtitan selective,sac keep {} (full),sac keep attn"
-    figures = _compare(tmp_path, "--compile", "--configs", configs + ",sac keep attn (seam compiles)")
+    # aot_eager: the partitions Inductor would compile, without its code generation (the seam's
+    # own compile, the FlexAttention way, stays on Inductor); test_integrations compiles a
+    # transformers model through the named backend with Inductor
+    configs += ",sac keep attn (seam compiles)"
+    figures = _compare(tmp_path, "--compile", "--inner", "aot_eager", "--configs", configs)
     # the seam compiling each block (the FlexAttention way) holds what torchtitan's compile does
     seam = figures.pop("sac keep attn (seam compiles)")
     assert seam["held_bytes"] == figures["sac keep attn"]["held_bytes"], figures
-    assert seam["max_dloss"] < 1e-5, seam
+    # its kernels are Inductor's, the others' eager ATen ops: the same training, float32 apart
+    # (1.6e-4 on a loss of 8; the aot_eager configurations agree within 1e-5)
+    assert seam["max_dloss"] < 1e-3, seam
     _check(figures)
 
 

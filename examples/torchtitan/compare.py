@@ -62,6 +62,9 @@ CONFIGS = {
     "sac keep attn (seam compiles)": ["--override.imports", SAC + '={"keep": ["attn"], "compile": true}'],
 }
 SEAM_COMPILES = "sac keep attn (seam compiles)"
+#: --inner aot_eager: the name the override's blocks compile with (registered by main: sac-compile's
+#: backend reading each block's keep set, AOTAutograd without Inductor's code generation)
+AOT_EAGER_BACKEND = "sac_compile_aot_eager"
 DENSE_ONLY = {"sac keep mlp", "sac keep attn+mlp"}
 MOE_ONLY = {"sac keep experts", "sac keep attn+experts"}
 
@@ -82,7 +85,9 @@ def _argv(name: str, args: argparse.Namespace) -> list[str]:
     if args.compile and name != SEAM_COMPILES:
         argv += ["--compile.enable", "--compile.components", "model"]
         if name.startswith("sac"):
-            argv += ["--compile.backend", "sac_compile"]
+            argv += ["--compile.backend", "sac_compile" if args.inner == "inductor" else AOT_EAGER_BACKEND]
+        elif args.inner != "inductor":
+            argv += ["--compile.backend", args.inner]
     return argv + CONFIGS[name]  # a tyro subcommand (activation-checkpoint:...) goes last
 
 
@@ -147,6 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="expert-parallel degree (MoE models; on gloo: with --tp of the same degree)",
     )
     parser.add_argument("--compile", action="store_true", help="torchtitan compiles each block")
+    parser.add_argument(
+        "--inner",
+        default="inductor",
+        choices=("inductor", "aot_eager"),
+        help="--compile: what compiles the partitioned graphs (aot_eager: the same partitions, no codegen)",
+    )
     parser.add_argument("--steps", type=int, default=4, help="training steps whose losses are compared")
     parser.add_argument("--iters", type=int, default=15, help="interleaved timed steps per configuration")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -190,6 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
     # which a training process with one trainer never reaches.
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 1024
+    if args.inner == "aot_eager":
+        import sac_compile as sc
+
+        torch._dynamo.register_backend(sc.make_sac_backend(inner="aot_eager"), name=AOT_EAGER_BACKEND)
     _share_parallel_dims()
     runs = [Run(name, args) for name in names]
     rank = dist.get_rank()

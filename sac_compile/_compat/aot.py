@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import types
 import warnings
 from typing import Any
 
@@ -156,7 +157,7 @@ def running_compiled_code(max_depth: int = 64) -> bool:
     and friends) being on the Python stack below the ops they dispatch. Only called
     for costly ops run with grad disabled inside a kept region, so the walk is rare.
     """
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
             return False

@@ -223,7 +223,7 @@ def storage_holders(ref: Any) -> int:
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
 
 
-def dynamo_free(cls: type) -> type:
+def dynamo_free(cls: type[Any]) -> type[Any]:
     """Class decorator for a ``TorchDispatchMode`` subclass: run its ``__torch_dispatch__``
     with Dynamo off (Note [our dispatch modes run outside Dynamo]); the class must define
     ``_should_skip_dynamo`` returning False, so that torch does not wrap it again."""
@@ -273,7 +273,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def storage_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t``, or for a traceable wrapper subclass the (first) inner tensor holding its bytes."""
     while type(t) not in _PLAIN and _is_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
         if not names:
             break
         t = getattr(t, names[0])
@@ -287,7 +287,7 @@ def stand_in_maker(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     if type(t) in _PLAIN or not _is_wrapper_subclass(t):
         shape, stride, dtype, device = t.shape, t.stride(), t.dtype, t.device
         return lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    names, ctx = t.__tensor_flatten__()
+    names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
     # (an inner attribute may be an opaque object, not a tensor: DTensor's device_mesh in 2.13)
     values = {n: getattr(t, n) for n in names}
     makers = {n: stand_in_maker(v) for n, v in values.items() if isinstance(v, torch.Tensor)}
@@ -295,6 +295,6 @@ def stand_in_maker(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     cls, size, stride = type(t), t.shape, t.stride()
 
     def make() -> torch.Tensor:
-        return cls.__tensor_unflatten__({**opaque, **{n: f() for n, f in makers.items()}}, ctx, size, stride)
+        return cls.__tensor_unflatten__({**opaque, **{n: f() for n, f in makers.items()}}, ctx, size, stride)  # type: ignore[attr-defined]
 
     return make

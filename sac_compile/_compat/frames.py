@@ -56,7 +56,7 @@ def fresh_function(template: Any, name: str) -> Any:
 
 def frames() -> Iterator[Any]:
     """The caller's frame and every frame below it, innermost first."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         yield frame
         frame = frame.f_back

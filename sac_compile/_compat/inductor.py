@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "pass_skipping_caches_disabled",
     "get_hash_for_files",
     "inductor_config",
+    "lowering_loaded",
     "register_noop_lowerings",
     "seed_ops",
     "custom_graph_passes",
@@ -102,6 +104,11 @@ def seed_ops() -> frozenset:
 _noop_lowerings_registered = False
 
 
+def lowering_loaded() -> bool:
+    """Whether Inductor's lowering table is imported (by an Inductor compile)."""
+    return "torch._inductor.lowering" in sys.modules
+
+
 def register_noop_lowerings(ops) -> None:
     """Lower ``ops`` (the marker ops) to nothing in Inductor (once, lazily).
 
@@ -112,8 +119,10 @@ def register_noop_lowerings(ops) -> None:
     use (torch 2.13: "cannot access local variable 'bufN'"). Dropping the
     markers at lowering avoids that and leaves no call in the generated code.
     Relies on ``torch._inductor.lowering.register_lowering`` / ``lowerings``.
-    Called from the markers' fake implementations, which Dynamo and AOTAutograd
-    run before any lowering, so importing ``sac_compile`` stays light.
+    Called from the markers' fake implementations once Inductor is loaded: Inductor's
+    compile imports its lowerings, then AOTAutograd traces the graph again (the fake
+    implementations run) before any lowering; importing ``sac_compile``, and compiling
+    with ``aot_eager``, never load Inductor.
     """
     global _noop_lowerings_registered
     if _noop_lowerings_registered:

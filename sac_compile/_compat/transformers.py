@@ -67,7 +67,7 @@ def checkpoints_inside(root: nn.Module) -> bool:
     return any(is_checkpointing_layer(m) and own_checkpointing_on(m) for m in root.modules())
 
 
-def cache_positions(cls: type) -> tuple[tuple[str, int], ...]:
+def cache_positions(cls: type[nn.Module]) -> tuple[tuple[str, int], ...]:
     """``(name, index in the call's positional arguments)`` of the cache parameters of
     ``cls.forward`` (GPT-2 and RecurrentGemma pass the cache positionally). The signature
     is the layer's own: transformers' wrappers keep it (``functools.wraps``). Read once per
@@ -88,7 +88,8 @@ def training_call(
     (``cache_args``: :func:`cache_positions` of the layer's class); the arguments given are
     not changed."""
     turned: list[str] = []
-    names = _READ_ONLY_OK if type(module)._can_checkpoint_with_cache else _CACHE_KWARGS
+    layer_cls: type[Any] = type(module)  # a GradientCheckpointingLayer (duck-typed)
+    names = _READ_ONLY_OK if layer_cls._can_checkpoint_with_cache else _CACHE_KWARGS
     positions = dict(cache_args)
     new_kwargs = None
     for name in names:
@@ -129,7 +130,7 @@ def cache_arguments(args: tuple, kwargs: dict[str, Any]) -> list[str]:
     return found
 
 
-def from_config(model_cls: type, config: Any, **kwargs: Any) -> nn.Module:
+def from_config(model_cls: type[Any], config: Any, **kwargs: Any) -> nn.Module:
     """A transformers model of ``model_cls`` built from ``config`` with random weights
     (``PreTrainedModel._from_config``: no checkpoint is read), ``kwargs`` such as
     ``attn_implementation`` passed on."""

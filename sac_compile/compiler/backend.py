@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -39,6 +39,11 @@ from ..policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_policy
 from ..scope_text import validate_budget
 from . import session
 from .session import CompileUnit
+
+if TYPE_CHECKING:
+    from torch.fx import GraphModule
+
+    from ..passes.tag_regions import TagRegionsPass
 
 __all__ = ["SacBackend", "baseline_backend", "make_sac_backend", "new_unit", "sac_backend", "snapshot"]
 
@@ -137,12 +142,12 @@ class SacBackend:
     def __repr__(self) -> str:
         if not self.checkpoint:
             return f"<{self.inner} without checkpointing>"
-        keep = "ALL_REGIONS" if self.keep is ALL_REGIONS else sorted(self.keep)
+        keep = "ALL_REGIONS" if self.keep is ALL_REGIONS else sorted(cast("frozenset[str]", self.keep))
         extra = "" if self.policy is SAVE_COSTLY else f", policy={policy_key(self.policy)}"
         extra += "" if self.budget is None else f", budget={self.budget:g}"
         return f"make_sac_backend(keep={keep}{extra}, inner={self.inner!r})"
 
-    def tagging_pass(self, context: Enclosing = NO_CONTEXT):
+    def tagging_pass(self, context: Enclosing = NO_CONTEXT) -> TagRegionsPass:
         """The (cached) :class:`~sac_compile.passes.tag_regions.TagRegionsPass` for graphs
         compiled in ``context`` (the scopes and regions they start inside of, from the
         Python stack). Its records go to the compile session."""
@@ -150,7 +155,7 @@ class SacBackend:
             self._passes[context] = self.new_pass(context, session.publish)
         return self._passes[context]
 
-    def new_pass(self, context: Enclosing, publish: Callable[[records.GraphRecord], None]):
+    def new_pass(self, context: Enclosing, publish: Callable[[records.GraphRecord], None]) -> TagRegionsPass:
         """A new tagging pass of this configuration whose records go to ``publish`` (the
         planner keeps its trial partitions' records to itself)."""
         # Imported here, not at the top: the pass subclasses Inductor's CustomGraphPass,
@@ -206,7 +211,15 @@ class SacBackend:
             return compiled
         return diagnosed.with_reporter(compiled, _graph_reporter(self, unit, gm, example_inputs, pass_))
 
-    def _compile_inductor(self, gm, example_inputs, pass_, unit, capturing, patches):
+    def _compile_inductor(
+        self,
+        gm: GraphModule,
+        example_inputs: list[Any],
+        pass_: TagRegionsPass | None,
+        unit: CompileUnit,
+        capturing: bool,
+        patches: dict[str, Any],
+    ) -> Callable:
         if pass_ is not None:
             from ..passes.untag_seeds import UNTAG_SEEDS  # loads Inductor, as the pass does
 
@@ -219,7 +232,14 @@ class SacBackend:
         inner = functools.partial(_capturing_inner_compile, unit, capturing)
         return inductor.compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
 
-    def partition(self, joint, joint_inputs, pass_=None, untagged=None, **kwargs):
+    def partition(
+        self,
+        joint: GraphModule,
+        joint_inputs: Any,
+        pass_: TagRegionsPass | None = None,
+        untagged: Callable[[], GraphModule] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Tag ``joint`` with ``pass_`` (this backend's tagging pass for the graph's context;
         none for the baseline) and partition it, as ``inner="aot_eager"`` compiles do.
         ``untagged()``: a fresh copy of the joint graph before tagging, should the partition
@@ -230,7 +250,7 @@ class SacBackend:
                 copy = aot.copy_joint(joint)
                 untagged = lambda: copy  # noqa: E731
 
-            def fallback():  # Note [budget short-circuit] in _compat/aot.py
+            def fallback() -> GraphModule:  # Note [budget short-circuit] in _compat/aot.py
                 graph = untagged()
                 pass_.without_budget()(graph.graph)
                 return graph
@@ -240,9 +260,11 @@ class SacBackend:
             joint, joint_inputs, compiler="inductor", fallback=fallback, **kwargs
         )
 
-    def _compile_aot_eager(self, gm, example_inputs, pass_, unit):
-        def compiler(kind):
-            def compile_graph(g, _inputs):
+    def _compile_aot_eager(
+        self, gm: GraphModule, example_inputs: list[Any], pass_: TagRegionsPass | None, unit: CompileUnit
+    ) -> Callable:
+        def compiler(kind: str) -> Callable[[GraphModule, Any], Callable]:
+            def compile_graph(g: GraphModule, _inputs: Any) -> Callable:
                 if kind == "inference" and pass_ is not None:
                     # Inductor runs joint passes on inference graphs too; here we do it.
                     pass_(g.graph)
@@ -262,7 +284,9 @@ class SacBackend:
         )(gm, example_inputs)
 
 
-def _capturing_inner_compile(unit: CompileUnit, capturing: bool, gm, example_inputs, **kwargs):
+def _capturing_inner_compile(
+    unit: CompileUnit, capturing: bool, gm: GraphModule, example_inputs: list[Any], **kwargs: Any
+) -> Any:
     if kwargs.get("is_backward"):
         kind = "backward"
     elif kwargs.get("is_inference"):
@@ -279,7 +303,7 @@ def _capturing_inner_compile(unit: CompileUnit, capturing: bool, gm, example_inp
 
 
 def _graph_reporter(
-    backend: SacBackend, unit: CompileUnit, gm, example_inputs, pass_
+    backend: SacBackend, unit: CompileUnit, gm: GraphModule, example_inputs: list[Any], pass_: TagRegionsPass
 ) -> diagnosed.GraphReporter:
     """The graph's diagnoses: from the pass's records, or (warm cache hit) from the side file."""
     key = side_file.side_key(gm.code, example_inputs, pass_.uuid())
@@ -295,9 +319,8 @@ def _graph_reporter(
             backend_name=repr(backend),
         )
         regions = sorted({name for rec in unit.records for name in rec.regions})
-        keep_names = sorted(
-            {n for rec in unit.records for s in rec.scopes if s.keep is not ALL_REGIONS for n in s.keep}
-        )
+        kept_scopes = [s for rec in unit.records for s in rec.scopes if s.keep is not ALL_REGIONS]
+        keep_names = sorted({n for s in kept_scopes for n in cast("frozenset[str]", s.keep)})
         if inductor.compile_caches_enabled():
             side_file.write(key, found, regions, keep_names)
     else:

@@ -3,7 +3,7 @@ backend compiles a graph, reported when the graph runs (once per root model)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence, Set
 
 import torch.nn as nn
 
@@ -24,7 +24,7 @@ def graph_diagnoses(
     with_fallbacks: list[tuple[str, str, str]],
     layer_paths: list[str],
     module: str,
-    swallowed: list[str] = (),
+    swallowed: Sequence[str] = (),
     backend_name: str = "",
     grad_enabled: bool = True,
 ) -> list[Diagnosis]:
@@ -91,7 +91,7 @@ class GraphReporter:
         diagnoses: list[Diagnosis],
         keep_names: set[str],
         where: str,
-        regions: set[str] = frozenset(),
+        regions: Set[str] = frozenset(),
         context: tuple[str, ...] = (),
         read_context: Callable[[], tuple[str, ...]] | None = None,
     ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import torch.nn as nn
 
@@ -59,7 +59,7 @@ def check_engine_call(module: nn.Module, keep: KeepSet, stats: Any) -> None:
     root = owner()
     where = where_in(module, root)
     note_regions(stats.regions_entered, root, module)
-    explicit = () if keep is ALL_REGIONS else tuple(keep)
+    explicit = () if keep is ALL_REGIONS else tuple(cast("frozenset[str]", keep))
     judge = _judges.setdefault(keep, RepeatJudge(explicit))
     judge.on_call(module, root, where, lambda: _first_call(keep, stats, where))
 

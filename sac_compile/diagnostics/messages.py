@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from ..keep import ALL_REGIONS, KeepSet
 from ..marker_walk import ENTER_WITHOUT_EXIT
 from .core import (
@@ -178,7 +180,11 @@ def no_pass(region: str, where: str, backend_name: str, note: str = "") -> Diagn
 
 
 def no_pass_layer(keep: KeepSet, where: str, backend_name: str, note: str = "") -> Diagnosis:
-    keep_repr = "ALL_REGIONS" if keep is ALL_REGIONS else "{" + ", ".join(map(repr, sorted(keep))) + "}"
+    keep_repr = (
+        "ALL_REGIONS"
+        if keep is ALL_REGIONS
+        else "{" + ", ".join(map(repr, sorted(cast("frozenset[str]", keep)))) + "}"
+    )
     return Diagnosis(
         NO_PASS,
         "-",

@@ -30,7 +30,7 @@ with none of the dispatch mode's per-op cost.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -106,7 +106,7 @@ class _Body:
         # checkpoint holder, filled again by the recompute (see Bodies.enter)
         self.input_saves: list[tuple[int, tuple | None]] = []
         self.input_storages: tuple[int, ...] = ()
-        self.rng_before = rng_state(_rng_devices(tensors))
+        self.rng_before: tuple | None = rng_state(_rng_devices(tensors))  # None once it exited
         self.rng_after: Any = None
         self.outputs: Any = None  # tree of _Kept; None: the body runs in the recompute
         self.rerun = False
@@ -194,7 +194,7 @@ class Bodies:
         self._restore_hooks(body)
         if self.state.preserve_rng_state:
             rng = rng_state(_rng_devices([t for t, _ in body.inputs]))
-            if not _same_rng(rng, body.rng_before):
+            if not _same_rng(rng, cast(tuple, body.rng_before)):
                 body.rng_after = rng
         body.rng_before = None
         body.rerun = any(version(t) != v for t, v in body.inputs)
@@ -275,7 +275,8 @@ class Bodies:
         first, the arguments the forward's body saved go to their checkpoint holders."""
         if body.input_saves:
             tensors = tensors_in((args, kwargs))
-            pack = top_saved_tensors_hooks()[0]  # (the engine's recompute hook, then the checkpoint's)
+            # (the engine's recompute hook, then the checkpoint's: there is one while recomputing)
+            pack = cast("tuple[Any, Any]", top_saved_tensors_hooks())[0]
             for i, geometry in body.input_saves:
                 t = tensors[i]
                 pack(t if geometry is None else t.as_strided(*geometry))
@@ -347,7 +348,7 @@ def _argument_storages(inputs: list[tuple[torch.Tensor, int]]) -> dict[int, int]
     return found
 
 
-def _argument_view(t: torch.Tensor, argument: torch.Tensor, at_version: int) -> tuple | None | bool:
+def _argument_view(t: torch.Tensor, argument: torch.Tensor, at_version: int) -> tuple | None | Literal[False]:
     """How to make ``t`` from the argument it shares a storage with: None (it is the argument's
     geometry), ``(size, stride, offset)`` for ``as_strided``, or False where it cannot be
     remade so (another dtype or type, or the argument was written since the body began)."""

@@ -71,7 +71,9 @@ mode by hand, and a storage's use count (who still holds it as a span ends).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any, cast
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -95,7 +97,7 @@ __all__ = ["EagerSession", "EngineStats", "checkpoint_with_regions", "engine_con
 
 
 @contextlib.contextmanager
-def _chained_pack_hook(state: EngineState):
+def _chained_pack_hook(state: EngineState) -> Iterator[None]:
     """Note what autograd saves, then hand it to the checkpoint's own pack hook."""
     top = top_saved_tensors_hooks()
     if top is None:
@@ -103,7 +105,7 @@ def _chained_pack_hook(state: EngineState):
         return
     outer_pack, outer_unpack = top
 
-    def pack(t: torch.Tensor):
+    def pack(t: torch.Tensor) -> Any:
         state.saved_storages.add_tensor(t)
         state.packed_after = state.spans_ended
         state.packs += 1
@@ -115,7 +117,7 @@ def _chained_pack_hook(state: EngineState):
 
 
 @contextlib.contextmanager
-def _recompute_pack_hook(spans: _Spans):
+def _recompute_pack_hook(spans: _Spans) -> Iterator[None]:
     """In the recompute, hand what autograd saves to the checkpoint's pack hook with our
     dispatch mode set aside: the hook detaches each tensor, an op the mode would only pass
     through, at a dispatch round trip each (of the ops a layer's recompute intercepted: demo
@@ -127,7 +129,7 @@ def _recompute_pack_hook(spans: _Spans):
     outer_pack, outer_unpack = top
     mode = spans.mode
 
-    def pack(t: torch.Tensor):
+    def pack(t: torch.Tensor) -> Any:
         if spans.pushed and pop_dispatch_mode(mode):
             try:
                 return outer_pack(t)
@@ -210,7 +212,7 @@ class _Pass:
         policy: RegionPolicy,
         forward: bool,
         early_stop: bool,
-        on_forward=None,
+        on_forward: Callable[[EngineStats], object] | None = None,
     ) -> None:
         self.state, self.bodies, self.keep, self.policy = state, bodies, keep, policy
         self.forward, self.early_stop = forward, early_stop
@@ -234,14 +236,16 @@ class _Pass:
             self._hooks.enter_context(_recompute_pack_hook(self.spans))
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         state, session = self.state, self.session
         try:
             try:
                 if self.forward and exc_type is not None:
                     self.bodies.abort()  # (inside our pack hook: a body put its hooks back)
             finally:
-                self._hooks.close()
+                cast(contextlib.ExitStack, self._hooks).close()  # (made by __enter__)
             if self.forward and exc_type is None:
                 session.end_span()  # a kept region left open ends with the function
                 state.stats.regions_entered = session.entered
@@ -265,7 +269,7 @@ class _Recomputes:
     """The recompute context: a fresh :class:`_Pass` each time it is entered (a second
     backward with ``retain_graph=True`` recomputes again)."""
 
-    def __init__(self, make) -> None:
+    def __init__(self, make: Callable[[], _Pass]) -> None:
         self._make = make
         self._passes: list[_Pass] = []
 
@@ -274,7 +278,9 @@ class _Recomputes:
         self._passes.append(p)
         p.__enter__()
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._passes.pop().__exit__(exc_type, exc, tb)
 
 
@@ -283,7 +289,7 @@ def engine_contexts(
     policy: RegionPolicy = SAVE_COSTLY,
     preserve_rng_state: bool = True,
     early_stop: bool = True,
-    on_forward=None,
+    on_forward: Callable[[EngineStats], object] | None = None,
     where: tuple[str, str] = ("", ""),
 ) -> tuple[EngineState, _Pass, _Recomputes]:
     """``(state, forward context, recompute context)`` of one eager engine checkpoint: the
@@ -299,16 +305,16 @@ def engine_contexts(
 
 
 def checkpoint_with_regions(
-    fn,
+    fn: Callable[..., Any],
     *args: Any,
     keep: KeepSet,
     policy: RegionPolicy = SAVE_COSTLY,
     preserve_rng_state: bool = True,
     early_stop: bool = True,
-    stats_out: list | None = None,
+    stats_out: list[EngineStats] | None = None,
     where: tuple[str, str] = ("", ""),
     **kwargs: Any,
-):
+) -> Any:
     """Run ``fn(*args, **kwargs)`` under the eager engine keeping the regions in ``keep``
     as ``policy`` decides (see :mod:`sac_compile.policy`). ``early_stop`` and the other
     keyword arguments of ``torch.utils.checkpoint.checkpoint`` (``debug``,

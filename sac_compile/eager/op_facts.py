@@ -54,10 +54,10 @@ class StorageSet:
         return bool(self._refs)
 
     def ref(self, cdata: object) -> StorageWeakRef | None:
-        return self._refs.get(cdata)  # type: ignore[arg-type]
+        return self._refs.get(cdata)  # type: ignore[call-overload]
 
     def __contains__(self, cdata: object) -> bool:
-        ref = self._refs.get(cdata)  # type: ignore[arg-type]
+        ref = self._refs.get(cdata)  # type: ignore[call-overload]
         return ref is not None and not ref.expired()
 
     def ever(self) -> tuple[int, ...]:
@@ -306,7 +306,7 @@ def rng_state(tree: Any) -> tuple:
     cuda = {
         d.index if d.index is not None else torch.cuda.current_device() for d in devices if d.type == "cuda"
     }
-    state = [("cpu", torch.get_rng_state())]
+    state: list[tuple[str | torch.device, torch.Tensor]] = [("cpu", torch.get_rng_state())]
     for index in sorted(cuda):
         dev = torch.device("cuda", index)
         state.append((dev, torch.cuda.get_rng_state(dev)))

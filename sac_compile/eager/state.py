@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -314,7 +314,7 @@ class EngineState:
             # (a served write runs again if the recompute made its target anew)
             e.skippable, e.value = False, None
             self.mark_needed(e.inputs)
-        seen: set[int] = set()
+        seen: set[int | None] = set()  # (s in self.produced is False for None)
         for e in self.order:
             if e.rng_after is not None:
                 if not (e.cached or e.dead or e.served_write is not None):
@@ -364,7 +364,7 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     size = t.element_size()
-    first = t.storage_offset()
+    first = cast(int, t.storage_offset())  # a real tensor (the eager engine): never a SymInt
     last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st > 0)
     first += sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st < 0)
     return (first * size, (last + 1) * size)

@@ -8,7 +8,8 @@ forward and backward once, and read the partitioned forward/backward graphs.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 
@@ -27,7 +28,7 @@ class _FreshBackend:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
-    def __call__(self, gm, example_inputs):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         return self.inner(gm, example_inputs)
 
 
@@ -44,7 +45,7 @@ def _resolve_backend(backend: Any) -> _backend.SacBackend:
 
 
 @contextlib.contextmanager
-def fresh_compile(fn, backend: Any):
+def fresh_compile(fn: Callable[..., Any], backend: Any) -> Iterator[Callable[..., Any]]:
     """``fn`` compiled afresh with ``backend`` (a sac backend, ``"inductor"`` / ``"aot_eager"``
     without checkpointing, or any backend callable), for use inside the ``with`` block: both compile caches off (a
     cache hit would skip the tagging pass), a backend object of its own and its own
@@ -55,10 +56,13 @@ def fresh_compile(fn, backend: Any):
     with contextlib.ExitStack() as stack:
         stack.enter_context(inductor.pass_skipping_caches_disabled())
         stack.enter_context(dynamo.dynamo_config().patch(accumulated_recompile_limit=1 << 20))
-        yield torch.compile(fn, backend=_FreshBackend(sac), isolate_recompiles=True)
+        # (torch.compile's typed overloads leave out isolate_recompiles, which it takes)
+        yield cast(Any, torch.compile)(fn, backend=_FreshBackend(sac), isolate_recompiles=True)
 
 
-def capture_partition(fn, *args: Any, backend: Any = None, **kwargs: Any) -> PartitionReport:
+def capture_partition(
+    fn: Callable[..., Any], *args: Any, backend: Any = None, **kwargs: Any
+) -> PartitionReport:
     """Compile ``fn`` with ``backend``, run forward and backward once, report the partition.
 
     ``backend`` defaults to :data:`sac_compile.sac_backend`. Both compile caches
@@ -90,4 +94,4 @@ def _scalar_loss(out: Any) -> torch.Tensor | None:
     leaves = [t for t in leaves if t.is_floating_point() and t.requires_grad]
     if not leaves:
         return None
-    return sum(t.sum() for t in leaves)
+    return cast(torch.Tensor, sum(t.sum() for t in leaves))  # (leaves is not empty)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ def _live_storages() -> dict[int, tuple[StorageWeakRef, int]]:
     return found
 
 
-def autograd_saved_bytes(fn, *args: Any, exclude: Any = (), warmup: bool = True) -> int:
+def autograd_saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Any = (), warmup: bool = True) -> int:
     """Bytes of the distinct storages held for the backward once ``fn(*args)`` has returned.
 
     Counted whatever runs ``fn`` (unwrapped, compiled, or checkpointed by the eager
@@ -98,7 +99,7 @@ def autograd_saved_bytes(fn, *args: Any, exclude: Any = (), warmup: bool = True)
     return sum(held.values())
 
 
-def collectives_run(fn, *args: Any, **kwargs: Any) -> tuple[Any, Counter]:
+def collectives_run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Counter]:
     """Run ``fn(*args, **kwargs)`` and count the collectives it runs, by op.
 
     Counts ``c10d`` / ``_c10d_functional`` communication ops (not ``wait_tensor``
@@ -112,7 +113,9 @@ def collectives_run(fn, *args: Any, **kwargs: Any) -> tuple[Any, Counter]:
     class _Count(TorchDispatchMode):
         supports_higher_order_operators = True
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        ) -> Any:
             if communicates(func):
                 counts[str(func.overloadpacket)] += 1
             return func(*args, **(kwargs or {}))

@@ -9,14 +9,15 @@ that the backward graph computes again.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .._compat import aot
 from ..compiler.session import CompileUnit
-from ..keep import ALL_REGIONS, INPUT, NO_REGION, PARAM, RNG
+from ..keep import ALL_REGIONS, INPUT, NO_REGION, PARAM, RNG, KeepSet
 from ..records import GraphRecord
 
 __all__ = ["INPUT", "GraphPartition", "PartitionReport", "SavedValue", "build_partition"]
@@ -201,11 +202,11 @@ def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
     return f"{head}: scopes [{scopes or 'none'}] regions [{regions or 'none'}]{extra}"
 
 
-def _keep_text(keep) -> str:
-    return "*" if keep is ALL_REGIONS else ("+".join(sorted(keep)) or "()")
+def _keep_text(keep: KeepSet) -> str:
+    return "*" if keep is ALL_REGIONS else ("+".join(sorted(cast("frozenset[str]", keep))) or "()")
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -278,7 +279,7 @@ def _is_param(primal: str, input_is_param: list[bool]) -> bool:
     return index is not None and 0 <= index < len(input_is_param) and input_is_param[index]
 
 
-def _saved_value(name, op, region, scope, val, *, count: bool) -> SavedValue:
+def _saved_value(name: str, op: str, region: str, scope: int | None, val: Any, *, count: bool) -> SavedValue:
     if isinstance(val, torch.Tensor):
         nbytes = int(val.untyped_storage().nbytes()) if count else 0
         shape = tuple(int(s) if not isinstance(s, torch.SymInt) else -1 for s in val.shape)

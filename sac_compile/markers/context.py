@@ -156,7 +156,7 @@ def with_block_fallbacks(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]
     compiled nor checkpointed. Returns ``(kind, name, where)`` with ``where`` the
     user's ``with`` statement when it can be found on the stack.
     """
-    found = []
+    found: list[tuple[str, str, str]] = []
     for node in gm.graph.nodes:
         kind = ops.marker_kind(node)
         if kind not in (MarkerKind.REGION_ENTER, MarkerKind.REGION_EXIT):

@@ -62,7 +62,7 @@ __all__ = [
 #: ``sink(kind, payload)`` with kind a :class:`~sac_compile.marker_walk.MarkerKind`;
 #: installed by the eager engine. A sink may also have a
 #: ``settle()`` method, called after each eager region marker op has returned.
-MarkerSink = Callable[[str, tuple], None]
+MarkerSink = Callable[[MarkerKind, tuple], None]
 _MARKER_SINK: contextvars.ContextVar[MarkerSink | None] = contextvars.ContextVar(
     "sac_compile_marker_sink", default=None
 )
@@ -84,7 +84,7 @@ def current_sink() -> MarkerSink | None:
     return _MARKER_SINK.get()
 
 
-def _emit(kind: str, payload: tuple) -> None:
+def _emit(kind: MarkerKind, payload: tuple) -> None:
     sink = _MARKER_SINK.get()
     if sink is not None:
         sink(kind, payload)
@@ -182,9 +182,12 @@ def call_region(name: str, fn: Callable, args: tuple, kwargs: dict) -> object:
         exit_region(name)
 
 
-def _on_trace(kind: str, payload: tuple) -> None:
-    # Fake implementations run when Dynamo or AOTAutograd trace a marker.
-    inductor.register_noop_lowerings(MARKER_OPS)
+def _on_trace(kind: MarkerKind, payload: tuple) -> None:
+    # Fake implementations run when Dynamo or AOTAutograd trace a marker. Inductor's lowering
+    # table is filled only once Inductor is loaded: its compile imports it before AOTAutograd
+    # traces the graph again (this runs then), so an aot_eager compile never loads Inductor.
+    if inductor.lowering_loaded():
+        inductor.register_noop_lowerings(MARKER_OPS)
     trace_watch.marker_traced(kind, payload)
 
 
@@ -266,4 +269,4 @@ def marker_kind(node: torch.fx.Node) -> MarkerKind | None:
     """The node's :class:`~sac_compile.marker_walk.MarkerKind`, or None for other nodes."""
     if node.op != "call_function":
         return None
-    return _MARKER_KIND.get(node.target)  # type: ignore[call-overload]
+    return _MARKER_KIND.get(node.target)

@@ -202,6 +202,6 @@ def seam_scope_args(module: torch.nn.Module) -> tuple[int, str]:
     outer compile swallowing it is reported), 0 otherwise; constant per wrap site,
     so Dynamo does not specialise on a counter. A legacy (reentrant) layer keeps nothing.
     """
-    config = module._sac_seam
+    config: Any = module._sac_seam  # the seam's SeamConfig (sac_compile.seam)
     legacy = getattr(module, LEGACY_ATTR, False) is True
     return (0 if config.compile_options is None else 1), ("" if legacy else config.scope_text)

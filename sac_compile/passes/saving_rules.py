@@ -13,6 +13,7 @@ Reads and writes ``node.meta["recompute"]`` on forward nodes of a joint graph th
 from __future__ import annotations
 
 import operator
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -148,7 +149,8 @@ def save_small_reads_of_kept_matmuls(nodes, forward, rec: records.GraphRecord) -
         if (
             readers
             and all(u in forward and _shrinks(u, size) for u in readers)
-            and 2 * sum(_nbytes(u) for u in readers) <= size  # all of them together: at most half
+            # all of them together: at most half (each one _shrinks, so its _nbytes is an int)
+            and 2 * sum(cast(int, _nbytes(u)) for u in readers) <= size
         ):
             for u in readers:
                 u.meta["recompute"] = CheckpointPolicy.MUST_SAVE

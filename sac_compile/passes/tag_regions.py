@@ -49,6 +49,7 @@ import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -91,8 +92,11 @@ _SOURCE_FILES = (
 )
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
+# Inductor's CustomGraphPass: a class that only exists at run time (importing it loads Inductor)
+_PASS_BASE: Any = custom_graph_pass_base()
 
-class TagRegionsPass(custom_graph_pass_base()):
+
+class TagRegionsPass(_PASS_BASE):
     """Inductor ``joint_custom_pre_pass`` running :func:`tag_regions`.
 
     ``uuid()`` covers the keep set, the region policy (its key includes a hash of a
@@ -249,7 +253,7 @@ def _scan_markers(markers: list[fx.Node], context: Enclosing, rec: records.Graph
     """Balance the markers (:func:`~sac_compile.marker_walk.balance`): the unbalanced ones go
     to ``rec.unbalanced``; returns the regions and scopes open since the graph's start that
     the context does not name."""
-    kinds = [(ops.marker_kind(n), n.args) for n in markers]
+    kinds = [(cast(MarkerKind, ops.marker_kind(n)), n.args) for n in markers]  # (markers only)
     pre_regions, pre_scopes, unbalanced = balance(kinds, context.regions, [sid for sid, _ in context.scopes])
     rec.unbalanced.extend(unbalanced)
     return pre_regions, pre_scopes
@@ -308,7 +312,8 @@ def _tag_forward(
     stack = [scopes.from_marker(sid, k, "layer split by a graph break") for sid, k in context.scopes]
     stack += [scopes.from_marker(sid, k) for sid, k in pre_scopes]
     whole = None
-    if not any(ops.marker_kind(n).is_scope for n in fw_markers) and not ckpt_ids and not stack:
+    scoped = any(cast(MarkerKind, ops.marker_kind(n)).is_scope for n in fw_markers)
+    if not scoped and not ckpt_ids and not stack:
         if context.wrapped_inside:
             rec.outside_every_scope = True  # not the user's checkpoint unit: left untagged
         else:
@@ -349,9 +354,9 @@ def _follow(
     elif kind is MarkerKind.REGION_EXIT:
         regions.exit(str(n.args[0]))
     elif kind is MarkerKind.SCOPE_ENTER:
-        stack.append(scopes.from_marker(int(n.args[0]), str(n.args[1])))
+        stack.append(scopes.from_marker(int(cast(int, n.args[0])), str(n.args[1])))
     else:
-        close_innermost(stack, lambda scope: scope.marker_id == int(n.args[0]))
+        close_innermost(stack, lambda scope: scope.marker_id == int(cast(int, n.args[0])))
 
 
 def _tag_node(

@@ -18,14 +18,19 @@ tag, as on every release.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.fx as fx
 
 from .._compat.inductor import custom_graph_pass_base, get_hash_for_files, seed_creation_ops
 
 __all__ = ["UNTAG_SEEDS", "UntagSeedsPass"]
 
+# Inductor's CustomGraphPass: a class that only exists at run time (importing it loads Inductor)
+_PASS_BASE: Any = custom_graph_pass_base()
 
-class UntagSeedsPass(custom_graph_pass_base()):
+
+class UntagSeedsPass(_PASS_BASE):
     """Inductor ``joint_custom_post_pass``: no ``recompute`` / ``ac_graph_id`` on seed nodes."""
 
     def __call__(self, graph: fx.Graph) -> None:

@@ -49,7 +49,7 @@ def advise(backend: Any, gm: Any, example_inputs: list[Any], unit: Any) -> None:
     first = measured({"own": own})
     if first.scopes != [1] or not first.regions:
         return  # a graph holding several scopes (a whole model) has no one keep set to judge
-    configs = {"own": own, "none": baseline_backend("aot_eager")}
+    configs: dict[Any, Any] = {"own": own, "none": baseline_backend("aot_eager")}
     for keep in keep_sets(first.regions)[0]:
         for budget in DEFAULT_BUDGETS:
             alternative = make_sac_backend(set(keep), policy=backend.policy, budget=budget, inner="aot_eager")

@@ -27,13 +27,16 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch.nn as nn
 
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_policy
 from ..scope_text import validate_budget
 from .measure import eager_bytes, measure, plain_bytes, timed
+
+if TYPE_CHECKING:
+    from ..config import SacConfig
 
 __all__ = ["DEFAULT_BUDGETS", "LEAST", "MAX_EXHAUSTIVE_REGIONS", "Candidate", "Plan", "plan"]
 
@@ -150,7 +153,9 @@ class Plan:
         mib = 2.0**20
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         points = [(c.saved_bytes / mib, c.recompute_flops / 1e9) for c in self.candidates]
-        ax.scatter(*zip(*points), s=12, color="tab:blue", alpha=0.5, label="candidates")
+        ax.scatter(
+            *cast("tuple[Any, Any]", zip(*points)), s=12, color="tab:blue", alpha=0.5, label="candidates"
+        )
         knapsack = sorted(
             (c.saved_bytes / mib, c.recompute_flops / 1e9)
             for c in self.candidates
@@ -176,7 +181,7 @@ class Plan:
         """The same candidates, chosen for another ``memory`` (nothing measured again)."""
         return _choose(_target(memory, self.no_checkpoint_bytes), self)
 
-    def config(self, layers: str, regions: dict[str, str] | None = None, **options: Any):
+    def config(self, layers: str, regions: dict[str, str] | None = None, **options: Any) -> SacConfig:
         """A :class:`~sac_compile.SacConfig` applying the plan to every layer matching ``layers``
         (compiled per layer when the plan has a budget: budgets act in compiled code only)."""
         from ..config import SacConfig
@@ -198,7 +203,14 @@ class Plan:
         )
 
 
-def _checked(module, memory, budgets, policies, estimator: str, inner: str) -> tuple[tuple, tuple]:
+def _checked(
+    module: nn.Module,
+    memory: int | float,
+    budgets: Iterable[float | None],
+    policies: Sequence[RegionPolicy],
+    estimator: str,
+    inner: str,
+) -> tuple[tuple[float | None, ...], tuple[RegionPolicy, ...]]:
     """``plan``'s arguments checked before anything is compiled: the budgets (0 is no
     budget) and policies, validated."""
     if not isinstance(module, nn.Module):
@@ -296,7 +308,7 @@ def _candidates(
     example_args: tuple,
     example_kwargs: dict,
     configs: dict,
-    base: tuple,
+    base: Sequence[int],
     eager: bool,
 ) -> list[Candidate]:
     """One ``Candidate`` per ``configs`` entry, its recompute counted over the no-checkpoint

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .core import Candidate, Plan
 from .devices import Target
@@ -193,7 +193,9 @@ def choose(
     seconds = step_seconds([(len(g.paths), g.plan, g.plan.chosen) for g in out], sizes, target)
     timed = all(g.plan.chosen.step_time is not None for g in out)
     if timed:  # measured on the device: the layers' forward + backward, the head's estimate
-        seconds = sum(g.plan.chosen.step_time * len(g.paths) for g in out) + step_seconds([], sizes, target)  # type: ignore[operator]
+        seconds = sum(cast(float, g.plan.chosen.step_time) * len(g.paths) for g in out) + step_seconds(
+            [], sizes, target
+        )
     return DevicePlan(
         layers,
         out,

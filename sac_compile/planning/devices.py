@@ -18,6 +18,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -251,7 +252,7 @@ class Target:
         """The bytes a plan may use: ``memory`` less the headroom."""
         return int(self.memory * (1.0 - self.headroom))  # type: ignore[operator]
 
-    def replace(self, **changes) -> Target:
+    def replace(self, **changes: Any) -> Target:
         return dataclasses.replace(self, **changes)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -63,6 +64,7 @@ class PartitionEach:
                 )
                 one.graphs = {"forward": backends.snapshot(fw), "backward": backends.snapshot(bw)}
                 part = build_partition(0, one)
+                assert part is not None  # (it has a forward graph)
                 self.figures[key][0] += part.activation_bytes + part.input_bytes
                 self.figures[key][1] += graph_costly_flops(bw)
                 self.figures[key][2] = max(self.figures[key][2], graph_transient(bw))
@@ -160,7 +162,9 @@ def timed(
         return run
 
     with contextlib.ExitStack() as stack:
-        steps = {"none": step(stack.enter_context(fresh_compile(module, baseline_backend(inner))))}
+        steps: dict[Hashable, Callable[[], object]] = {
+            "none": step(stack.enter_context(fresh_compile(module, baseline_backend(inner))))
+        }
         for key, c in points.items():
             backend = make_sac_backend(c.keep, policy=c.policy, budget=c.budget, inner=inner)
             steps[key] = step(stack.enter_context(fresh_compile(module, backend)))

@@ -13,6 +13,7 @@ each group's choice to its layers.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from .._compat.checkpoint import tree_map
 from .._compat.tensors import DataDependentOutputException, fake_mode
 from .._compat.transformers import value_checks_off
 from ..declare import declare_regions, match_path
-from ..policy import SAVE_COSTLY
+from ..policy import SAVE_COSTLY, RegionPolicy
 from .core import DEFAULT_BUDGETS, Plan, plan
 
 __all__ = ["LayerGroup", "ModelPlan", "plan_model"]
@@ -102,8 +103,8 @@ def plan_model(
     layers: str | tuple[str, ...],
     memory: int | float,
     regions: dict[str, str] | None = None,
-    budgets=DEFAULT_BUDGETS,
-    policies=(SAVE_COSTLY,),
+    budgets: Iterable[float | None] = DEFAULT_BUDGETS,
+    policies: Sequence[RegionPolicy] = (SAVE_COSTLY,),
     eager: bool = True,
     progress: Any = None,
     **example_kwargs: Any,
@@ -127,6 +128,7 @@ def plan_model(
     from .._compat.dynamo import unwrap_compiled
 
     root = unwrap_compiled(model)
+    budgets = tuple(budgets)  # read once per kind of layer: a generator would serve only the first
     patterns = layers if isinstance(layers, tuple) else (layers,)
     by_pattern = {
         pattern: [(p, m) for p, m in root.named_modules() if match_path(pattern, p)] for pattern in patterns
@@ -167,7 +169,9 @@ def plan_model(
     return ModelPlan(layers, tuple(out))
 
 
-def _record_calls(model, matched, args, kwargs) -> dict[str, tuple[tuple, dict]]:
+def _record_calls(
+    model: nn.Module, matched: list[tuple[str, nn.Module]], args: tuple, kwargs: dict
+) -> dict[str, tuple[tuple, dict]]:
     calls: dict[str, tuple[tuple, dict]] = {}
 
     def keep(t: Any) -> Any:
@@ -175,8 +179,8 @@ def _record_calls(model, matched, args, kwargs) -> dict[str, tuple[tuple, dict]]
             return t.detach().requires_grad_(t.requires_grad)
         return t
 
-    def recorder(path: str):
-        def hook(_module, a, kw):
+    def recorder(path: str) -> Callable[[nn.Module, tuple, dict], None]:
+        def hook(_module: nn.Module, a: tuple, kw: dict) -> None:
             if path not in calls:
                 calls[path] = (tree_map(keep, tuple(a)), tree_map(keep, dict(kw)))
 

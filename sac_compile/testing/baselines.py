@@ -11,13 +11,13 @@ which intercepts every op of the layer in both passes.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..eager import EagerSession
-from ..keep import normalize_keep
+from ..keep import KeepSet, normalize_keep
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
 
@@ -58,7 +58,8 @@ class Checkpointed(LayerWrapper):
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def _run(self, *args, **kwargs):
-        self.session = EagerSession(self.keep, self.policy)  # one per forward and per recompute
+        # one per forward and per recompute (self.keep is not None: forward runs _run only then)
+        self.session = EagerSession(cast("KeepSet", self.keep), self.policy)
         with ops.marker_sink(self.session):
             return self.layer(*args, **kwargs)
 

@@ -53,7 +53,7 @@ def _mllama() -> tuple[nn.Module, dict[str, Any]]:
     )
     text = {k: v for k, v in TEXT.items() if k != "head_dim"} | dict(cross_attention_layers=[1])
     cfg = MllamaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
-    model = make(MllamaForConditionalGeneration, cfg)
+    model: Any = make(MllamaForConditionalGeneration, cfg)
     # the cross-attention layer's tanh gates are initialised at zero (nothing of the image
     # would reach the loss): open here
     cross = model.model.language_model.layers[1]
@@ -90,7 +90,7 @@ def _blip2() -> tuple[nn.Module, dict[str, Any]]:
         num_query_tokens=4,
         image_token_index=IMAGE_TOKEN,
     )
-    model = make(Blip2ForConditionalGeneration, cfg)
+    model: Any = make(Blip2ForConditionalGeneration, cfg)
     # the learned queries are initialised at zero (all alike: the Q-Former's self-attention
     # would get zero gradients): random here
     nn.init.normal_(model.query_tokens, std=0.5)
@@ -167,6 +167,7 @@ def _bart() -> tuple[nn.Module, dict[str, Any]]:
 def _t5() -> tuple[nn.Module, dict[str, Any]]:
     from transformers import T5Config, T5ForConditionalGeneration
 
+    extra: dict[str, Any] = {"decoder_start_token_id": 0}  # (an attribute T5Config's fields leave out)
     cfg = T5Config(
         vocab_size=128,
         d_model=32,
@@ -175,7 +176,7 @@ def _t5() -> tuple[nn.Module, dict[str, Any]]:
         num_layers=2,
         num_heads=4,
         relative_attention_num_buckets=8,
-        decoder_start_token_id=0,
+        **extra,
     )
     return make(T5ForConditionalGeneration, cfg), seq2seq_batch()
 

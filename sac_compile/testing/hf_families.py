@@ -10,7 +10,7 @@ reading is exercised. Used by ``tests/test_hf_families.py`` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -188,7 +188,7 @@ def held_bytes(family: str, keep: Any, ids: torch.Tensor, *, compiled: bool = Fa
     if keep is not None:
         hf.config_for(model, keep=keep, compile={"inner": "aot_eager"} if compiled else False).apply(model)
     elif compiled:
-        for layer in model.get_submodule(hf.decoder_layers(model)[:-2]):
+        for layer in cast(nn.ModuleList, model.get_submodule(hf.decoder_layers(model)[:-2])):
             layer.compile(backend=baseline_backend("aot_eager"))
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
@@ -199,7 +199,7 @@ def held_bytes(family: str, keep: Any, ids: torch.Tensor, *, compiled: bool = Fa
 
 
 # Larger single-family models for examples and benchmarks (hidden 64 by default).
-_TINY = dict(
+_TINY: dict[str, Any] = dict(
     vocab_size=128,
     hidden_size=64,
     num_hidden_layers=2,
@@ -237,8 +237,8 @@ def tiny_qwen3_moe(
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        **{**_TINY, "num_hidden_layers": layers, "hidden_size": hidden},
-        head_dim=hidden // 4,
+        # (head_dim: a config attribute Qwen3MoeConfig's typed fields leave out)
+        **{**_TINY, "num_hidden_layers": layers, "hidden_size": hidden, "head_dim": hidden // 4},
         intermediate_size=2 * hidden,
         moe_intermediate_size=hidden // 2,
         num_experts=experts,

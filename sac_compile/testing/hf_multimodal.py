@@ -123,6 +123,8 @@ def _qwen2_5_omni_thinker() -> tuple[nn.Module, dict[str, Any]]:
         window_size=16,
         fullatt_block_indexes=[1],
     )
+    # (attributes Qwen2_5OmniThinkerConfig's fields leave out)
+    extra: dict[str, Any] = {"vision_start_token_id": 125, "vision_end_token_id": 126}
     cfg = Qwen2_5OmniThinkerConfig(
         audio_config=dict(AUDIO, n_window=8, output_dim=32),
         vision_config=vision,
@@ -132,8 +134,7 @@ def _qwen2_5_omni_thinker() -> tuple[nn.Module, dict[str, Any]]:
         video_token_index=123,
         audio_start_token_id=121,
         audio_end_token_id=122,
-        vision_start_token_id=125,
-        vision_end_token_id=126,
+        **extra,
     )
     ids = image_ids(2, 2, 4)  # a 4 x 4 grid of patches merged 2 x 2, then 32 mel frames: 8 audio tokens
     ids[:, 1], ids[:, 6], ids[:, 8], ids[:, 9:17], ids[:, 17] = 125, 126, 121, 124, 122

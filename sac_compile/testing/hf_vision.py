@@ -55,7 +55,7 @@ def _llava() -> tuple[nn.Module, dict[str, Any]]:
     cfg = LlavaConfig(
         vision_config=vision,
         text_config=LlamaConfig(**TEXT),
-        image_token_id=IMAGE_TOKEN,
+        image_token_index=IMAGE_TOKEN,
         vision_feature_layer=-1,
     )
     model = from_config(LlavaForConditionalGeneration, cfg, attn_implementation="sdpa")
@@ -107,11 +107,11 @@ def _gemma3() -> tuple[nn.Module, dict[str, Any]]:
         vision_config=SiglipVisionConfig(**VISION, image_size=16, patch_size=4),
         text_config=Gemma3TextConfig(**TEXT, sliding_window=8),
         mm_tokens_per_image=4,
-        image_token_id=IMAGE_TOKEN,
+        image_token_index=IMAGE_TOKEN,
         boi_token_index=125,
         eoi_token_index=126,
     )
-    model = from_config(Gemma3ForConditionalGeneration, cfg, attn_implementation="sdpa")
+    model: Any = from_config(Gemma3ForConditionalGeneration, cfg, attn_implementation="sdpa")
     # transformers initialises the projection into the decoder at zero (the vision tower
     # would get zero gradients): random here, so that a wrong vision gradient shows
     nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)

@@ -8,6 +8,7 @@ body. Nothing here is needed to use the library.
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -234,7 +235,7 @@ class ExpertParallelMoE(nn.Module):
         n_experts: int = 4,
         top_k: int = 2,
         hidden: int | None = None,
-        group: object = None,
+        group: torch.distributed.ProcessGroup | None = None,
         micro_batches: int = 1,
         marked: bool = True,
     ) -> None:
@@ -278,6 +279,7 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         chunks = x.reshape(-1, shape[-1]).chunk(self.micro_batches)
+        routes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
         routes, received, outs = [], [], []
         for mb in chunks:
             with _marked("moe.router", self.marked):
@@ -302,7 +304,7 @@ class EPBlock(nn.Module):
         heads: int = 2,
         n_experts: int = 4,
         top_k: int = 2,
-        group: object = None,
+        group: torch.distributed.ProcessGroup | None = None,
         micro_batches: int = 1,
         marked: bool = True,
     ) -> None:
@@ -335,7 +337,7 @@ class EPStack(nn.Module):
             for name, p in mine.named_parameters():
                 if not name.startswith("moe."):
                     p.copy_(ref.get_parameter(name))
-            mine.moe.shard_from(ref.moe)
+            cast(EPBlock, mine).moe.shard_from(cast(EPBlock, ref).moe)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
