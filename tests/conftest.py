@@ -1,9 +1,16 @@
 import os
 
-import pytest
-import torch
+# Inductor's CPU kernels compile scalar in the tests (read when Inductor's config is imported,
+# so before torch; inherited by every process a test starts): the same graphs, partitions and
+# kernels, half the C++ compile time of vectorized ones, which decided the suite's time on a
+# fresh machine (tests/test_backend.py + test_partition_reports.py, empty cache: 85 s, 57 s).
+# Set TORCHINDUCTOR_VEC_ISA_OK=1 to test the vectorized kernels.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
-from sac_compile._compat.inductor import pass_skipping_caches_disabled
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sac_compile._compat.inductor import pass_skipping_caches_disabled  # noqa: E402
 
 
 def pytest_configure(config):

@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import frontier  # noqa: E402
 
+from .releases import default_torch_only  # noqa: E402
+
 
 def test_recomputed_flops_of_full_recompute_are_the_forward_matmuls():
     """keep=() recomputes the attention core and every matmul whose output the backward reads
@@ -49,6 +51,7 @@ def test_dominance():
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@default_torch_only  # a benchmark script end to end (tests/releases.py)
 def test_every_llama_keep_set_is_on_the_frontier(tmp_path):
     plot = tmp_path / "frontier.png"
     argv = ["--models", "llama", "--batch", "2", "--seq", "32", "--hidden", "64", "--no-inductor"]

@@ -31,6 +31,7 @@ def _rows(key: str, *flags: str) -> tuple[peers.Model, dict]:
 
 @pytest.mark.slow
 @needs_remat
+@default_torch_only  # a benchmark script end to end (tests/releases.py)
 @pytest.mark.parametrize("key", ["blocks", "demo", "llama"])
 def test_save_all_holds_no_more_than_torch_remat_eagerly(key):
     """For every keep set, the kept modules' bodies skipped under SAVE_ALL hold no more than

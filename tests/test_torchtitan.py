@@ -45,7 +45,7 @@ def _port() -> int:
 
 def _compare(tmp_path, *args: str, ranks: int = 1) -> dict:
     out = tmp_path / "figures.json"
-    argv = [COMPARE, "--layers", "2", "--steps", "2", "--iters", "1", "--json", str(out), *args]
+    argv = [COMPARE, "--layers", "2", "--steps", "2", "--iters", "0", "--json", str(out), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_port()))
     if ranks == 1:
         command = [sys.executable, *argv]
@@ -163,11 +163,19 @@ def test_plugin_refuses_what_it_would_ignore():
 @default_torch_only
 @pytest.mark.slow
 def test_plain_compile_of_a_plugin_block_is_reported(tmp_path):
-    """``--compile.enable`` without ``--compile.backend sac_compile``: Inductor compiles the
-    blocks without the tagging pass; the seam's scope is reported, not silently dropped."""
+    """``--compile.enable`` without ``--compile.backend sac_compile`` (here ``aot_eager``; the
+    default ``inductor`` alike): the blocks compile without the tagging pass; the seam's scope
+    is reported, not silently dropped."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_port()), SAC_TORCHTITAN_LAYERS="1")
     command = [sys.executable, os.path.join(EXAMPLE, "train.py"), "--module", "cpu", "--config"]
-    command += ["llama3_debugmodel_cpu", "--training.steps", "1", "--compile.enable"]
+    command += [
+        "llama3_debugmodel_cpu",
+        "--training.steps",
+        "1",
+        "--compile.enable",
+        "--compile.backend",
+        "aot_eager",
+    ]
     command += ["--override.imports", 'sac_compile_ac.sac_compile={"keep": ["attn"]}']
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
     logged = done.stdout + done.stderr  # torchtitan's log handler writes to stdout
