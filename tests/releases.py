@@ -1,6 +1,6 @@
 """Which PyTorch release the suite runs on, and the checks that run on the default one only.
 
-CI runs the whole suite twice (torch 2.13.0, then 2.15.0). To keep it under about 20 minutes,
+CI runs the whole suite twice (torch 2.13.0, then 2.15.0). To keep CI within its time (docs/testing.md),
 checks whose PyTorch-facing code the rest of the suite already covers on every release (a
 benchmark script end to end, a trainer, planning whole transformers models) run on the default
 2.13.0 only (docs/testing.md).
