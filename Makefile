@@ -35,10 +35,15 @@ export PYTHONDONTWRITEBYTECODE = 1
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml Makefile | $(PY)
+# pip itself and the pinned torch, first in every install
+define install_torch
 	: > $(VENV)/no-constraints.txt
 	$(PIP_ENV) $(PY) -m pip install --quiet --upgrade pip
 	$(PIP_ENV) $(PY) -m pip install --quiet torch==$(TORCH)
+endef
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(install_torch)
 	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test,demo,torchtitan,bench]'
 	$(PIP_ENV) $(PY) -m pip install --quiet --no-deps $(TORCHTITAN)
 	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
@@ -47,9 +52,7 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 # The demo needs torch and the package (matplotlib for its plot): nothing of the test,
 # torchtitan or bench extras. A venv that `make install` made has it all already.
 $(DEMO_STAMP): pyproject.toml Makefile | $(PY)
-	: > $(VENV)/no-constraints.txt
-	$(PIP_ENV) $(PY) -m pip install --quiet --upgrade pip
-	$(PIP_ENV) $(PY) -m pip install --quiet torch==$(TORCH)
+	$(install_torch)
 	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[demo]'
 	touch $(DEMO_STAMP)
 

@@ -23,7 +23,6 @@ __all__ = [
     "pass_skipping_caches_disabled",
     "get_hash_for_files",
     "inductor_config",
-    "lowering_loaded",
     "register_noop_lowerings",
     "seed_ops",
     "custom_graph_passes",
@@ -104,13 +103,8 @@ def seed_ops() -> frozenset:
 _noop_lowerings_registered = False
 
 
-def lowering_loaded() -> bool:
-    """Whether Inductor's lowering table is imported (by an Inductor compile)."""
-    return "torch._inductor.lowering" in sys.modules
-
-
 def register_noop_lowerings(ops) -> None:
-    """Lower ``ops`` (the marker ops) to nothing in Inductor (once, lazily).
+    """Lower ``ops`` (the marker ops) to nothing in Inductor (once, when Inductor is loaded).
 
     The tagging pass erases markers before Inductor lowers a graph; this covers
     graphs compiled by Inductor *without* the pass (plain ``torch.compile`` on a
@@ -125,8 +119,8 @@ def register_noop_lowerings(ops) -> None:
     with ``aot_eager``, never load Inductor.
     """
     global _noop_lowerings_registered
-    if _noop_lowerings_registered:
-        return
+    if _noop_lowerings_registered or "torch._inductor.lowering" not in sys.modules:
+        return  # done, or Inductor is not loaded (a later call registers them)
     _noop_lowerings_registered = True
     lowering = private("torch._inductor", "lowering")
 

@@ -183,11 +183,10 @@ def call_region(name: str, fn: Callable, args: tuple, kwargs: dict) -> object:
 
 
 def _on_trace(kind: MarkerKind, payload: tuple) -> None:
-    # Fake implementations run when Dynamo or AOTAutograd trace a marker. Inductor's lowering
-    # table is filled only once Inductor is loaded: its compile imports it before AOTAutograd
-    # traces the graph again (this runs then), so an aot_eager compile never loads Inductor.
-    if inductor.lowering_loaded():
-        inductor.register_noop_lowerings(MARKER_OPS)
+    # Fake implementations run when Dynamo or AOTAutograd trace a marker. The no-op lowerings
+    # are registered once Inductor is loaded: its compile imports its lowerings before
+    # AOTAutograd traces the graph again (this runs then); an aot_eager compile never loads them.
+    inductor.register_noop_lowerings(MARKER_OPS)
     trace_watch.marker_traced(kind, payload)
 
 

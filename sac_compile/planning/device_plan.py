@@ -190,12 +190,13 @@ def choose(
         dataclasses.replace(g, plan=dataclasses.replace(g.plan, chosen=f[i], memory=f[i].saved_bytes))
         for g, f, i in zip(groups, fronts, chosen)
     )
-    seconds = step_seconds([(len(g.paths), g.plan, g.plan.chosen) for g in out], sizes, target)
     timed = all(g.plan.chosen.step_time is not None for g in out)
     if timed:  # measured on the device: the layers' forward + backward, the head's estimate
         seconds = sum(cast(float, g.plan.chosen.step_time) * len(g.paths) for g in out) + step_seconds(
             [], sizes, target
         )
+    else:
+        seconds = step_seconds([(len(g.paths), g.plan, g.plan.chosen) for g in out], sizes, target)
     return DevicePlan(
         layers,
         out,
