@@ -208,14 +208,26 @@ def test_block_runs(snippet, runs):
         assert text in output, f"{snippet.name}: expected {text!r} in its output:\n{output[-4000:]}"
 
 
+#: what every block would import lazily (torch.compile's Dynamo, AOTAutograd, Inductor): once in
+#: the helper process, not once per forked block (CI time)
+PRELOAD = ["torch._dynamo", "torch._functorch.aot_autograd", "torch._inductor.compile_fx"]
+
+
 def _serve(spec_path: Path) -> None:
     """The helper process: import once, then fork one child per block."""
     spec = json.loads(spec_path.read_text())
-    for module in ["torch", "sac_compile", *spec["preload"]]:
+    for module in ["torch", "sac_compile", *PRELOAD, *spec["preload"]]:
         try:
             importlib.import_module(module)
         except Exception:
             pass  # the block that imports it reports the error
+    try:  # transformers' lazy modules: the model classes the blocks' tiny models are built from
+        import transformers
+
+        for name in ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+            getattr(transformers, name)
+    except Exception:
+        pass
     results = {}
     for job in spec["jobs"]:
         sys.stdout.flush()

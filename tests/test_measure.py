@@ -20,3 +20,31 @@ def test_autograd_saved_bytes_warns_nothing():
         held = sc.inspection.autograd_saved_bytes(lambda: torch.relu(lin(x)).sum(), exclude=lin.parameters())
     assert held > 0
     assert not [str(w.message) for w in caught], [str(w.message) for w in caught]
+
+
+def test_a_frozen_heap_is_measured_as_an_unfrozen_one():
+    """``gc.freeze()`` before the call (a trainer's, or this suite's conftest): the tensors
+    frozen with the heap still count as existing before the call. Red while the first
+    sighting walked only the collector's unfrozen objects: a view of an older tensor kept by
+    the call (what a checkpoint keeps of its input) counted its whole storage as made."""
+    import gc
+
+    old = torch.randn(1024)
+    kept = []
+    w = torch.randn(8, requires_grad=True)
+
+    def call():
+        kept.append(old[:4])  # a new tensor object on an old storage: not held for the backward
+        return (torch.relu(w) * 2).sum()
+
+    unfrozen = sc.inspection.autograd_saved_bytes(call, warmup=False, exclude=[w])
+    was = gc.get_freeze_count()
+    gc.freeze()
+    try:
+        frozen = sc.inspection.autograd_saved_bytes(call, warmup=False, exclude=[w])
+        refrozen = gc.get_freeze_count()
+    finally:
+        if not was:
+            gc.unfreeze()
+    assert frozen == unfrozen < old.nbytes, (frozen, unfrozen)
+    assert refrozen > 0  # the caller's frozen heap is frozen again after it

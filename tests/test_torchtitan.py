@@ -136,7 +136,8 @@ def test_plugin_trains_with_torchtitans_trainer_tensor_parallel_eager(tmp_path):
 )
 def test_plugin_trains_with_torchtitans_trainer_tensor_parallel_compiled(tmp_path):
     configs = "no checkpoint,torchtitan full,sac keep {} (full),sac keep attn"
-    _check(_compare(tmp_path, "--compile", "--configs", configs, ranks=2))
+    # aot_eager: the DTensor graphs AOTAutograd partitions, as in the one-process compiled test
+    _check(_compare(tmp_path, "--compile", "--inner", "aot_eager", "--configs", configs, ranks=2))
 
 
 def test_plugin_refuses_what_it_would_ignore():

@@ -132,7 +132,8 @@ class Run:
         loss_kwargs = {"positions": extra["positions"]} if "positions" in extra else {}
 
         def loss():
-            out, _ = trainer.loss_fn(model(inputs, **extra), labels, tokens, **loss_kwargs)
+            with trainer.train_context():  # as the trainer runs it (its mesh context: no recompile)
+                out, _ = trainer.loss_fn(model(inputs, **extra), labels, tokens, **loss_kwargs)
             return _whole(out)
 
         held = sc.inspection.autograd_saved_bytes(loss, exclude=[*model.parameters(), *model.buffers()])

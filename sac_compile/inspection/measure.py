@@ -32,9 +32,11 @@ def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int] | None:
     return storage_id(s), StorageWeakRef(s), s.nbytes()
 
 
-def _live_storages() -> dict[int, tuple[StorageWeakRef, int]]:
-    """Every storage a Python tensor object references now."""
-    gc.collect()
+def _live_storages(collect: bool = True) -> dict[int, tuple[StorageWeakRef, int]]:
+    """Every storage a Python tensor object that the collector tracks (not frozen) references
+    now; ``collect``: unreachable objects collected first."""
+    if collect:
+        gc.collect()
     found = {}
     for obj in gc.get_objects():
         # type(), not isinstance(): reading __class__ of some objects warns (torch.distributed.reduce_op)
@@ -64,7 +66,21 @@ def autograd_saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Any = (), 
     if warmup:
         fn(*args).sum().backward()
     skip = {s[0] for t in exclude if (s := _storage(t)) is not None}
-    before = _live_storages()
+    # A heap frozen by the caller (gc.freeze(): servers, trainers, this project's tests) is
+    # unfrozen for the measurement, so that the first sighting sees every tensor, and frozen
+    # again after it. Not collected first: a storage that unreachable garbage holds counts as
+    # existing before the call, and one freed meanwhile has an expired reference (below).
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    try:
+        return _measured(fn, args, skip, _live_storages(collect=False))
+    finally:
+        if frozen:
+            gc.freeze()
+
+
+def _measured(fn: Callable[..., Any], args: tuple, skip: set[int], before: dict) -> int:
+    """``autograd_saved_bytes`` once the storages existing ``before`` the call are known."""
     packed: dict[int, tuple[StorageWeakRef, int, weakref.ref]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
