@@ -15,6 +15,7 @@ with its own timeout. The README's 20-line example is run by tests/test_readme.p
 from __future__ import annotations
 
 import ast
+import gc
 import importlib
 import json
 import os
@@ -228,6 +229,7 @@ def _serve(spec_path: Path) -> None:
             getattr(transformers, name)
     except Exception:
         pass
+    gc.freeze()  # the imports, out of every block's collections (a forked child inherits it)
     results = {}
     for job in spec["jobs"]:
         sys.stdout.flush()

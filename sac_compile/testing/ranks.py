@@ -30,6 +30,7 @@ in the single-process tests.
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import queue
 import shutil
@@ -54,6 +55,9 @@ def _serve(rank: int, world_size: int, init: str, jobs: Any, results: Any) -> No
 
         torch.compiler.config.force_disable_caches = True
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+        import torch._dynamo  # noqa: F401  (every job compiles or traces)
+
+        gc.freeze()  # the imports, out of the collector's walks (autograd_saved_bytes unfreezes to measure)
     except BaseException:  # init failed
         results.put((rank, False, traceback.format_exc()))
         return
