@@ -136,7 +136,9 @@ class Run:
                 out, _ = trainer.loss_fn(model(inputs, **extra), labels, tokens, **loss_kwargs)
             return _whole(out)
 
-        held = sc.inspection.autograd_saved_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
+        # no warm-up call once the trainer has run its steps (and so compiled)
+        params = [*model.parameters(), *model.buffers()]
+        held = sc.inspection.autograd_saved_bytes(loss, exclude=params, warmup=trainer.step == 0)
         trainer.optimizers.zero_grad()
         return held
 
