@@ -1,3 +1,4 @@
+import gc
 import os
 
 # Inductor's CPU kernels compile scalar in the tests (read when Inductor's config is imported,
@@ -27,9 +28,8 @@ def pytest_collection_finish(session):
     """What the tests import (the compilers included) is frozen out of the garbage collector's
     reach: its full collections walk what the tests make, not the ~700,000 objects of torch,
     Dynamo, Inductor and transformers (tests/test_hf.py + test_backend.py + test_policy.py:
-    99 s, 78 s). ``autograd_saved_bytes`` unfreezes it for its measurement and freezes it again."""
-    import gc
-
+    99 s, 78 s). ``autograd_saved_bytes`` unfreezes it for its measurement; the next test
+    freezes it again (after a full collection: no garbage is frozen)."""
     import torch._dynamo  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
 
@@ -47,6 +47,9 @@ def _fresh_compile_state():
     """
     torch._dynamo.reset()
     torch.manual_seed(0)
+    if gc.get_freeze_count() == 0:  # a measurement unfroze the heap (pytest_collection_finish)
+        gc.collect()
+        gc.freeze()
     with pass_skipping_caches_disabled():
         yield
     torch._dynamo.reset()

@@ -32,11 +32,9 @@ def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int] | None:
     return storage_id(s), StorageWeakRef(s), s.nbytes()
 
 
-def _live_storages(collect: bool = True) -> dict[int, tuple[StorageWeakRef, int]]:
-    """Every storage a Python tensor object that the collector tracks (not frozen) references
-    now; ``collect``: unreachable objects collected first."""
-    if collect:
-        gc.collect()
+def _live_storages() -> dict[int, tuple[StorageWeakRef, int]]:
+    """Every storage a Python tensor object that the collector tracks (not frozen) references now."""
+    gc.collect()
     found = {}
     for obj in gc.get_objects():
         # type(), not isinstance(): reading __class__ of some objects warns (torch.distributed.reduce_op)
@@ -60,23 +58,17 @@ def autograd_saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Any = (), 
     first once unmeasured when ``warmup`` (what a first call makes and keeps — a
     compilation's constants, lazy state — is not held for the backward); gradients
     accumulate accordingly. Agrees with ``torch.profiler``'s memory events within 1%
-    (``tests/test_hf_families.py``).
+    (``tests/test_hf_families.py``). A heap frozen with ``gc.freeze()`` is unfrozen (every
+    tensor must be seen) and left so: freeze it again after the call if you want it frozen.
     """
     exclude = list(exclude)
     if warmup:
         fn(*args).sum().backward()
     skip = {s[0] for t in exclude if (s := _storage(t)) is not None}
-    # A heap frozen by the caller (gc.freeze(): servers, trainers, this project's tests) is
-    # unfrozen for the measurement, so that the first sighting sees every tensor, and frozen
-    # again after it. Not collected first: a storage that unreachable garbage holds counts as
-    # existing before the call, and one freed meanwhile has an expired reference (below).
-    frozen = gc.get_freeze_count() > 0
+    # A heap frozen by the caller (gc.freeze(): a trainer's, this project's tests') is unfrozen,
+    # so that the first sighting sees every tensor (it walks the collector's generations only)
     gc.unfreeze()
-    try:
-        return _measured(fn, args, skip, _live_storages(collect=False))
-    finally:
-        if frozen:
-            gc.freeze()
+    return _measured(fn, args, skip, _live_storages())
 
 
 def _measured(fn: Callable[..., Any], args: tuple, skip: set[int], before: dict) -> int:

@@ -55,9 +55,6 @@ def _serve(rank: int, world_size: int, init: str, jobs: Any, results: Any) -> No
 
         torch.compiler.config.force_disable_caches = True
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-        import torch._dynamo  # noqa: F401  (every job compiles or traces)
-
-        gc.freeze()  # the imports, out of the collector's walks (autograd_saved_bytes unfreezes to measure)
     except BaseException:  # init failed
         results.put((rank, False, traceback.format_exc()))
         return
@@ -66,6 +63,9 @@ def _serve(rank: int, world_size: int, init: str, jobs: Any, results: Any) -> No
             fn, args = job
             torch.compiler.reset()
             torch.manual_seed(0)
+            if gc.get_freeze_count() == 0:  # what lives between jobs, out of the collector's walks
+                gc.collect()  # (none of it garbage; autograd_saved_bytes unfreezes it to measure)
+                gc.freeze()
             try:
                 results.put((rank, True, fn(rank, world_size, *args)))
             except BaseException:
