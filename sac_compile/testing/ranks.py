@@ -30,7 +30,6 @@ in the single-process tests.
 from __future__ import annotations
 
 import atexit
-import gc
 import multiprocessing as mp
 import queue
 import shutil
@@ -63,9 +62,6 @@ def _serve(rank: int, world_size: int, init: str, jobs: Any, results: Any) -> No
             fn, args = job
             torch.compiler.reset()
             torch.manual_seed(0)
-            if gc.get_freeze_count() == 0:  # what lives between jobs, out of the collector's walks
-                gc.collect()  # (none of it garbage; autograd_saved_bytes unfreezes it to measure)
-                gc.freeze()
             try:
                 results.put((rank, True, fn(rank, world_size, *args)))
             except BaseException:
