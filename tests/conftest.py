@@ -25,16 +25,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_finish(session):
-    """What the tests import (the compilers included) is frozen out of the garbage collector's
-    reach: its full collections walk what the tests make, not the ~700,000 objects of torch,
-    Dynamo, Inductor and transformers (tests/test_hf.py + test_backend.py + test_policy.py:
-    99 s, 78 s). ``autograd_saved_bytes`` unfreezes it for its measurement; the next test
-    freezes it again (after a full collection: no garbage is frozen)."""
+    """The compilers are imported before the first test, so that ``_fresh_compile_state``
+    freezes them with the rest of what the tests import (below)."""
     import torch._dynamo  # noqa: F401
     import torch._inductor.compile_fx  # noqa: F401
-
-    gc.collect()
-    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +41,11 @@ def _fresh_compile_state():
     """
     torch._dynamo.reset()
     torch.manual_seed(0)
-    if gc.get_freeze_count() == 0:  # a measurement unfroze the heap (pytest_collection_finish)
+    # What lives between tests (torch, Dynamo, Inductor, transformers: ~700,000 objects) is
+    # frozen out of the garbage collector's full collections, after one (no garbage is frozen):
+    # at the first test, and after a measurement (autograd_saved_bytes unfreezes the heap).
+    # tests/test_hf.py + test_backend.py + test_policy.py: 99 s, 78 s.
+    if gc.get_freeze_count() == 0:
         gc.collect()
         gc.freeze()
     with pass_skipping_caches_disabled():

@@ -68,11 +68,7 @@ def autograd_saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Any = (), 
     # A heap frozen by the caller (gc.freeze(): a trainer's, this project's tests') is unfrozen,
     # so that the first sighting sees every tensor (it walks the collector's generations only)
     gc.unfreeze()
-    return _measured(fn, args, skip, _live_storages())
-
-
-def _measured(fn: Callable[..., Any], args: tuple, skip: set[int], before: dict) -> int:
-    """``autograd_saved_bytes`` once the storages existing ``before`` the call are known."""
+    before = _live_storages()
     packed: dict[int, tuple[StorageWeakRef, int, weakref.ref]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
