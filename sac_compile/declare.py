@@ -2,8 +2,9 @@
 
 ``declare_regions(model, {"model.layers.*.self_attn": "attn"})`` runs every
 matched module's call inside ``region("attn")``: a forward pre-hook emits the
-enter marker and a forward hook (``always_call=True``, so it also runs when the
-forward raises) emits the exit. Hooks are traced by Dynamo like the rest of the
+enter marker and a forward hook emits the exit (not ``always_call``: Dynamo guards
+that dict by hook id, which would make one compiled graph per layer; a module that
+raises closes no region, and the eager engine's pass ends what is open). Hooks are traced by Dynamo like the rest of the
 module call, so this works eagerly, under ``torch.compile`` (``fullgraph=True``
 included) and inside ``apply_selective_checkpointing`` (whose checkpoint runs
 the module's hooks inside it).
@@ -176,13 +177,9 @@ def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, ...]:
     pre = module.register_forward_pre_hook(
         functools.partial(_enter_hook, name), prepend=True, with_kwargs=True
     )
-    post = module.register_forward_hook(
-        functools.partial(_exit_hook, name), always_call=True, with_kwargs=True
-    )
+    post = module.register_forward_hook(functools.partial(_exit_hook, name), with_kwargs=True)
     # the module's own output, first (eager engine: a kept body's output, eager/bodies.py)
-    out = module.register_forward_hook(
-        functools.partial(_output_hook, name), prepend=True, always_call=True, with_kwargs=True
-    )
+    out = module.register_forward_hook(functools.partial(_output_hook, name), prepend=True, with_kwargs=True)
     module.__dict__[_SCRIPT_HOOK] = functools.partial(_refuse_script, type(module).__name__)
     return pre, post, out
 

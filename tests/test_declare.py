@@ -170,20 +170,29 @@ def test_paths_are_unchanged_by_the_seam_and_by_torch_compile():
     assert sorted(handle.modules) == ["layers.0.mlp", "layers.1.mlp"]
 
 
-def test_declared_exit_runs_when_the_forward_raises():
-    class Boom(nn.Module):
-        def forward(self, x):
+def test_a_declared_module_that_raises_leaves_the_engine_clean():
+    """The exit hook is not ``always_call`` (Dynamo guards that dict by hook id: one graph per
+    layer, see test_depth.py), so a declared module that raises closes no region; the eager
+    engine's pass ends what is open on the way out: nothing is left pushed, and the next
+    step's gradients are bit-identical to no checkpoint."""
+    ref, model = _pair()
+    sc.SacConfig(layers="layers.*", keep={"mlp"}, regions={"layers.*.mlp": "mlp"}).apply(model)
+    fail = [True]
+
+    def boom(module, args):
+        if fail[0]:
             raise RuntimeError("boom")
 
-    seen = []
-    from sac_compile.markers import ops
-
-    with ops.marker_sink(lambda kind, payload: seen.append((kind, payload[0]))):
-        boom = Boom()
-        sc.declare_regions(boom, {"": "whole"})
-        with pytest.raises(RuntimeError, match="boom"):
-            boom(torch.ones(1))
-    assert seen == [("region_enter", "whole"), ("region_exit", "whole")]
+    handle = model.layers[1].mlp[0].register_forward_pre_hook(boom)
+    x = torch.randn(*X_SHAPE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        model(x)
+    assert torch._C._len_torch_dispatch_stack() == 0
+    fail[0] = False
+    handle.remove()
+    _, g_ref = run_step(ref, ref, x)
+    _, g = run_step(model, model, x)
+    assert all(torch.equal(a, b) for a, b in zip(g_ref, g))
 
 
 # --- SacConfig ---------------------------------------------------------------------------

@@ -106,8 +106,8 @@ class EagerSession:
             self.bodies.exit(body, output)  # type: ignore[union-attr]
 
     def exit_module(self, name: str, module: Any, output: Any) -> None:
-        """A declared module's region closes (its last forward hook; also when the module
-        raised, with ``output`` None)."""
+        """A declared module's region closes (its last forward hook), or a decorated
+        function's (also when it raised, with ``output`` None)."""
         if self.skipping:
             self.skipping -= 1
             if not self.skipping and self._body is not None:  # (no output was handed over)
