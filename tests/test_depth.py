@@ -128,7 +128,10 @@ def test_sac_config_on_a_32_layer_model_of_our_own_compiles_one_graph_per_shape(
     for layer in plain.layers:
         layer.compile(backend="aot_eager")
     cfg = sc.SacConfig(
-        layers="layers.*", keep={"mlp"}, regions={"layers.*.mlp": "mlp", "layers.*.attn": "attn"}, compile=INNER
+        layers="layers.*",
+        keep={"mlp"},
+        regions={"layers.*.mlp": "mlp", "layers.*.attn": "attn"},
+        compile=INNER,
     )
     with caplog.at_level(logging.WARNING, logger="sac_compile"):
         cfg.apply(model)
