@@ -45,9 +45,11 @@ from collections.abc import Iterable
 import torch.nn as nn
 
 from ._compat.dynamo import unwrap_compiled
-from ._compat.transformers import is_checkpointing_layer
+from ._compat.transformers import check_version, is_checkpointing_layer
 
 __all__ = ["LAYERS", "REGION_NAMES", "decoder_layers", "read_stacks", "regions_for", "stacks", "unchecked"]
+
+check_version()  # a transformers release outside the supported range: one clear error, here
 
 #: The decoder layers of Llama-style ``*ForCausalLM`` models (:func:`decoder_layers` finds
 #: any family's).

@@ -342,6 +342,47 @@ def test_compiled_module_inside_an_eager_checkpoint_is_reported(reports):
     assert len(got) == 1 and "Block (layers.*)" in got[0] and "(attn)" in got[0], got
 
 
+class MethodCompiled(nn.Module):
+    """A trainer's layout (xtuner's MoE layers): the layer is checkpointed eagerly, and a
+    method holding the attention region is compiled (patched on the class, fullgraph)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.attn = Stack(n=1, d=d).layers[0].attn  # its SDPA call is region "attn"
+        self.up = nn.Linear(d, d)
+
+    def pre(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.ln(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pre(x)
+        return h + self.up(h).relu()
+
+
+@pytest.mark.parametrize("backend", ["sac", "aot_eager"])
+def test_a_kept_region_in_a_method_compiled_inside_an_eager_checkpoint_is_reported(
+    reports, monkeypatch, backend
+):
+    # Red before: nothing with our backend (the region kept nothing, silently); with aot_eager,
+    # no-pass, whose fix (our backend) does not help, and keep-unused / kept-nothing.
+    compiled = sc.make_sac_backend({"attn"}, **AOT) if backend == "sac" else backend
+    monkeypatch.setattr(
+        MethodCompiled, "pre", torch.compile(MethodCompiled.pre, fullgraph=True, backend=compiled)
+    )
+    model = nn.Sequential(*(MethodCompiled() for _ in range(3)))
+    for layer in model:
+        sc.apply_selective_checkpointing(layer, keep={"attn"})
+    _steps(model, 2)
+    got = reports("compiled-in-eager")
+    assert len(got) == 1, reports()
+    assert (
+        "region 'attn' in MethodCompiled (*)" in got[0] and "compiled function MethodCompiled.pre" in got[0]
+    )
+    assert "compile=True" in got[0], got
+    assert not reports("no-pass") and not reports("keep-unused"), reports()
+
+
 def test_whole_model_graph_without_scopes_is_reported(reports):
     # Red without: the NO_SCOPE branch of graph_diagnoses.
     compiled = torch.compile(Stack(n=3, d=16), backend=sc.make_sac_backend(inner="aot_eager"))

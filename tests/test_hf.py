@@ -187,3 +187,42 @@ def test_compiling_a_wrapped_layer_raises_no_warning_of_ours(monkeypatch):
         lm_step(model, ids)
     ours = [str(w.message) for w in caught if "sac_compile" in str(w.message) or "sac_compile" in w.filename]
     assert not ours, ours
+
+
+# --- the transformers releases sac_compile.hf supports ---------------------------------------
+
+
+def test_the_installed_transformers_is_in_the_supported_range():
+    import transformers
+
+    from sac_compile._compat.transformers import SUPPORTED, _release, check_version
+
+    check_version()
+    assert SUPPORTED[0] <= _release(transformers.__version__) < SUPPORTED[1]
+
+
+@pytest.mark.parametrize("version", ["5.23.0", "5.25.0", "4.57.1"])
+def test_an_unsupported_transformers_is_one_clear_error(version, monkeypatch):
+    from sac_compile._compat.transformers import ANY_RELEASE_ENV, check_version
+
+    monkeypatch.delenv(ANY_RELEASE_ENV, raising=False)
+    with pytest.raises(
+        ImportError, match=rf"supports transformers >=5\.24\.0,<5\.25; transformers {version} is installed"
+    ):
+        check_version(version)
+    monkeypatch.setenv(ANY_RELEASE_ENV, "1")
+    with pytest.warns(UserWarning, match=version):
+        check_version(version)
+
+
+@pytest.mark.subprocess
+def test_importing_sac_compile_hf_with_an_unsupported_transformers_fails_at_once():
+    import subprocess
+    import sys
+
+    code = "import importlib.metadata as m; m.version = lambda name: '5.23.0'; import sac_compile.hf"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "ImportError: sac_compile.hf supports transformers >=5.24.0,<5.25" in done.stderr, done.stderr[
+        -2000:
+    ]

@@ -110,13 +110,22 @@ def test_plugin_trains_with_torchtitans_trainer_compiled(tmp_path):
     # own compile, the FlexAttention way, stays on Inductor); test_integrations compiles a
     # transformers model through the named backend with Inductor
     configs += ",sac keep attn (seam compiles)"
-    figures = _compare(tmp_path, "--compile", "--inner", "aot_eager", "--configs", configs)
+    # real depth: 16 blocks (Dynamo's recompile limit is 8; compare.py raises it to 64 for its
+    # several trainers, so a graph per block would show as 16 graphs), short sequences
+    depth = ("--layers", "16", "--seq-len", "32")
+    figures = _compare(tmp_path, "--compile", "--inner", "aot_eager", "--configs", configs, *depth)
+    # no configuration of ours compiles more graphs than torchtitan's own compile of each block
+    plain = figures["torchtitan full"]["graphs"]
+    assert all(0 < f["graphs"] <= plain for f in figures.values()), {
+        n: f["graphs"] for n, f in figures.items()
+    }
     # the seam compiling each block (the FlexAttention way) holds what torchtitan's compile does
     seam = figures.pop("sac keep attn (seam compiles)")
     assert seam["held_bytes"] == figures["sac keep attn"]["held_bytes"], figures
     # its kernels are Inductor's, the others' eager ATen ops: the same training, float32 apart
-    # (1.6e-4 on a loss of 8; the aot_eager configurations agree within 1e-5)
-    assert seam["max_dloss"] < 1e-3, seam
+    # (16 blocks: 1.0e-3 on a loss of 8 at the first step, before any update; 2 blocks: 1.7e-4;
+    # the aot_eager configurations agree within 1e-5)
+    assert seam["max_dloss"] < 3e-3, seam
     _check(figures)
 
 

@@ -102,6 +102,7 @@ class Run:
         self.trainer = ConfigManager().parse_args(_argv(name, args)).build()
         self.batches = self.trainer.batch_generator(self.trainer.dataloader)
         self.losses: list[float] = []
+        self.graphs = 0  # graphs Dynamo compiled during this trainer's steps
         self.recording = False
         forward_backward = self.trainer.forward_backward_step
 
@@ -114,9 +115,13 @@ class Run:
         self.trainer.forward_backward_step = recorded
 
     def step(self, record: bool = False) -> None:
+        from torch._dynamo.utils import counters
+
         self.trainer.step += 1
         self.recording = record
+        before = counters["stats"]["unique_graphs"]
         self.trainer.train_step(self.batches)
+        self.graphs += counters["stats"]["unique_graphs"] - before
 
     def held_bytes(self) -> int:
         import sac_compile as sc
@@ -169,7 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument(
-        "--layers", type=int, default=None, help="keep the first N of the debug model's 6 layers"
+        "--layers",
+        type=int,
+        default=None,
+        help="N layers: the first N of the debug model's 6, or more (copies of the last)",
     )
     parser.add_argument("--configs", default=None, help="comma-separated subset of: " + ", ".join(CONFIGS))
     parser.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
@@ -234,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
             "losses": run.losses,
             "max_dloss": max(abs(a - b) for a, b in zip(run.losses, runs[0].losses)),
             "held_bytes": held[run.name],
+            "graphs": run.graphs,
             "step_ratio": med[run.name] / med[base] if times else math.nan,
             "step_interval": [lo, hi],
         }

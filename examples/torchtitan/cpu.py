@@ -28,6 +28,7 @@ as ``--module`` and the function as ``--config``.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -39,7 +40,7 @@ import types
 import torch
 
 ASSETS_ENV = "SAC_TORCHTITAN_ASSETS"  # where write_assets put the tokenizer and corpus
-LAYERS_ENV = "SAC_TORCHTITAN_LAYERS"  # optional: keep the first N of the debug model's 6 layers
+LAYERS_ENV = "SAC_TORCHTITAN_LAYERS"  # optional: N layers (the debug model's first N, or more)
 VOCAB = 2048  # torchtitan's debug model: vocab_size=2048
 
 
@@ -156,8 +157,10 @@ def _for_cpu(config, seq_len: int):
         raise RuntimeError(f"set {ASSETS_ENV} to a folder cpu.write_assets wrote (the launcher does)")
     model = config.model_spec.model
     layers = os.environ.get(LAYERS_ENV)
-    if layers:
-        del model.layers[int(layers) :]
+    if layers:  # fewer layers, or more: copies of the last one (real depth: Dynamo's recompile limit is 8)
+        n = int(layers)
+        del model.layers[n:]
+        model.layers.extend(copy.deepcopy(model.layers[-1]) for _ in range(n - len(model.layers)))
     for block in [*model.layers, *(getattr(model, "mtp_layers", None) or [])]:
         block.attention.inner_attention = ScaledDotProductAttention.Config()
     config.hf_assets_path = os.path.join(folder, "tokenizer")

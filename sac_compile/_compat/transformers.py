@@ -27,13 +27,16 @@ import contextlib
 import inspect
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
 
 __all__ = [
+    "SUPPORTED",
     "cache_arguments",
+    "check_version",
     "cache_positions",
     "checkpoints_inside",
     "is_checkpointing_layer",
@@ -44,6 +47,52 @@ __all__ = [
 ]
 
 log = logging.getLogger("sac_compile")
+
+#: The transformers releases ``sac_compile.hf`` supports, ``(lowest, first unsupported)``. 5.23.0
+#: fails (its ``create_causal_mask`` has no ``cache`` argument). 5.25.0 makes ``kernels`` a
+#: dependency whose layers set a ``ContextVar`` in their forward, a side effect Dynamo refuses
+#: inside ``torch.utils.checkpoint``: transformers' own checkpointing under a whole-model
+#: ``torch.compile`` graph-breaks at every layer (docs/limitations.md).
+SUPPORTED = ((5, 24, 0), (5, 25, 0))
+#: Set to 1 to use another release anyway (a warning instead of the error).
+ANY_RELEASE_ENV = "SAC_COMPILE_ANY_TRANSFORMERS"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"5.25.0"`` -> ``(5, 25, 0)``; a pre-release or local suffix counts as its release."""
+    found = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)
+    return tuple(int(p or 0) for p in found.groups()) if found else (0, 0, 0)
+
+
+def check_version(version: str | None = None) -> None:
+    """Refuse a transformers release outside :data:`SUPPORTED` (``version``: the installed one,
+    read from its package metadata without importing it; nothing to check when it is not
+    installed). Called when ``sac_compile.hf`` is imported: one clear error instead of a
+    ``TypeError`` deep inside transformers at the first layer call."""
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as installed
+
+        try:
+            version = installed("transformers")
+        except PackageNotFoundError:
+            return
+    low, high = SUPPORTED
+    if low <= _release(version) < high:
+        return
+    text = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high[:2]))}"
+    message = (
+        f"sac_compile.hf supports transformers {text}; transformers {version} is "
+        f"installed. Install a supported release (pip install 'transformers{text}'), or set "
+        f"{ANY_RELEASE_ENV}=1 to try this one (a warning instead of this error)"
+    )
+    if os.environ.get(ANY_RELEASE_ENV) == "1":
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
+        return
+    raise ImportError(message)
+
 
 # The keyword arguments GradientCheckpointingLayer.forward turns off (name -> value off).
 _CACHE_KWARGS = {"use_cache": False, "cache": None, "layer_past": None, "past_key_values": None}

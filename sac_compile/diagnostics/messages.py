@@ -207,6 +207,20 @@ def compiled_in_eager(where: str, compiled: list[str]) -> Diagnosis:
     )
 
 
+def compiled_function_in_eager(region: str, where: str, function: str, backend: str) -> Diagnosis:
+    return Diagnosis(
+        COMPILED_IN_EAGER,
+        region,
+        where,
+        f"it is kept, but it runs in the compiled function {function} (backend {backend}) called inside "
+        "this layer's eager checkpoint, which discards what the compiled graph saves and runs the whole "
+        "call again in the backward, so the region keeps nothing. Compile the layer instead of its "
+        "methods: apply_selective_checkpointing(layer, keep=..., compile=True) (SacConfig(compile=...), "
+        "sac_compile.hf.config_for(..., compile=...)), or leave the layer's checkpoint to a torch.compile "
+        "of the model with backend='sac_compile'.",
+    )
+
+
 def compile_fallback(where: str, compiled_call: bool = True) -> Diagnosis:
     if compiled_call:
         why = "Dynamo did not compile its call (recompile limit reached, the frame was skipped, or compiling is disabled)"

@@ -30,12 +30,22 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from .._compat import TorchApiMoved, dynamo, frames
-from ..keep import parse_keep
+from ..keep import ALL_REGIONS, parse_keep
 from ..marker_walk import MarkerKind
-from ..records import describe_stack_entry
+from ..records import describe_stack_entry, user_class_name
 from ..scope_text import parse_scope
 from . import messages
-from .core import COMPILE_SWALLOWED, NO_PASS, Diagnosis, SacDiagnosticError, describe_module, owner, report
+from .core import (
+    COMPILE_SWALLOWED,
+    NO_PASS,
+    Diagnosis,
+    SacDiagnosticError,
+    describe_module,
+    note_regions,
+    owner,
+    report,
+)
+from .eager import where_in
 
 __all__ = ["claim_trace", "marker_traced"]
 
@@ -92,17 +102,50 @@ def claim_trace() -> None:
             _watched[cid].sac = True
 
 
-def marker_traced(kind: str, payload: tuple) -> None:
-    """Called by the markers' fake implementations (Dynamo and AOTAutograd tracing).
+def marker_traced(kind: str, payload: tuple, sink: object = None) -> None:
+    """Called by the markers' fake implementations (Dynamo and AOTAutograd tracing);
+    ``sink``: the marker sink installed where Dynamo traces (the eager engine's session when
+    an eagerly checkpointed layer calls a compiled function).
 
     Never breaks a compile: only a strict-mode diagnosis propagates.
     """
     try:
-        _marker_traced(kind, payload)
+        if not _inside_eager_checkpoint(kind, payload, sink):
+            _marker_traced(kind, payload)
     except (SacDiagnosticError, TorchApiMoved):
         raise  # strict mode; a private torch API that moved must be loud, not a silent no-op
     except Exception as e:  # a diagnostics bug must not fail the user's compile
         log.debug("sac_compile: trace-time diagnostics failed: %r", e)
+
+
+def _inside_eager_checkpoint(kind: str, payload: tuple, sink: object) -> bool:
+    """Dynamo traces a kept region's marker in a function compiled inside the eager engine's
+    forward (trainers that compile methods and checkpoint the layer eagerly outside them): the
+    checkpoint discards what the compiled graph saves and runs the call again in the backward,
+    so the region keeps nothing whatever the backend. Reported once (``compiled-in-eager``),
+    instead of ``no-pass`` (whose fix, our backend, would not help here)."""
+    keep = getattr(sink, "keep", None)
+    if keep is None or not getattr(sink, "forward", False) or MarkerKind(kind).is_scope:
+        return False
+    tx = dynamo.current_dynamo_tx()
+    if tx is None:
+        return False
+    name = str(payload[0])
+    kept = keep is ALL_REGIONS or name in keep
+    if not kept or kind != MarkerKind.REGION_ENTER or frames.inside_backend_call():
+        return True  # (not kept: the full recompute the layer asked for; AOTAutograd's sighting)
+    obj, function = dynamo.tx_where(tx)
+    compiled = (
+        function if obj is None or isinstance(obj, type) else f"{user_class_name(type(obj))}.{function}"
+    )
+    layer = frames.innermost_module()
+    root = owner()
+    note_regions({name}, root, layer)  # (it ran: not keep-unused)
+    where = where_in(layer, root) if layer is not None else f"{function}()"
+    report(
+        messages.compiled_function_in_eager(name, where, compiled, _backend_name(dynamo.tx_backend(tx))), root
+    )
+    return True
 
 
 def _marker_traced(kind: str, payload: tuple) -> None:

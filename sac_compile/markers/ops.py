@@ -187,7 +187,8 @@ def _on_trace(kind: MarkerKind, payload: tuple) -> None:
     # are registered once Inductor is loaded: its compile imports its lowerings before
     # AOTAutograd traces the graph again (this runs then); an aot_eager compile never loads them.
     inductor.register_noop_lowerings(MARKER_OPS)
-    trace_watch.marker_traced(kind, payload)
+    # (the eager engine's session, when Dynamo compiles a function that an eager checkpoint calls)
+    trace_watch.marker_traced(kind, payload, _MARKER_SINK.get())
 
 
 @torch.library.custom_op("sac_compile::region_enter", mutates_args=())
