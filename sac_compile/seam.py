@@ -53,6 +53,7 @@ from .compiler.backend import make_sac_backend
 from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
+from .eager.routing import routed_compiled_methods
 from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
 from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, exporting, seam_scope_args
 from .policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_policy
@@ -250,8 +251,11 @@ _CACHE_ARGS = "_sac_cache_args"
 
 def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
     """The generated subclass of ``cls`` whose ``_call_impl`` applies the seam."""
+    routed = routed_compiled_methods(cls)  # Note [compiled methods inside the seam]
     key = (
         cls,
+        # (a method compiled again, by another backend, is another class)
+        tuple(sorted((name, id(fn.__wrapped__)) for name, fn in routed.items())),
         format_keep(config.keep),
         config.preserve_rng_state,
         repr(config.compile_options),
@@ -270,6 +274,7 @@ def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
                 f"{SEAM_PREFIX}{cls.__name__}",
                 (cls,),
                 {
+                    **routed,
                     CALL_IMPL: call_impl,
                     "__module__": cls.__module__,
                     "_sac_seam_class": True,

@@ -14,6 +14,7 @@ from . import private
 
 __all__ = [
     "aot_cache_hits",
+    "compiled_original",
     "compiled_self",
     "compiling_resume_of",
     "current_compile_id",
@@ -34,6 +35,13 @@ __all__ = [
 def unwrap_compiled(obj: Any) -> Any:
     """The module behind ``torch.compile(module)`` (``OptimizedModule._orig_mod``), else ``obj``."""
     return getattr(obj, "_orig_mod", obj)
+
+
+def compiled_original(fn: Any) -> Any:
+    """The function ``torch.compile(fn)`` wrapped, when ``fn`` is such a wrapper (a function with
+    ``_torchdynamo_orig_callable``, which ``torch/_dynamo/eval_frame.py`` sets), else None."""
+    original = getattr(fn, "_torchdynamo_orig_callable", None) if callable(fn) else None
+    return original if getattr(original, "__code__", None) is not None else None
 
 
 def has_compiled_call(module: torch.nn.Module) -> bool:

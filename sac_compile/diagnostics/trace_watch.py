@@ -26,6 +26,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
 
@@ -47,7 +48,7 @@ from .core import (
 )
 from .eager import where_in
 
-__all__ = ["claim_trace", "marker_traced"]
+__all__ = ["claim_trace", "marker_traced", "regions_compiled_in"]
 
 log = logging.getLogger("sac_compile")
 
@@ -80,6 +81,15 @@ _lock = threading.Lock()
 # OutputGraph defines __eq__ without __hash__: keyed by id, dropped by a finalizer
 _traces: dict[int, _Trace] = {}
 _watched: dict[str | None, _Watch] = {}
+# code of a compiled method the seam routes through the eager engine -> the region names Dynamo
+# traced in it (sac_compile/eager/session.py, EagerSession.call_compiled)
+_compiled_regions: dict[Any, frozenset[str]] = {}
+
+
+def regions_compiled_in(code: Any) -> frozenset[str]:
+    """The region names Dynamo traced so far in the compiled method whose code is ``code``,
+    while the eager engine ran it (empty until it has been compiled so)."""
+    return _compiled_regions.get(code, frozenset())
 
 
 def _trace_state(trace: object) -> _Trace:
@@ -125,12 +135,22 @@ def _inside_eager_checkpoint(kind: str, payload: tuple, sink: object) -> bool:
     so the region keeps nothing whatever the backend. Reported once (``compiled-in-eager``),
     instead of ``no-pass`` (whose fix, our backend, would not help here)."""
     keep = getattr(sink, "keep", None)
-    if keep is None or not getattr(sink, "forward", False) or MarkerKind(kind).is_scope:
+    if keep is None or MarkerKind(kind).is_scope:
         return False
     tx = dynamo.current_dynamo_tx()
     if tx is None:
         return False
     name = str(payload[0])
+    routed = getattr(sink, "compiled_call", None)
+    if routed is not None:
+        # a compiled method of the layer that the seam routes through the engine, which keeps
+        # it whole in the forward and hands its outputs back in the recompute when a region
+        # it holds is kept (eager/session.py): noted, nothing to report
+        with _lock:
+            _compiled_regions[routed] = _compiled_regions.get(routed, frozenset()) | {name}
+        return True
+    if not getattr(sink, "forward", False):
+        return False
     kept = keep is ALL_REGIONS or name in keep
     if not kept or kind != MarkerKind.REGION_ENTER or frames.inside_backend_call():
         return True  # (not kept: the full recompute the layer asked for; AOTAutograd's sighting)

@@ -177,6 +177,13 @@ class Bodies:
         self.open = body
         return body
 
+    def decline(self, fn: Any, region: str) -> None:
+        """(forward) A call of ``fn`` that runs under the engine as any code, recorded so that
+        the recompute's :meth:`next_call` finds it in its place and runs it too."""
+        declined = _Body(fn, region, (), {})
+        declined.declined = True
+        self._record(declined)
+
     def _restore_hooks(self, body: _Body) -> None:
         if body.popped:
             pop_hooks()

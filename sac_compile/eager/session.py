@@ -13,6 +13,7 @@ import contextvars
 from collections import Counter
 from typing import Any, Protocol
 
+from ..diagnostics.trace_watch import regions_compiled_in
 from ..keep import KeepSet
 from ..marker_walk import MarkerKind, OpenRegions
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, checked_decision, saves
@@ -40,6 +41,8 @@ class BodySkipper(Protocol):
 
     def next_call(self, fn: Any) -> Any | None: ...
 
+    def decline(self, fn: Any, region: str) -> None: ...
+
     def replay(self, body: Any, run: Any, args: tuple, kwargs: dict) -> Any: ...
 
 
@@ -60,6 +63,9 @@ class EagerSession:
         # Under SAVE_ALL a kept declared module with no kept region open around it runs
         # with no mode in the forward and is not run in the recompute (eager/bodies.py)
         self.bodies = bodies if policy is SAVE_ALL else None
+        # compiled methods of the layer are kept whole under every policy (call_compiled)
+        self.compiled_bodies = bodies
+        self.compiled_call: Any = None  # (the code of) the compiled method running now
         self.forward = forward
         self.skipping = 0  # module regions open inside a body that skips the recompute
         self._body: Any = None  # (forward) that body
@@ -73,6 +79,8 @@ class EagerSession:
 
     def __call__(self, kind: MarkerKind, payload: tuple) -> None:
         """The marker sink: a marker op ran."""
+        if self.compiled_call is not None:
+            return  # (inside a routed compiled method, whose graph a backend left them in: call_compiled)
         if kind is MarkerKind.REGION_ENTER:
             self.regions.enter(payload[0])
             self.entered[payload[0]] += 1
@@ -140,6 +148,47 @@ class EagerSession:
         finally:
             self.exit_module(name, fn, out)
 
+    def call_compiled(self, fn: Any, run: Any, args: tuple, kwargs: dict) -> Any:
+        """A compiled method of the checkpointed layer (``torch.compile`` of a function on its
+        class, routed here by the seam's class): ``fn`` the original function, ``run`` the
+        compiled call. An eager checkpoint around compiled code would drop what the compiled
+        graph saves and run it again in the backward; when the method holds a kept region
+        (Dynamo traced one in it, :func:`~sac_compile.diagnostics.trace_watch.regions_compiled_in`:
+        from its first compile on), it runs once instead, as a kept body: in the forward off the
+        checkpoint's hooks (its graph holds what it saves: with our backend the kept regions'
+        costly values, its cheap ops recomputed in its own backward), in the recompute its
+        outputs are handed back. Otherwise it is recomputed with the rest of the layer."""
+        bodies, code = self.compiled_bodies, fn.__code__
+        if bodies is None:
+            return run(*args, **kwargs)
+        names = regions_compiled_in(code)
+        kept = sorted(n for n in names if n in self.keep)
+        for name in names:
+            self.entered[name] += self.forward
+        if self.forward:
+            if kept and not self.in_span and not self.skipping:
+                body = bodies.enter("+".join(kept), fn, args, kwargs)  # (None: it declined, noted)
+            else:
+                body = None
+                bodies.decline(fn, "+".join(kept))  # (the recompute runs it too)
+        else:
+            body = bodies.next_call(fn)
+        previous, self.compiled_call = self.compiled_call, code
+        if body is not None:
+            self.skipping += 1
+        out = None
+        try:
+            if body is not None and not self.forward:
+                return bodies.replay(body, run, args, kwargs)
+            out = run(*args, **kwargs)
+            return out
+        finally:
+            self.compiled_call = previous
+            if body is not None:
+                self.skipping -= 1
+                if self.forward:
+                    bodies.exit(body, out)
+
     def settle(self) -> None:
         """After a marker op: start or end the kept span if a kept region opened or closed."""
         if self.spans is None or self.skipping or self.in_span == (self._kept_open > 0):
@@ -197,3 +246,8 @@ def _answers(policy: RegionPolicy, keep: KeepSet) -> dict:
 SESSION: contextvars.ContextVar[EagerSession | None] = contextvars.ContextVar(
     "sac_compile_eager_session", default=None
 )
+
+
+def current_session() -> EagerSession | None:
+    """The eager engine's session of the pass running now (None outside the engine)."""
+    return SESSION.get()
