@@ -14,14 +14,23 @@ Patterns are matched against the full dotted path from the root, as
 component (``"layers.*.mlp"`` matches ``layers.0.mlp``, not ``layers.0.x.mlp``).
 The root module itself is the empty path ``""``. A model wrapped by
 ``torch.compile`` (an ``OptimizedModule``) is matched through the module it wraps.
+
+A pattern that names no module may name a *method*: module components, then attributes down to
+an object and one of its methods (``"layers.*.mlp.dispatcher.dispatch"``: the ``dispatch``
+method of the plain object in each MoE block's ``dispatcher`` attribute, an MoE dispatcher's
+stage). That object's method is then run inside ``region(name)``, as ``@region(name)`` would
+run it, without editing its class: an instance attribute shadows the class's method (removed
+again by ``remove()`` / :func:`undeclare_regions`; the object pickles and deep-copies with it).
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
@@ -30,6 +39,7 @@ from ._compat.dynamo import guard_module_hooks, skip_frame, unwrap_compiled
 from .keep import validate_region_name
 from .markers import DECLARED_ATTR as _ATTR
 from .markers import declared_names, exporting, ops
+from .markers.regions import wrap_in_region
 from .records import generic_path
 
 __all__ = ["RegionDeclarations", "declare_regions", "declared_names", "undeclare_regions"]
@@ -43,9 +53,13 @@ class RegionDeclarations:
     # module path -> region names this call declared on it (in the order given)
     modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     _handles: list[tuple[nn.Module, str]] = field(default_factory=list, repr=False)
+    _methods: list[tuple[nn.Module, str]] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
         """Remove the hooks this call installed (declarations made by other calls stay)."""
+        for module, path in self._methods:
+            _undeclare_method(module, path)
+        self._methods.clear()
         for module, name in self._handles:
             declared = module.__dict__.get(_ATTR, {})
             handles = declared.pop(name, None)
@@ -95,13 +109,18 @@ def declare_regions(model: nn.Module, declarations: Mapping[str, str]) -> Region
     root = unwrap_compiled(model)  # torch.compile(model)
     paths = {path: module for path, module in root.named_modules()}
     plan: list[tuple[str, str, nn.Module]] = []
+    methods: list[tuple[str, str, nn.Module, object, str]] = []
     for pattern, name in declarations.items():
         check_pattern(pattern)
         validate_region_name(name)
         matched = [p for p in paths if match_path(pattern, p)]
-        if not matched:
+        if matched:
+            plan.extend((p, name, paths[p]) for p in matched)
+            continue
+        found = _match_methods(pattern, paths)
+        if not found:
             raise ValueError(no_match_message(pattern, list(paths)))
-        plan.extend((p, name, paths[p]) for p in matched)
+        methods.extend((path, name, module, obj, attr) for path, module, obj, attr in found)
 
     handle = RegionDeclarations(model)
     for path, name, module in plan:
@@ -109,6 +128,10 @@ def declare_regions(model: nn.Module, declarations: Mapping[str, str]) -> Region
         if name not in declared:
             declared[name] = _install(module, name)
             handle._handles.append((module, name))
+        handle.modules[path] = handle.modules.get(path, ()) + (name,)
+    for path, name, module, obj, attr in methods:
+        if _declare_method(module, path, obj, attr, name):
+            handle._methods.append((module, path))
         handle.modules[path] = handle.modules.get(path, ()) + (name,)
     return handle
 
@@ -118,6 +141,8 @@ def undeclare_regions(model: nn.Module) -> int:
     root = unwrap_compiled(model)
     removed = 0
     for module in root.modules():
+        for path in list(module.__dict__.get(_METHODS_ATTR, {})):
+            removed += _undeclare_method(module, path)
         declared = module.__dict__.get(_ATTR)
         while declared:
             _, handles = declared.popitem()
@@ -131,11 +156,15 @@ def undeclare_regions(model: nn.Module) -> int:
 def declared_regions(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """``{module path: region names}`` currently declared under ``model``."""
     root = unwrap_compiled(model)
-    return {
+    found = {
         path: tuple(module.__dict__[_ATTR])
         for path, module in root.named_modules()
         if module.__dict__.get(_ATTR)
     }
+    for module in root.modules():
+        for path, (obj, attr) in module.__dict__.get(_METHODS_ATTR, {}).items():
+            found[path] = obj.__dict__[attr].names
+    return found
 
 
 def _enter_hook(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -200,6 +229,76 @@ def _refuse_script(cls_name: str) -> None:
         "sac_compile.declare.undeclare_regions(model) before torch.jit.script (declare again afterwards), or use "
         "torch.jit.trace / torch.export, which drop the markers."
     )
+
+
+# --- methods of plain objects ------------------------------------------------------------
+
+# Module attribute: {declared method path: (object, method name)} of the methods declared on
+# objects reached from this module (the first module of the path), for undeclare_regions.
+_METHODS_ATTR = "_sac_declared_methods"
+
+
+class DeclaredMethod:
+    """An object's method run inside its declared regions (an instance attribute shadowing the
+    class's method). Pickles and deep-copies as ``(object, method name, region names)``."""
+
+    def __init__(self, owner: object, attr: str, names: tuple[str, ...]) -> None:
+        self.owner, self.attr, self.names = owner, attr, names
+        call: Callable[..., Any] = functools.partial(getattr(type(owner), attr), owner)
+        for name in reversed(names):  # (the first name declared is the outermost region)
+            call = wrap_in_region(name, call)
+        self._call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return DeclaredMethod, (self.owner, self.attr, self.names)
+
+
+def _match_methods(pattern: str, paths: dict[str, nn.Module]) -> list[tuple[str, nn.Module, object, str]]:
+    """``(path, module, object, method name)`` for a pattern naming a method: the longest head
+    that matches modules, then attributes (no wildcard) down to an object with that method."""
+    parts = pattern.split(".")
+    for k in range(len(parts) - 1, -1, -1):
+        head, rest = ".".join(parts[:k]), parts[k:]
+        if "*" in rest:
+            continue
+        modules = [p for p in paths if match_path(head, p)]
+        if not modules:
+            continue
+        found = []
+        for p in modules:
+            obj: object = paths[p]
+            for a in rest[:-1]:
+                obj = getattr(obj, a, None)
+            method = getattr(type(obj), rest[-1], None)
+            if obj is None or not inspect.isfunction(method) or not hasattr(obj, "__dict__"):
+                raise ValueError(
+                    f"declare_regions: pattern {pattern!r} matches no module, and "
+                    f"{'.'.join(filter(None, [p, *rest]))!r} is not a method of an object with a __dict__ "
+                    f"(got {type(obj).__name__}.{rest[-1]}: {type(method).__name__}). Name a module, or a "
+                    "method defined on an object's class (e.g. 'layers.*.mlp.dispatcher.dispatch')"
+                )
+            found.append((".".join(filter(None, [p, *rest])), paths[p], obj, rest[-1]))
+        return found
+    return []
+
+
+def _declare_method(module: nn.Module, path: str, obj: object, attr: str, name: str) -> bool:
+    """Run ``obj.attr`` inside region ``name`` too; False when it already is."""
+    current = obj.__dict__.get(attr)
+    names = current.names if isinstance(current, DeclaredMethod) else ()
+    if name in names:
+        return False
+    obj.__dict__[attr] = DeclaredMethod(obj, attr, (*names, name))
+    module.__dict__.setdefault(_METHODS_ATTR, {})[path] = (obj, attr)
+    return True
+
+
+def _undeclare_method(module: nn.Module, path: str) -> int:
+    obj, attr = module.__dict__.get(_METHODS_ATTR, {}).pop(path, (None, ""))
+    return int(obj is not None and isinstance(obj.__dict__.pop(attr, None), DeclaredMethod))
 
 
 def match_path(pattern: str, path: str) -> bool:

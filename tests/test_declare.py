@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -292,3 +293,87 @@ def test_layers_of_one_class_declared_differently_compile_apart(declared):
     assert len(training) == 2, [rec.summary() for rec in training]
     kept = [bool(rec.regions.get("mlp") and rec.regions["mlp"].saved_nodes) for rec in training]
     assert sorted(kept) == [False, True], [rec.summary() for rec in training]
+
+
+# --- methods of plain objects, by path ---------------------------------------------------
+
+
+class Projector:
+    """A plain object (no nn.Module) whose method does a layer's costly work: an MoE dispatcher."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight).relu()
+
+
+class DispatchBlock(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d, d) / d**0.5)
+        self.dispatcher = Projector(self.w)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.dispatcher.dispatch(x)).tanh()
+
+
+_PROJECTOR_DISPATCH = Projector.dispatch
+
+
+def _dispatch_model(n: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(DispatchBlock() for _ in range(n)))
+
+
+def test_a_method_of_a_plain_object_is_a_region_by_path_without_editing_its_class():
+    from sac_compile.inspection import autograd_saved_bytes
+
+    ref = _dispatch_model(3)
+    held = {}
+    for keep in ((), {"dispatch"}):
+        model = copy.deepcopy(ref)
+        handle = sc.declare_regions(model, {"*.dispatcher.dispatch": "dispatch"})
+        assert sc.declare.declared_regions(model) == {
+            f"{i}.dispatcher.dispatch": ("dispatch",) for i in range(3)
+        }
+        assert vars(Projector)["dispatch"] is _PROJECTOR_DISPATCH  # the class is not edited
+        for layer in model:
+            sc.apply_selective_checkpointing(layer, keep=keep)
+        x = torch.randn(*X_SHAPE, requires_grad=True)
+        held[keep and "dispatch"] = autograd_saved_bytes(model, x, exclude=list(model.parameters()))
+        _, g_ref = run_step(ref, ref, x)
+        _, g = run_step(model, model, x)
+        assert all(torch.equal(a, b) for a, b in zip(g_ref, g))
+        copied = copy.deepcopy(model)  # (the declaration travels with the object)
+        assert sc.declare.declared_regions(copied) == sc.declare.declared_regions(model)
+        handle.remove()
+        assert "dispatch" not in vars(model[0].dispatcher) and not sc.declare.declared_regions(model)
+    assert held[()] < held["dispatch"], held  # the matmul in the dispatcher is kept
+
+
+def test_declared_methods_compile_one_graph_for_32_layers():
+    from torch._dynamo.utils import counters
+
+    model = _dispatch_model(32)
+    sc.SacConfig(
+        layers="*",
+        keep={"dispatch"},
+        regions={"*.dispatcher.dispatch": "dispatch"},
+        compile={"inner": "aot_eager"},
+    ).apply(model)
+    with sc.inspection.collect_records() as recs:
+        counters.clear()
+        for s in (6, 9, 6):
+            model(torch.randn(2, s, 16, requires_grad=True)).sum().backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])  # a static and a dynamic graph
+    assert any("dispatch" in r.regions for r in recs if r.is_training), [r.regions for r in recs]
+
+
+def test_a_method_path_that_is_not_a_method_is_refused():
+    model = _dispatch_model(1)
+    with pytest.raises(ValueError, match=r"'0\.dispatcher\.weight' is not a method"):
+        sc.declare_regions(model, {"*.dispatcher.weight": "w"})
+    with pytest.raises(ValueError, match="matches no module"):
+        sc.declare_regions(model, {"*.nothing.here": "w"})

@@ -157,6 +157,12 @@ class checkpoint_scope:
 # wrapper frame find its region or scope on the Python stack (markers.context).
 
 
+def wrap_in_region(name: str, fn: _F) -> _F:
+    """``fn`` run as region ``name``, as ``@region(name)`` makes it (declarations by path of
+    methods of plain objects use it: sac_compile/declare.py)."""
+    return _make_wrapper(name, fn)
+
+
 def _make_wrapper(name: str, fn: _F) -> _F:
     # Keep the name `_region_wrapper` (WRAPPER_NAME): markers.context finds these frames
     # on the stack by it, and the tagging pass finds it in Dynamo's recorded stack traces.
