@@ -185,11 +185,24 @@ def _layer_regions(layer: nn.Module) -> tuple[dict[str, str], list[str]]:
             unknown += [f"{path}.{n}" for n in not_read]
         elif kind == "mlp":
             dense.append(path)
+        elif (inner := _inside_glue(child)) is not None:
+            # a region inside what reads as glue: DBRX's DbrxNormAttentionNorm holds the attention
+            found.update({f"{path}.{p}": region for p, region in inner[0].items()})
+            unknown += [f"{path}.{p}" for p in inner[1]]
         elif kind is None:
             unknown.append(f"{path} ({type(child).__name__})")
     for path in dense:
         found[path] = "shared_experts" if moe else "mlp"
     return found, unknown
+
+
+def _inside_glue(module: nn.Module) -> tuple[dict[str, str], list[str]] | None:
+    """The regions of a child that reads as glue or is not recognised, read as a layer of its
+    own, when it holds any (its norms stay glue); else None."""
+    if not any(True for _ in module.children()):
+        return None
+    inner = _layer_regions(module)
+    return inner if inner[0] else None
 
 
 def _is_decoder_list(layers: nn.ModuleList) -> bool:

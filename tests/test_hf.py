@@ -226,3 +226,46 @@ def test_importing_sac_compile_hf_with_an_unsupported_transformers_fails_at_once
     assert "ImportError: sac_compile.hf supports transformers >=5.24.0,<5.25" in done.stderr, done.stderr[
         -2000:
     ]
+
+
+def _tiny_dbrx():
+    from transformers import DbrxConfig, DbrxForCausalLM
+
+    cfg = DbrxConfig(
+        d_model=64,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=128,
+        vocab_size=128,
+        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+    )
+    torch.manual_seed(0)
+    return DbrxForCausalLM._from_config(cfg, attn_implementation="sdpa")
+
+
+def test_a_region_inside_layer_glue_is_found_dbrx_keeps_attention():
+    """DBRX's attention sits inside DbrxNormAttentionNorm, which reads as glue (a norm): red
+    before, keep={"attn"} answered "has no region 'attn'" and ALL_REGIONS kept no attention."""
+    import copy
+
+    ref = _tiny_dbrx()
+    assert hf.regions_for(ref)["transformer.blocks.*.norm_attn_norm.attn"] == "attn"
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    held = {}
+    for keep in ((), {"attn"}):
+        model = copy.deepcopy(ref)
+        hf.config_for(model, keep=keep).apply(model)
+        assert _bit_identical_steps(model, ref, ids)
+
+        def loss(i, m=model):
+            return m(input_ids=i, labels=i, use_cache=False).loss
+
+        held[bool(keep)] = sc.inspection.autograd_saved_bytes(loss, ids, exclude=list(model.parameters()))
+    assert held[False] < held[True], held
+
+
+def _bit_identical_steps(model, ref, ids) -> bool:
+    loss, grads = lm_step(model, ids)
+    want_loss, want = lm_step(ref, ids)
+    return torch.equal(loss, want_loss) and all(torch.equal(grads[k], want[k]) for k in want)
