@@ -24,7 +24,7 @@ from sac_compile.testing import method_compiled as mc
 from .releases import default_torch_only
 
 # each backend compiles four methods (Inductor: C++ kernels, ~40 s); our backend on every
-# release, plain Inductor and aot_eager on the default one
+# release, plain Inductor and real depth on the default one
 pytestmark = pytest.mark.slow
 
 LAYERS = ("layers.*", "mtp.layer")
@@ -60,11 +60,9 @@ def methods_compiled(request):
 
 @pytest.mark.parametrize(
     "methods_compiled",
-    [
-        pytest.param("inductor", marks=default_torch_only),
-        "sac",
-        pytest.param("aot_eager", marks=default_torch_only),
-    ],
+    # (aot_eager behaves as Inductor here, a backend without our pass: test_diagnostics.py reports
+    # it where the seam does not route the method)
+    [pytest.param("inductor", marks=default_torch_only), "sac"],
     indirect=True,
 )
 def test_compiled_methods_keep_attention_across_the_eager_checkpoint(methods_compiled, caplog):
@@ -115,6 +113,7 @@ def test_a_method_compiled_after_wrapping_is_reported_not_silently_recomputed(ca
     assert len(got) == 1 and "MoELayer._pre_moe_forward" in got[0], got
 
 
+@default_torch_only
 @pytest.mark.parametrize("methods_compiled", ["sac"], indirect=True)
 def test_compiled_methods_at_real_depth_compile_once_for_every_layer(methods_compiled):
     """32 MoE layers and the MTP layer share each method's graph: Dynamo compiles one graph per
