@@ -165,8 +165,10 @@ class EagerSession:
         kept = sorted(n for n in names if n in self.keep)
         for name in names:
             self.entered[name] += self.forward
-        if self.forward:
-            if kept and not self.in_span and not self.skipping:
+        if self.skipping:
+            body = None  # inside a kept body: it runs, or is skipped, with that body
+        elif self.forward:
+            if kept and not self.in_span:
                 body = bodies.enter("+".join(kept), fn, args, kwargs)  # (None: it declined, noted)
             else:
                 body = None
