@@ -16,6 +16,7 @@ __all__ = [
     "Block",
     "ScopedStack",
     "Stack",
+    "bit_identical",
     "grads",
     "lm_step",
     "net_forward_bytes",
@@ -67,6 +68,12 @@ def lm_step(model: nn.Module, ids: torch.Tensor):
     loss.backward()
     named = getattr(model, "_orig_mod", model).named_parameters()
     return loss.detach(), {n: p.grad.clone() for n, p in named if p.grad is not None}
+
+
+def bit_identical(a, b) -> bool:
+    """Whether two ``lm_step`` results (loss, {name: gradient}) are equal bit for bit."""
+    (la, ga), (lb, gb) = a, b
+    return torch.equal(la, lb) and ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
 
 
 def net_forward_bytes(fn) -> int:

@@ -21,7 +21,7 @@ from sac_compile import hf  # noqa: E402
 from sac_compile.testing import hf_families  # noqa: E402
 from sac_compile.testing.parity import parity_report  # noqa: E402
 
-from .models import lm_step  # noqa: E402
+from .models import bit_identical, lm_step  # noqa: E402
 
 MODELS = {
     "llama": (lambda: hf_families.tiny_llama(), ("attn", "mlp")),
@@ -256,16 +256,10 @@ def test_a_region_inside_layer_glue_is_found_dbrx_keeps_attention():
     for keep in ((), {"attn"}):
         model = copy.deepcopy(ref)
         hf.config_for(model, keep=keep).apply(model)
-        assert _bit_identical_steps(model, ref, ids)
+        assert bit_identical(lm_step(model, ids), lm_step(ref, ids))
 
         def loss(i, m=model):
             return m(input_ids=i, labels=i, use_cache=False).loss
 
         held[bool(keep)] = sc.inspection.autograd_saved_bytes(loss, ids, exclude=list(model.parameters()))
     assert held[False] < held[True], held
-
-
-def _bit_identical_steps(model, ref, ids) -> bool:
-    loss, grads = lm_step(model, ids)
-    want_loss, want = lm_step(ref, ids)
-    return torch.equal(loss, want_loss) and all(torch.equal(grads[k], want[k]) for k in want)

@@ -23,7 +23,7 @@ import sac_compile as sc  # noqa: E402
 from sac_compile import hf  # noqa: E402
 from sac_compile.contexts import region_context_fn  # noqa: E402
 
-from .models import Block, lm_step  # noqa: E402
+from .models import Block, bit_identical, lm_step  # noqa: E402
 
 INNER = "aot_eager"
 
@@ -47,11 +47,6 @@ def _llama(layers: int = 2):
 
 def _ids():
     return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-
-
-def _bit_identical(a, b) -> bool:
-    (la, ga), (lb, gb) = a, b
-    return torch.equal(la, lb) and ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
 
 
 def _held(model: nn.Module, ids: torch.Tensor) -> int:
@@ -81,7 +76,7 @@ def test_a_default_config_trains_through_the_seam_like_transformers_own_checkpoi
     hf.config_for(model, keep={"attn"}).apply(model)
     with caplog.at_level(logging.WARNING, logger="sac_compile"):
         got = [lm_step(model, ids) for _ in range(2)]
-    assert all(_bit_identical(g, want) for g in got)
+    assert all(bit_identical(g, want) for g in got)
     notes = [r.getMessage() for r in caplog.records if "caching is incompatible" in r.getMessage()]
     assert notes == [
         "sac_compile: caching is incompatible with activation checkpointing in LlamaDecoderLayer: calling it "
@@ -108,7 +103,7 @@ def test_a_default_config_in_eval_mode_trains_through_the_seam_like_no_checkpoin
             for k in want:
                 torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5)
         else:
-            assert _bit_identical((loss, got), (want_loss, want))
+            assert bit_identical((loss, got), (want_loss, want))
     held = _held(model, ids)
     assert held < _held(_llama().eval(), ids)  # checkpointed in eval mode too
 
@@ -189,7 +184,7 @@ def test_transformers_switch_keeps_regions_eagerly_bit_identical_to_its_own_chec
     model.activation_checkpointing_enable(
         activation_checkpointing_kwargs=hf.checkpointing_kwargs(model, keep={"attn"})
     )
-    assert _bit_identical(lm_step(model, ids), want)
+    assert bit_identical(lm_step(model, ids), want)
     none, full, kept = _held(_llama(), ids), _held(own, ids), _held(model, ids)
     assert full < kept < none, (full, kept, none)
     every = _llama()
@@ -212,7 +207,7 @@ def test_every_n_layers_is_honoured():
     )
     assert _held(all_layers, ids) < _held(model, ids) < _held(_llama(layers=4), ids)
     ref = _llama(layers=4)
-    assert _bit_identical(lm_step(model, ids), lm_step(ref, ids))
+    assert bit_identical(lm_step(model, ids), lm_step(ref, ids))
 
 
 def test_the_kwargs_refuse_a_region_the_model_lacks():

@@ -146,9 +146,7 @@ class Bodies:
         traces its hooks, which then emit marker ops.)"""
         top = top_saved_tensors_hooks()
         if top is None or top[0] is not self.state.pack_hook:
-            declined = _Body(module, region, (), {})
-            declined.declined = True
-            self._record(declined)
+            self.decline(module, region)
             return None
         body = _Body(module, region, args, kwargs)
         checkpoint_pack, checkpoint_unpack = top
@@ -178,8 +176,8 @@ class Bodies:
         return body
 
     def decline(self, fn: Any, region: str) -> None:
-        """(forward) A call of ``fn`` that runs under the engine as any code, recorded so that
-        the recompute's :meth:`next_call` finds it in its place and runs it too."""
+        """(forward) A call of ``fn`` (a module, a function) that runs under the engine as any
+        code, recorded so that the recompute finds it in its place and runs it too."""
         declined = _Body(fn, region, (), {})
         declined.declined = True
         self._record(declined)
