@@ -11,12 +11,17 @@
 PYTHON ?= python3
 TORCH  ?= 2.13.0
 DEFAULT_TORCH := 2.13.0
+# sac_compile.hf supports transformers >=5.24.0,<5.26: the default venv tests the lowest
+# release, every other venv the newest (5.25.0, whose huggingface-hub 2.x needs datasets 5.x;
+# torchtitan, installed without its metadata, runs with it).
 ifeq ($(TORCH),$(DEFAULT_TORCH))
 VENV   ?= .venv
 PIP_ENV :=
+HF_PINS := transformers==5.24.0 datasets==4.7.0
 else
 VENV   ?= .venv-torch$(TORCH)
 PIP_ENV := PIP_CONSTRAINT=$(abspath $(VENV))/no-constraints.txt
+HF_PINS := transformers==5.25.0 datasets==5.2.0
 endif
 # torchtitan and the two packages of its own that require torch: --no-deps, so that no
 # other torch is pulled (examples/torchtitan, tests/test_torchtitan.py)
@@ -44,7 +49,7 @@ endef
 
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(install_torch)
-	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test,demo,torchtitan,bench]'
+	$(PIP_ENV) $(PY) -m pip install --quiet -e '.[test,demo,torchtitan,bench]' $(HF_PINS)
 	$(PIP_ENV) $(PY) -m pip install --quiet --no-deps $(TORCHTITAN)
 	$(PY) -c "import torch; v = torch.__version__.split('+')[0]; assert v == '$(TORCH)', v"
 	touch $(STAMP)

@@ -15,13 +15,15 @@ all or a keep set per stack.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 import torch.nn as nn
 
-from ._compat.dynamo import unwrap_compiled
+from ._compat.dynamo import forward_side_effects_under_checkpoint, unwrap_compiled
+from ._compat.transformers import kernelized_classes
 from .config import SacConfig
 from .declare import declare_regions
 from .hf_layers import (
@@ -233,6 +235,7 @@ def checkpointing_kwargs(
         read = [(path, {p: n for p, n in r.items() if n in k}) for (path, r), k in zip(read, keeps)]
         keep_all = ALL_REGIONS if ALL_REGIONS in keeps else frozenset().union(*keeps)
     declare_regions(unwrap_compiled(model), merged(read))
+    _trace_kernelized_forwards(model)
     context_fn = region_context_fn(
         keep_all, policy=policy, preserve_rng_state=preserve_rng_state, early_stop=early_stop
     )
@@ -242,6 +245,24 @@ def checkpointing_kwargs(
         "preserve_rng_state": preserve_rng_state,
         "early_stop": early_stop,
     }
+
+
+def _trace_kernelized_forwards(model: nn.Module) -> None:
+    """transformers 5.25+ wraps each attention's forward with kernels' function router, which
+    sets a context variable while Dynamo traces: refused inside ``torch.utils.checkpoint``, that
+    breaks the graph at every layer transformers checkpoints under ``torch.compile`` (so no
+    checkpoint becomes a scope, PyTorch's own as much as ours). Dynamo's switch for it is turned
+    on, process-wide, and said once (:func:`~sac_compile._compat.transformers.kernelized_classes`)."""
+    classes = kernelized_classes(unwrap_compiled(model))
+    if classes and forward_side_effects_under_checkpoint():
+        logging.getLogger("sac_compile").warning(
+            "sac_compile: set torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True "
+            "(process-wide): the forward of %s sets the context variable of kernels' function router "
+            "(transformers' kernelized functions), a side effect Dynamo refuses inside "
+            "torch.utils.checkpoint; under torch.compile every checkpointed layer would break the graph. "
+            "The router sets and resets it: there is nothing for the recompute to replay",
+            ", ".join(classes),
+        )
 
 
 def _checked_keep(model: nn.Module, keep: Any, read: list[tuple[str, dict[str, str]]]) -> tuple[Any, dict]:

@@ -201,18 +201,45 @@ def test_the_installed_transformers_is_in_the_supported_range():
     assert SUPPORTED[0] <= _release(transformers.__version__) < SUPPORTED[1]
 
 
-@pytest.mark.parametrize("version", ["5.23.0", "5.25.0", "4.57.1"])
+@pytest.mark.parametrize("version", ["5.23.0", "5.26.0", "4.57.1"])
 def test_an_unsupported_transformers_is_one_clear_error(version, monkeypatch):
     from sac_compile._compat.transformers import ANY_RELEASE_ENV, check_version
 
     monkeypatch.delenv(ANY_RELEASE_ENV, raising=False)
     with pytest.raises(
-        ImportError, match=rf"supports transformers >=5\.24\.0,<5\.25; transformers {version} is installed"
+        ImportError, match=rf"supports transformers >=5\.24\.0,<5\.26; transformers {version} is installed"
     ):
         check_version(version)
     monkeypatch.setenv(ANY_RELEASE_ENV, "1")
     with pytest.warns(UserWarning, match=version):
         check_version(version)
+
+
+def test_kernelized_attention_lets_dynamo_trace_the_checkpoints_forward_side_effects(caplog):
+    """transformers 5.25 routes each attention's functions through kernels, whose forward sets a
+    context variable: under transformers' switch and torch.compile that broke the graph at every
+    layer (tests/test_integrations.py's compiled switch tests, red on 5.25.0 before). Simulated
+    here on the installed release: the switch's kwargs turn Dynamo's knob on, said once."""
+    import logging
+
+    config = torch._dynamo.config
+    # config.patch restores the value (pytest's monkeypatch would hide the key: its undo deletes)
+    with config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+        plain = hf_families.tiny_llama()
+        for layer in plain.model.layers:
+            vars(layer.self_attn).pop("_kernel_funcs", None)  # as on 5.24 and before
+        hf.checkpointing_kwargs(plain, keep={"attn"})
+        assert config.skip_fwd_side_effects_in_bwd_under_checkpoint is False  # nothing kernelized
+        model = hf_families.tiny_llama()
+        for layer in model.model.layers:
+            if "_kernel_funcs" not in vars(layer.self_attn):  # transformers 5.25 sets it in __init__
+                layer.self_attn._kernel_funcs = {}
+        with caplog.at_level(logging.WARNING, logger="sac_compile"):
+            hf.checkpointing_kwargs(model, keep={"attn"})
+            hf.checkpointing_kwargs(model, keep={"attn"})
+        assert config.skip_fwd_side_effects_in_bwd_under_checkpoint is True
+    said = [r.getMessage() for r in caplog.records if "skip_fwd_side_effects" in r.getMessage()]
+    assert len(said) == 1 and "LlamaAttention" in said[0], said
 
 
 @pytest.mark.subprocess
@@ -223,7 +250,7 @@ def test_importing_sac_compile_hf_with_an_unsupported_transformers_fails_at_once
     code = "import importlib.metadata as m; m.version = lambda name: '5.23.0'; import sac_compile.hf"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
-    assert "ImportError: sac_compile.hf supports transformers >=5.24.0,<5.25" in done.stderr, done.stderr[
+    assert "ImportError: sac_compile.hf supports transformers >=5.24.0,<5.26" in done.stderr, done.stderr[
         -2000:
     ]
 

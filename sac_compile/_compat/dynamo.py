@@ -20,6 +20,7 @@ __all__ = [
     "current_compile_id",
     "current_dynamo_tx",
     "dynamo_config",
+    "forward_side_effects_under_checkpoint",
     "guard_module_hooks",
     "node_module_stack",
     "has_compiled_call",
@@ -195,6 +196,21 @@ def guard_module_hooks() -> None:
     layer only was dropped or copied to the others, silently).
     """
     dynamo_config().skip_nnmodule_hook_guards = False
+
+
+def forward_side_effects_under_checkpoint() -> bool:
+    """Let Dynamo trace a ``torch.utils.checkpoint`` body that mutates Python state, process-wide;
+    returns whether it was off before.
+
+    Relies on ``torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint`` (False by
+    default: Dynamo refuses such a side effect inside the checkpoint's higher-order op and
+    breaks the graph, because eager checkpointing would replay it in the recompute; True: the
+    side effect is applied once, in the forward, as compiled code applies every side effect).
+    """
+    config = dynamo_config()
+    was_off = not config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    return was_off
 
 
 def aot_cache_hits() -> int:

@@ -40,6 +40,7 @@ __all__ = [
     "cache_positions",
     "checkpoints_inside",
     "is_checkpointing_layer",
+    "kernelized_classes",
     "note_caches_off",
     "own_checkpointing_on",
     "training_call",
@@ -48,12 +49,12 @@ __all__ = [
 
 log = logging.getLogger("sac_compile")
 
-#: The transformers releases ``sac_compile.hf`` supports, ``(lowest, first unsupported)``. 5.23.0
-#: fails (its ``create_causal_mask`` has no ``cache`` argument). 5.25.0 makes ``kernels`` a
-#: dependency whose layers set a ``ContextVar`` in their forward, a side effect Dynamo refuses
-#: inside ``torch.utils.checkpoint``: transformers' own checkpointing under a whole-model
-#: ``torch.compile`` graph-breaks at every layer (docs/limitations.md).
-SUPPORTED = ((5, 24, 0), (5, 25, 0))
+#: The transformers releases ``sac_compile.hf`` supports, ``(lowest, first unsupported)``, each
+#: end tested (5.24.0 with torch 2.13.0, 5.25.0 with torch 2.15.0: the Makefile). 5.23.0 fails
+#: (its ``create_causal_mask`` has no ``cache`` argument). 5.25.0 makes ``kernels`` a dependency
+#: whose function wrappers set a context variable in the forward of the modules that call them
+#: (every attention): :func:`kernelized_classes`.
+SUPPORTED = ((5, 24, 0), (5, 26, 0))
 #: Set to 1 to use another release anyway (a warning instead of the error).
 ANY_RELEASE_ENV = "SAC_COMPILE_ANY_TRANSFORMERS"
 
@@ -109,6 +110,16 @@ def is_checkpointing_layer(module: nn.Module) -> bool:
 def own_checkpointing_on(module: nn.Module) -> bool:
     """Whether transformers' own checkpointing is switched on for this layer."""
     return getattr(module, "gradient_checkpointing", False) is True
+
+
+def kernelized_classes(root: nn.Module) -> list[str]:
+    """The classes under ``root`` whose forward ``kernels.use_kernelized_func`` wrapped (transformers
+    5.25+: each instance carries ``_kernel_funcs``). The wrapper sets and resets a module-level
+    ``CompileableContextVar`` around the forward; while Dynamo traces, that is an attribute
+    mutation of a global object, which Dynamo refuses inside ``torch.utils.checkpoint`` (a graph
+    break at every checkpointed layer: "HOP: Unsafe side effect") unless told that forward side
+    effects need not be replayed in the backward. The set and the reset leave nothing to replay."""
+    return sorted({type(m).__name__ for m in root.modules() if "_kernel_funcs" in vars(m)})
 
 
 def checkpoints_inside(root: nn.Module) -> bool:
