@@ -12,6 +12,8 @@ import sac_compile as sc
 from sac_compile.planning import measure
 from sac_compile.testing.models import Block, MoETransformer
 
+from .releases import default_torch_only
+
 
 def _advice(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "[advice]" in r.getMessage()]
@@ -31,6 +33,7 @@ def _train(keep, layers: int = 2) -> None:
     model(ids).sum().backward()
 
 
+@default_torch_only
 @pytest.mark.slow
 def test_a_dominated_keep_set_gets_one_line_naming_the_plan_that_beats_it(caplog):
     # The demo's MoE layer: its attention costs a fraction of the experts, so keeping it alone

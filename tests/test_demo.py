@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from .releases import default_torch_only
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo.py"
 
@@ -21,6 +23,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
+@default_torch_only
 def test_demo_trains_compares_and_plots(tmp_path):
     plot = tmp_path / "demo.png"
     done = _run("--tiny", "--inner", "aot_eager", "--keep", "attn,experts", "--plot", str(plot))

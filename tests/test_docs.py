@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from .releases import default_torch_only
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
@@ -199,6 +201,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[object, str]]:
     return {j["name"]: (status.get(j["name"], "not run"), Path(j["log"]).read_text()) for j in jobs}
 
 
+@default_torch_only
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("snippet", RUNNABLE, ids=_names(RUNNABLE))

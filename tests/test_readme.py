@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from .releases import default_torch_only
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
-pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess, default_torch_only]
 
 
 def _example() -> str:

@@ -132,7 +132,8 @@ def test_plugin_trains_with_torchtitans_trainer_compiled(tmp_path):
 @default_torch_only
 @pytest.mark.distributed
 def test_plugin_trains_with_torchtitans_trainer_tensor_parallel_eager(tmp_path):
-    configs = "no checkpoint,torchtitan full,torchtitan selective,sac keep {} (full),sac keep attn"
+    # torchtitan selective: beside the one-process eager run (CI time)
+    configs = "no checkpoint,torchtitan full,sac keep {} (full),sac keep attn"
     _check(_compare(tmp_path, "--configs", configs, ranks=2))
 
 
