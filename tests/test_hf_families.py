@@ -102,6 +102,21 @@ def test_the_matrix_covers_every_family():
     assert set(EXPECTED) == set(FAMILIES) and len(FAMILIES) >= 15
 
 
+@pytest.mark.parametrize("family", ["jamba", "nemotron-h", "gpt2"])
+def test_a_family_built_deeper_repeats_its_layer_pattern(family):
+    """benchmarks/depth.py's models: ``build(family, layers=N)``, the per-layer types repeated
+    (layer i is built as layer i mod n of the family's own model)."""
+
+    def per_layer(model: nn.Module) -> list[tuple[str, ...]]:
+        layers = model.get_submodule(hf.decoder_layers(model)[:-2])
+        return [(type(m).__name__, *(type(c).__name__ for c in m.children())) for m in layers]
+
+    shallow, deep = per_layer(build(family)), per_layer(build(family, layers=8))
+    assert deep == (shallow * 8)[:8] and len(set(shallow)) == (1 if family == "gpt2" else len(shallow))
+    with pytest.raises(ValueError, match="layers=0"):
+        build(family, layers=0)
+
+
 @pytest.fixture(scope="module")
 def models() -> dict[str, nn.Module]:
     return {name: build(name) for name in FAMILIES}
