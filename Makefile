@@ -93,6 +93,7 @@ bench: install
 	$(PY) benchmarks/ep_moe.py
 	-$(PY) benchmarks/compiled_methods.py  # exits 1 when keeping attention is slower than full recompute
 	-$(PY) benchmarks/hf_families.py --compiled  # exits 1: JetMoE's compiled router (graph-reused)
+	-$(PY) benchmarks/depth.py  # every family at 32 layers compiled per layer; exits 1 on a flagged row
 	-$(PY) benchmarks/hf_vision_families.py --compiled  # every stack of vision-language, audio, seq2seq families
 	-for task in image-text-to-text causal-lm seq2seq speech-seq2seq; do $(PY) benchmarks/hf_scan.py --task $$task; done  # exits 1: refused families
 	$(PY) benchmarks/integrations.py

@@ -172,7 +172,14 @@ def main() -> int:
     )
     rows, flagged = [], []
     for family in args.families.split(","):
-        row = measure(family, args.layers)
+        try:
+            row = measure(family, args.layers)
+        except Exception as e:  # a family PyTorch itself cannot compile: a row, not the end of the run
+            message = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            rows.append({"family": family, "error": message})
+            flagged.append(f"{family}: {message}")
+            print(f"{family:<19} failed: {message}  !", flush=True)
+            continue
         rows.append(row)
         why = _broken(row)
         if why:
@@ -185,7 +192,7 @@ def main() -> int:
             + ("  !" if why else ""),
             flush=True,
         )
-    ok = sum(1 for r in rows if not _broken(r))
+    ok = sum(1 for r in rows if "error" not in r and not _broken(r))
     print(
         f"{ok} of {len(rows)} families: graphs <= plain per-layer compile, no fallback, gradients equal, "
         "held between full recompute and no checkpoint"
