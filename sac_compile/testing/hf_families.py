@@ -162,8 +162,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 def build(name: str, *, seed: int = 0, layers: int | None = None) -> nn.Module:
     """The family's tiny model in training mode (dropout as the family's config sets it);
-    ``layers``: that many decoder layers, the family's per-layer pattern (a list or string as
-    long as its layers: Jamba's, RecurrentGemma's, OLMo-hybrid's, NemotronH's types) repeated."""
+    ``layers``: that many decoder layers, the family's per-layer pattern (a list as long as its
+    layers: RecurrentGemma's, OLMo-hybrid's, NemotronH's types) repeated."""
     import transformers
 
     config_cls, model_cls, extra = FAMILIES[name]
@@ -179,13 +179,13 @@ def build(name: str, *, seed: int = 0, layers: int | None = None) -> nn.Module:
 
 def _deeper(overrides: dict[str, Any], layers: int) -> dict[str, Any]:
     """``overrides`` for ``layers`` decoder layers: the layer count (GPT-2's ``n_layer`` too) and
-    every per-layer list or string (as long as the family's own layers) repeated."""
+    every per-layer list (as long as the family's own layers) repeated."""
     if layers < 1:
         raise ValueError(f"layers={layers}: a model needs at least one layer")
     n = overrides.get("n_layer", overrides["num_hidden_layers"])
     out = dict(overrides)
     for key, value in overrides.items():
-        if isinstance(value, (list, str)) and len(value) == n and key not in ("model_type",):
+        if isinstance(value, list) and len(value) == n:
             out[key] = (value * (layers // n + 1))[:layers]
     out["num_hidden_layers"] = layers
     if "n_layer" in out:
