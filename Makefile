@@ -23,6 +23,13 @@ VENV   ?= .venv-torch$(TORCH)
 PIP_ENV := PIP_CONSTRAINT=$(abspath $(VENV))/no-constraints.txt
 HF_PINS := transformers==5.25.0 datasets==5.2.0
 endif
+# The release tier on a newer torch (tests/releases.py): the unit tier and the `every_release`
+# tests; the default release runs every test. `make test TIER=` runs all of them on any release.
+ifeq ($(TORCH),$(DEFAULT_TORCH))
+TIER   ?=
+else
+TIER   ?= every_release or not (slow or distributed or subprocess)
+endif
 # torchtitan and the two packages of its own that require torch: --no-deps, so that no
 # other torch is pulled (examples/torchtitan, tests/test_torchtitan.py)
 TORCHTITAN := torchtitan==0.3.0 torchdata==0.11.0 torch_checkpointing==0.1.1
@@ -73,7 +80,7 @@ ifeq ($(TORCH),$(DEFAULT_TORCH))
 endif
 
 test: install lint
-	$(PY) -m pytest -n $(JOBS) --dist worksteal -q --durations=25 tests
+	$(PY) -m pytest -n $(JOBS) --dist worksteal -q --durations=25 $(if $(TIER),-m "$(TIER)") tests
 
 # The unit tier (docs/testing.md): no end-to-end Inductor compile, no rank process, no fresh
 # interpreter. Minutes, for the inner loop; `make test` runs every tier.

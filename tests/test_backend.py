@@ -9,6 +9,7 @@ from sac_compile.compiler.backend import baseline_backend
 from sac_compile.markers import Enclosing
 
 from .models import MLP, Block, run_step
+from .releases import every_release
 from .scenarios import with_block_graph_break
 
 INNERS = ["aot_eager", "inductor"]
@@ -214,6 +215,7 @@ class TestNoRuntimeTrace:
 
 class TestTrainingAndInference:
     @pytest.mark.slow
+    @every_release
     def test_fullgraph_block_trains_and_infers(self):
         torch.manual_seed(0)
         block = Block(16, dropout=0.1)

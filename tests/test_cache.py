@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .releases import every_release
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -41,6 +43,7 @@ def cold_warm(tmp_path_factory) -> tuple[dict, dict, Path]:
 
 
 @pytest.mark.subprocess
+@every_release
 def test_same_configuration_hits_and_another_keep_set_does_not(cold_warm):
     first_a, second_a, cache = cold_warm
     then_b = _probe("b", cache)

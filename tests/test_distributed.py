@@ -14,6 +14,8 @@ import torch
 
 from sac_compile.testing.ranks import RankFailed, run_ranks
 
+from .releases import every_release
+
 pytestmark = pytest.mark.distributed
 
 STEPS = 2
@@ -67,6 +69,7 @@ def _fsdp2_vs_single_process(rank: int, world_size: int, keep: tuple[str, ...], 
 
 
 # Each mode once, with a non-empty keep set (keep=() is plain checkpointing, tested without FSDP).
+@every_release
 @pytest.mark.parametrize(
     "keep, compile", [(("attn", "mlp"), False), (("attn",), True)], ids=["attn+mlp-eager", "attn-compiled"]
 )

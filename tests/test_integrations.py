@@ -24,6 +24,7 @@ from sac_compile import hf  # noqa: E402
 from sac_compile.contexts import region_context_fn  # noqa: E402
 
 from .models import Block, bit_identical, lm_step  # noqa: E402
+from .releases import every_release  # noqa: E402
 
 INNER = "aot_eager"
 
@@ -357,6 +358,7 @@ def test_trainer_trains_with_regions_kept_eagerly(tmp_path):
 
 
 @pytest.mark.slow
+@every_release
 def test_trainer_trains_compiled_with_the_named_backend(tmp_path):
     """``model.compile(backend="sac_compile")`` before the Trainer (accelerate's
     ``torch_compile_backend`` takes only the backends it lists: see docs/integrations.md)."""
@@ -373,6 +375,7 @@ def test_trainer_trains_compiled_with_the_named_backend(tmp_path):
 
 
 @pytest.mark.subprocess
+@every_release
 def test_the_backend_is_found_by_name_in_a_process_that_never_imported_sac_compile():
     code = textwrap.dedent(
         """

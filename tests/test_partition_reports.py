@@ -19,6 +19,7 @@ from expecttest import TestCase
 
 import sac_compile as sc
 
+from .releases import every_release
 from .scenarios import cases
 
 _COSTLY = re.compile(r"(mm|addmm|bmm|baddbmm|convolution|\w*scaled_dot_product\w*|\w*attention\w*)")
@@ -223,6 +224,7 @@ class TestInductor(TestCase):
     inner = "inductor"
 
     @pytest.mark.slow
+    @every_release
     def test_attn_kept_mlp_recomputed(self):
         self.assertExpectedInline(
             _report("attn_kept_mlp_recomputed", self.inner),

@@ -14,6 +14,8 @@ import torch
 
 from sac_compile.testing.ranks import run_ranks
 
+from .releases import every_release
+
 pytestmark = pytest.mark.distributed
 
 KEEPS: list[tuple[str, ...] | None] = [None, (), ("attn",), ("mlp",), ("attn", "mlp")]
@@ -106,6 +108,7 @@ def _held_bytes_without_tp(keeps: list) -> dict:
     return out
 
 
+@every_release
 def test_tensor_parallel_eager_every_keep_set():
     """Both plans (Colwise / Rowwise, and with sequence parallelism), every keep set. Per
     rank, full recompute holds what it holds without TP (the layer inputs and RNG state:
@@ -123,6 +126,7 @@ def test_tensor_parallel_eager_every_keep_set():
 
 
 @pytest.mark.slow
+@every_release
 def test_tensor_parallel_compiled_every_keep_set():
     """Compiled per layer (``aot_eager``, ``dynamic=False``: with sequence parallelism a
     dynamic-shape recompile fails in DTensor's sharding propagation, "unhashable type:

@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from .releases import TORCH, default_torch_only  # noqa: E402
+from .releases import TORCH, default_torch_only, every_release  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "torchtitan")
@@ -105,7 +105,8 @@ def test_plugin_trains_torchtitans_deepseek_v3_with_mtp_expert_parallel(tmp_path
 @default_torch_only
 @pytest.mark.slow
 def test_plugin_trains_with_torchtitans_trainer_compiled(tmp_path):
-    configs = "no checkpoint,torchtitan full,torchtitan selective,sac keep {} (full),sac keep attn"
+    # (torchtitan selective: beside the one-process eager run, CI time)
+    configs = "no checkpoint,torchtitan full,sac keep {} (full),sac keep attn"
     # aot_eager: the partitions Inductor would compile, without its code generation (the seam's
     # own compile, the FlexAttention way, stays on Inductor); test_integrations compiles a
     # transformers model through the named backend with Inductor
@@ -129,12 +130,9 @@ def test_plugin_trains_with_torchtitans_trainer_compiled(tmp_path):
     _check(figures)
 
 
-@default_torch_only
-@pytest.mark.distributed
-def test_plugin_trains_with_torchtitans_trainer_tensor_parallel_eager(tmp_path):
-    # torchtitan selective: beside the one-process eager run (CI time)
-    configs = "no checkpoint,torchtitan full,sac keep {} (full),sac keep attn"
-    _check(_compare(tmp_path, "--configs", configs, ranks=2))
+# Tensor parallel through torchtitan's trainer: eager with DeepSeek-V3 (TP 2 x EP 2, below, on
+# 2.13.0); compiled with the dense Llama on every newer release (2.13 cannot: the skip below).
+# The dense eager TP run is `make bench`'s (CI time: 61 s).
 
 
 @pytest.mark.slow
@@ -144,6 +142,7 @@ def test_plugin_trains_with_torchtitans_trainer_tensor_parallel_eager(tmp_path):
     reason="torch 2.13's AOTAutograd fails on a DeviceMesh among the saved values under TP + compile, "
     "for torchtitan's own AC as for ours (examples/repros/tp_checkpoint_compile.py; fixed in 2.14)",
 )
+@every_release
 def test_plugin_trains_with_torchtitans_trainer_tensor_parallel_compiled(tmp_path):
     configs = "no checkpoint,torchtitan full,sac keep {} (full),sac keep attn"
     # aot_eager: the DTensor graphs AOTAutograd partitions, as in the one-process compiled test
