@@ -130,7 +130,7 @@ def test_plugin_trains_with_torchtitans_trainer_compiled(tmp_path):
     _check(figures)
 
 
-# Tensor parallel through torchtitan's trainer: eager with DeepSeek-V3 (TP 2 x EP 2, below, on
+# Tensor parallel through torchtitan's trainer: eager with DeepSeek-V3 (TP 2 x EP 2, above, on
 # 2.13.0); compiled with the dense Llama on every newer release (2.13 cannot: the skip below).
 # The dense eager TP run is `make bench`'s (CI time: 61 s).
 
