@@ -23,12 +23,13 @@ VENV   ?= .venv-torch$(TORCH)
 PIP_ENV := PIP_CONSTRAINT=$(abspath $(VENV))/no-constraints.txt
 HF_PINS := transformers==5.25.0 datasets==5.2.0
 endif
-# The release tier on a newer torch (tests/releases.py): the unit tier and the `every_release`
-# tests; the default release runs every test. `make test TIER=` runs all of them on any release.
+# What `make test` runs (tests/releases.py, docs/testing.md): on the default release every test
+# but the `extended` breadth (CI); on a newer torch the release tier, the unit tier and the
+# `every_release` tests. `make test TIER=` runs every test on any release.
 ifeq ($(TORCH),$(DEFAULT_TORCH))
-TIER   ?=
+TIER   ?= not extended
 else
-TIER   ?= every_release or not (slow or distributed or subprocess)
+TIER   ?= (every_release or not (slow or distributed or subprocess)) and not extended
 endif
 # torchtitan and the two packages of its own that require torch: --no-deps, so that no
 # other torch is pulled (examples/torchtitan, tests/test_torchtitan.py)

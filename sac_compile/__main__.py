@@ -34,6 +34,10 @@ def _model(path: str) -> Any:
         else:
             with open(path) as f:
                 raw = json.load(f)
+            if not isinstance(raw, dict):
+                raise ValueError(
+                    f"a config.json is a JSON object with a 'model_type'; this one is a {type(raw).__name__}"
+                )
             kind = raw.get("model_type")
             if kind not in CONFIG_MAPPING:
                 raise ValueError(f"model_type {kind!r} is not one transformers knows")
@@ -53,6 +57,21 @@ def _model(path: str) -> Any:
     raise SystemExit(
         f"sac_compile plan: transformers cannot build {path!r} ({type(config).__name__}): {'; '.join(errors)}"
     )
+
+
+def _check_writable(path: str) -> None:
+    """``--json PATH`` can be written: checked before minutes of measuring, not after."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise SystemExit(f"sac_compile plan: --json {path}: a folder, not a file (name the file to write)")
+    if not os.path.isdir(folder):
+        raise SystemExit(
+            f"sac_compile plan: --json {path}: the folder {folder} does not exist (create it first)"
+        )
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise SystemExit(f"sac_compile plan: --json {path}: not writable here")
 
 
 def _progress(done: int, total: int, what: str) -> None:
@@ -75,6 +94,8 @@ def _report(plan: Any, seconds: float) -> dict[str, Any]:
         "fsdp": t.fsdp,
         "tp": t.tp,
         "ep": t.ep,
+        "sequence_parallel": t.sequence_parallel,
+        "loss_parallel": t.loss_parallel,
         "batch": t.batch,
         "seq": t.seq,
         "param_dtype": str(t.param_dtype).removeprefix("torch."),
@@ -101,7 +122,7 @@ def _report(plan: Any, seconds: float) -> dict[str, Any]:
     }
 
 
-def plan_command(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     from .planning.devices import DEVICES
 
     parser = argparse.ArgumentParser(
@@ -121,14 +142,36 @@ def plan_command(argv: list[str]) -> int:
     parser.add_argument(
         "--ep", type=int, default=1, help="expert-parallel degree, a divisor of --fsdp (default 1)"
     )
+    parser.add_argument(
+        "--no-sequence-parallel",
+        action="store_true",
+        help="with --tp: the residual stream whole on every rank (default: split on the sequence, as torchtitan)",
+    )
+    parser.add_argument(
+        "--no-loss-parallel",
+        action="store_true",
+        help="with --tp: the logits whole on every rank (default: split on the vocabulary, as torchtitan)",
+    )
     parser.add_argument("--eager", action="store_true", help="plan for the eager engine (keep sets only)")
     parser.add_argument("--json", default=None, help="write the plan as JSON to this path")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def plan_command(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
     import logging
     import warnings
 
     from . import hf
-    from .planning.devices import Target
+    from .planning.devices import Target, parse_memory
+
+    if args.memory is not None:
+        try:
+            parse_memory(args.memory)
+        except ValueError as e:
+            raise SystemExit(f"sac_compile plan: --memory: {e}") from None
+    if args.json:
+        _check_writable(args.json)
 
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -140,6 +183,8 @@ def plan_command(argv: list[str]) -> int:
             fsdp=args.fsdp,
             tp=args.tp,
             ep=args.ep,
+            sequence_parallel=not args.no_sequence_parallel,
+            loss_parallel=not args.no_loss_parallel,
             batch=args.batch,
             seq=args.seq,
         )
@@ -167,14 +212,24 @@ def plan_command(argv: list[str]) -> int:
     return 0 if plan.fits else 1
 
 
+#: command -> what it does (``python -m sac_compile --help``)
+COMMANDS = {
+    "plan": "plan a transformers config.json for a device: the least recompute whose predicted step peak fits",
+}
+
+USAGE = "usage: python -m sac_compile COMMAND [options]\n\ncommands:\n" + "".join(
+    f"  {name:<8}{what}\n    (python -m sac_compile {name} --help)\n" for name, what in COMMANDS.items()
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "plan":
-        print(
-            "usage: python -m sac_compile plan CONFIG --seq S --batch B --device DEV --memory M "
-            "[--fsdp N] [--tp N] [--ep N] [--eager] [--json PATH]",
-            file=sys.stderr,
-        )
+    if argv and argv[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        raise SystemExit(0)
+    if not argv or argv[0] not in COMMANDS:
+        unknown = f"sac_compile: unknown command {argv[0]!r}\n" if argv else ""
+        print(unknown + USAGE, end="", file=sys.stderr)
         return 2
     return plan_command(argv[1:])
 

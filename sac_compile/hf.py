@@ -172,6 +172,12 @@ def plan_for(
     its real size without allocating (cast in place to the target's ``param_dtype``), traced
     with the target's attention kernel (:mod:`sac_compile.planning.kernels`). ``options``:
     ``budgets``, ``policies``, ``eager`` of :func:`sac_compile.planning.plan`."""
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"plan_for({name}={value!r}): a positive int ({'sequences' if name == 'batch' else 'tokens a sequence'} "
+                "per device)"
+            )
     read = read_stacks(model, include or ())
     report_unchecked(
         model,

@@ -4,6 +4,7 @@ device=...)``), :func:`step_figures` and :func:`predict_peak` (re-exported by
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.nn as nn
 
+from ._compat.aot import meta_rng_states
 from ._compat.dynamo import unwrap_compiled
 from .hf_layers import layer_regions, merged, read_stacks, report_unchecked, vocab_size
 from .keep import ALL_REGIONS, normalize_keep
@@ -85,7 +87,9 @@ def _measure(
     if inputs is None:
         inputs = _tokens(model, target, where)
     patterns = tuple(f"{path}.*" for path, _ in read)
-    with target_kernels(target.device.cuda and where.type != "cuda"):
+    # (on the meta device, a recomputed dropout's RNG state is saved as on the CPU)
+    rng = meta_rng_states() if where.type == "meta" else contextlib.nullcontext()
+    with target_kernels(target.device.cuda and where.type != "cuda"), rng:
         planned = plan_model(
             model, layers=patterns, memory=1.0, regions=merged(read), use_cache=False, **inputs, **options
         )
@@ -184,6 +188,7 @@ def _step_sizes(
     sizes = ModelSizes(
         params=sum(p.numel() for p in root.parameters()),
         head_saved_bytes=logits + 3 * tokens * text.hidden_size * width,
+        head_stream_bytes=3 * tokens * text.hidden_size * width,
         head_transient_bytes=2 * logits + (tokens * text.vocab_size * width if width != 4 else 0),
         head_flops=6 * tokens * text.hidden_size * text.vocab_size,
         head_traffic=6 * logits,
@@ -237,17 +242,16 @@ class StepFigures:
     def peak(self, keep: Any = None, *, compile: bool = False) -> Peak:
         """The predicted peak with every layer keeping ``keep`` (None: no checkpoint), under
         the eager engine or (``compile``) compiled."""
-        from .planning.device_plan import figures_of
-        from .planning.peak import LayerFigures, step_peak
+        from .planning.device_plan import figures_of, no_checkpoint_figures
+        from .planning.peak import step_peak
 
         layers = []
         for group, params, c in zip(self.plan.groups, self.layer_params, self._chosen(keep)):
             table, count = group.plan, len(group.paths)
             if c is None:
-                plain = table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
-                layers.append(LayerFigures(count, params[0], plain, table.no_checkpoint_transient, params[1]))
+                layers.append(no_checkpoint_figures(table, params, count, self.target))
             else:
-                layers.append(figures_of(c, table, params, count, compile=compile))
+                layers.append(figures_of(c, table, params, count, self.target, compile=compile))
         return step_peak(self.sizes, layers, self.target)
 
     def seconds(self, keep: Any = None) -> float:
@@ -279,12 +283,16 @@ def step_figures(
     :func:`sac_compile.planning.peak.step_peak` composes the step. For a CUDA target, a model
     that is not on a CUDA device is traced with the target's attention kernel
     (:mod:`sac_compile.planning.kernels`); a model on the meta device is cast in place to
-    ``target.param_dtype``."""
+    ``target.param_dtype``. What the eager engine holds is measured by running it; on the
+    meta device nothing runs, and a meta model's eager figures are its compiled partition's
+    (``peak(keep)`` equals ``peak(keep, compile=True)`` there)."""
     from .planning.devices import Target
 
     if not isinstance(target, Target):
         raise TypeError(f"step_figures(target={target!r}): a sac_compile.planning.devices.Target")
     read = read_stacks(model, include or ())
     report_unchecked(model, include, "nor does this prediction: include={include!r} counts them too")
-    planned, params, sizes, _ = _measure(model, read, target, inputs, {"budgets": (None,)})
+    meta = any(p.is_meta for p in unwrap_compiled(model).parameters())
+    options = {"budgets": (None,), "eager": not meta}
+    planned, params, sizes, _ = _measure(model, read, target, inputs, options)
     return StepFigures(target, planned, params, sizes)

@@ -21,7 +21,7 @@ import sac_compile as sc
 from sac_compile.inspection import autograd_saved_bytes
 from sac_compile.testing import method_compiled as mc
 
-from .releases import default_torch_only
+from .releases import default_torch_only, extended
 
 # each backend compiles four methods (Inductor: C++ kernels, ~40 s); our backend on every
 # release, plain Inductor and real depth on the default one
@@ -62,7 +62,7 @@ def methods_compiled(request):
     "methods_compiled",
     # (aot_eager behaves as Inductor here, a backend without our pass: test_diagnostics.py reports
     # it where the seam does not route the method)
-    [pytest.param("inductor", marks=default_torch_only), "sac"],
+    [pytest.param("inductor", marks=[default_torch_only, extended]), "sac"],
     indirect=True,
 )
 def test_compiled_methods_keep_attention_across_the_eager_checkpoint(methods_compiled, caplog):

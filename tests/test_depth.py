@@ -24,7 +24,7 @@ from sac_compile.compiler import make_sac_backend
 from sac_compile.inspection import autograd_saved_bytes
 from sac_compile.testing.hf_families import tiny_llama, tiny_qwen3_moe
 
-from .releases import default_torch_only
+from .releases import default_torch_only, extended
 from .test_declare import PlainModel
 
 # 32-48 layers compiled per layer, several ways (the compiles take most of it: ~10 s per graph
@@ -116,6 +116,7 @@ def test_a_32_layer_llama_compiled_per_layer_keeps_attention_in_as_many_graphs_a
 
 
 @default_torch_only
+@extended  # depth in CI: the 32-layer Llama above and our own 32-layer stack
 def test_a_48_layer_qwen3_moe_compiled_per_layer_keeps_regions_in_as_many_graphs_as_plain_compile(caplog):
     _check_deep_model(tiny_qwen3_moe(layers=48, hidden=32), {"attn", "experts"}, caplog)
 

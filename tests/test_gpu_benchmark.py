@@ -8,17 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from .releases import default_torch_only
+from .releases import default_torch_only, extended
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.slow, pytest.mark.subprocess, default_torch_only]
+# extended: the predicted peak against the allocator's timeline is checked in CI by test_peak.py;
+# this is the benchmark script end to end (make bench runs it too)
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess, default_torch_only, extended]
 
 
 def test_the_gpu_benchmark_runs_every_configuration_on_a_cpu():
     argv = ["--model", "llama", "--device", "cpu", "--layers", "2", "--d", "32", "--heads", "4"]
     argv += ["--batch", "2", "--seq", "16", "--iters", "2", "--inner", "aot_eager"]
-    argv += ["--fractions", "0.6,0.9", "--plan-budgets", "none,0.3"]
+    argv += ["--fractions", "0.6", "--plan-budgets", "none,0.3"]
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), *argv],
         capture_output=True,
@@ -33,7 +35,7 @@ def test_the_gpu_benchmark_runs_every_configuration_on_a_cpu():
     for name in ("no checkpoint", "full recompute", "budget 0.3", "budget 0.5", "keep every region"):
         assert name in rows, done.stdout
     plans = [r for r in rows if r.startswith("plan 0.")]
-    assert len(plans) == 2, done.stdout
+    assert len(plans) == 1, done.stdout
     held = {name: float(r[-4]) for name, r in rows.items() if name in ("no checkpoint", "full recompute")}
     assert held["full recompute"] < held["no checkpoint"] == 1.0  # held, relative to no checkpoint
     # the whole AdamW steps: predicted beside measured peak (the allocator's timeline on a CPU)

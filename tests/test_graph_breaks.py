@@ -20,6 +20,8 @@ import sac_compile as sc
 from sac_compile._compat import aot as aot_compat
 from sac_compile.compiler import session
 
+from .releases import extended
+
 INNER = "aot_eager"
 
 
@@ -231,10 +233,13 @@ MIXTRAL_REGIONS = {
 
 
 @pytest.mark.slow
-def test_mixtral_eager_experts_keeps_each_layers_keep_set():
-    """keep={"attn"} under sac_backend and under a backend keeping nothing (the synthetic layer
-    above covers three keep sets). Red before: the pieces after the router's break were "whole
-    graph" scopes with the backend's keep set, so attention was recomputed under the latter."""
+@extended  # CI: the synthetic layer above checks the same fix; this is Mixtral's own layer
+@pytest.mark.parametrize("model_keep", [(), sc.ALL_REGIONS], ids=["none", "all"])
+def test_mixtral_eager_experts_keeps_each_layers_keep_set(model_keep):
+    """keep={"attn"} under a backend keeping nothing and under one keeping every region (the
+    synthetic layer above covers three keep sets). Red before: the pieces after the router's
+    break were "whole graph" scopes with the backend's keep set, so attention was recomputed
+    under the former."""
     from sac_compile import hf
 
     keep = frozenset({"attn"})
@@ -247,15 +252,14 @@ def test_mixtral_eager_experts_keeps_each_layers_keep_set():
     # the expert loop itself runs eagerly (Dynamo skips a frame whose loop breaks the graph),
     # so in compiled code attention is what has matmuls to keep
     assert "attn" in {region for region, _, _ in want}, want
-    for model_keep in (sc.ALL_REGIONS, ()):
-        model = _mixtral()
-        sc.SacConfig(layers="model.layers.*", keep=keep, regions=MIXTRAL_REGIONS).apply(model)
-        backend = sc.make_sac_backend(model_keep, inner=INNER)
-        report = sc.inspection.capture_partition(model, ids, labels=ids, use_cache=False, backend=backend)
-        assert _rows(report, _in_a_scope) == want, (model_keep, report)
-        for g in report.graphs:
-            if g.record is not None and g.record.is_training:
-                assert [s.keep for s in g.record.scopes] in ([keep], []), (g.index, g.record.scopes)
+    model = _mixtral()
+    sc.SacConfig(layers="model.layers.*", keep=keep, regions=MIXTRAL_REGIONS).apply(model)
+    backend = sc.make_sac_backend(model_keep, inner=INNER)
+    report = sc.inspection.capture_partition(model, ids, labels=ids, use_cache=False, backend=backend)
+    assert _rows(report, _in_a_scope) == want, (model_keep, report)
+    for g in report.graphs:
+        if g.record is not None and g.record.is_training:
+            assert [s.keep for s in g.record.scopes] in ([keep], []), (g.index, g.record.scopes)
 
 
 @pytest.mark.slow

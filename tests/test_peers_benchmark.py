@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import peers  # noqa: E402
 
-from .releases import default_torch_only  # noqa: E402
+from .releases import beyond, default_torch_only  # noqa: E402
 
 TINY = ["--iters", "1", "--layers", "1", "--batch", "2", "--seq", "16", "--d", "32", "--demo-d", "32"]
 TINY += ["--hf-hidden", "32", "--hf-batch", "2", "--hf-seq", "16", "--inner", "aot_eager"]
@@ -32,7 +32,7 @@ def _rows(key: str, *flags: str) -> tuple[peers.Model, dict]:
 @pytest.mark.slow
 @needs_remat
 @default_torch_only  # a benchmark script end to end (tests/releases.py)
-@pytest.mark.parametrize("key", ["blocks", "demo", "llama"])
+@pytest.mark.parametrize("key", beyond(["blocks", "demo", "llama"], "llama"))
 def test_save_all_holds_no_more_than_torch_remat_eagerly(key):
     """For every keep set, the kept modules' bodies skipped under SAVE_ALL hold no more than
     torch_remat's save regions, but for the CPU generator's state per layer (replayed by

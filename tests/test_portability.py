@@ -17,6 +17,7 @@ import torch.nn as nn
 import sac_compile as sc
 from sac_compile.testing.models import Block, Stack
 from tests.models import run_step
+from tests.releases import extended
 
 D = 16
 
@@ -72,8 +73,12 @@ def _sac_nodes(gm: torch.fx.GraphModule) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+@pytest.mark.parametrize(
+    "compile, how",
+    [(False, "pickle"), pytest.param(True, "pickle", marks=extended)]
+    + [pytest.param(False, "deepcopy", marks=extended), (True, "deepcopy")],
+    ids=["eager-pickle", "compiled-pickle", "eager-deepcopy", "compiled-deepcopy"],
+)
 def test_a_wrapped_model_pickles_and_deep_copies_with_its_wrapping(compile, how, caplog):
     model = _wrapped(compile)
     other = pickle.loads(pickle.dumps(model)) if how == "pickle" else copy.deepcopy(model)

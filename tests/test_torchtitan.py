@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from .releases import TORCH, default_torch_only, every_release  # noqa: E402
+from .releases import TORCH, default_torch_only, every_release, extended  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "torchtitan")
@@ -72,6 +72,7 @@ def _check(figures: dict) -> None:
 
 
 @default_torch_only
+@extended  # CI: the trainer eager with DeepSeek-V3 (TP x EP) and compiled with the dense Llama
 def test_plugin_trains_with_torchtitans_trainer_eager(tmp_path):
     _check(_compare(tmp_path, "--seq-len", "64"))
 
@@ -111,9 +112,10 @@ def test_plugin_trains_with_torchtitans_trainer_compiled(tmp_path):
     # own compile, the FlexAttention way, stays on Inductor); test_integrations compiles a
     # transformers model through the named backend with Inductor
     configs += ",sac keep attn (seam compiles)"
-    # real depth: 16 blocks (Dynamo's recompile limit is 8; compare.py raises it to 64 for its
-    # several trainers, so a graph per block would show as 16 graphs), short sequences
-    depth = ("--layers", "16", "--seq-len", "32")
+    # past Dynamo's recompile limit of 8: 9 blocks (compare.py raises it to 64 for its several
+    # trainers, so a graph per block would show as 9 graphs); short sequences (CI time: 32+
+    # layers are tests/test_depth.py's)
+    depth = ("--layers", "9", "--seq-len", "32")
     figures = _compare(tmp_path, "--compile", "--inner", "aot_eager", "--configs", configs, *depth)
     # no configuration of ours compiles more graphs than torchtitan's own compile of each block
     plain = figures["torchtitan full"]["graphs"]
@@ -172,6 +174,7 @@ def test_plugin_refuses_what_it_would_ignore():
 
 @default_torch_only
 @pytest.mark.slow
+@extended  # no-pass in CI: tests/test_diagnostics.py, test_cache.py (plain compile of a marked model)
 def test_plain_compile_of_a_plugin_block_is_reported(tmp_path):
     """``--compile.enable`` without ``--compile.backend sac_compile`` (here ``aot_eager``; the
     default ``inductor`` alike): the blocks compile without the tagging pass; the seam's scope
@@ -194,6 +197,7 @@ def test_plain_compile_of_a_plugin_block_is_reported(tmp_path):
 
 
 @default_torch_only
+@extended  # CI: the expert-parallel run above (2 ranks); make bench runs moe_mtp.py too
 def test_plugin_keeps_torchtitans_moe_regions_and_checkpoints_mtp_layers(tmp_path):
     """DeepSeek-V3 with an MTP layer (examples/torchtitan/moe_mtp.py): the plugin declares
     ``moe.router`` / ``moe.routed_experts`` / ``moe.shared_experts`` per block (the dense first

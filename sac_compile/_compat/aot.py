@@ -4,11 +4,13 @@ graphs they produce. Imported on first use.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ __all__ = [
     "is_tangent",
     "is_with_effects",
     "make_boxed_func",
+    "meta_rng_states",
     "min_cut_rematerialization_partition",
     "partitioner_tag",
     "primal_index",
@@ -139,6 +142,29 @@ def primal_index(name: str) -> int | None:
 def is_rng_state_output(name: str) -> bool:
     """A saved RNG state that the partitioner added for a recomputed random op."""
     return name.startswith("rng_state_output")
+
+
+@contextlib.contextmanager
+def meta_rng_states() -> Iterator[None]:
+    """While open, the partitioner's RNG wrappers (``run_and_save_rng_state`` for a recomputed
+    random op in the forward, ``run_with_rng_state`` replaying it in the backward) run on meta
+    tensors as on CPU ones: they pick their kernel by the device of the op's tensors
+    (``torch._prims.rng_prims.get_device``), and have none for ``meta`` ("Backend not supported
+    for meta": a compiled layer with dropout on the meta device). The state they save is this
+    process's CPU generator's (5,056 B: a CUDA generator's is 16 B); the random op itself runs
+    on meta, unseeded, which on the meta device has no values to differ."""
+    prims = private("torch._prims", "rng_prims")
+    original = prims.get_device
+
+    def get_device(args: Any, kwargs: Any) -> Any:
+        found = original(args, kwargs)
+        return "cpu" if found == "meta" else found
+
+    prims.get_device = get_device
+    try:
+        yield
+    finally:
+        prims.get_device = original
 
 
 def is_buffer_input(placeholder_name: str) -> bool:

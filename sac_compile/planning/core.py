@@ -64,6 +64,10 @@ class Candidate:
     step_time: float | None = None  # median forward+backward seconds (estimator="time", Pareto points)
     transient_bytes: int = 0  # what its backward graph allocates beyond its inputs, at its peak
     recompute_traffic: int = 0  # bytes its backward's memory-bound ops move beyond no checkpoint's
+    # saved_bytes split for tensor parallelism: (split tp ways, the stream's values that
+    # column-parallel projections read, gathered in a region under sequence parallelism);
+    # planning.parallel
+    tp_split: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def label(self) -> str:
@@ -94,6 +98,7 @@ class Plan:
     no_checkpoint_flops: int = 0  # costly FLOPs of the no-checkpoint backward
     forward_traffic: int = 0  # bytes the forward's memory-bound ops move (inspection.flops.graph_traffic)
     no_checkpoint_traffic: int = 0  # the same for the no-checkpoint backward
+    no_checkpoint_tp: tuple[int, int, int] = (0, 0, 0)  # its saved bytes' tp_split (Candidate)
 
     @property
     def keep(self) -> frozenset[str]:
@@ -272,7 +277,9 @@ def plan(
         example_kwargs,
         {none: baseline_backend("aot_eager"), every: make_sac_backend(ALL_REGIONS, inner="aot_eager")},
     )
-    base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic = first.figures[none]
+    base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic, *base_tp = (
+        first.figures[none]
+    )
     regions = first.regions
     target = _target(memory, base_bytes)
     sets, search = keep_sets(regions)
@@ -299,6 +306,7 @@ def plan(
         no_checkpoint_flops=base_flops,
         forward_traffic=forward_traffic,
         no_checkpoint_traffic=base_traffic,
+        no_checkpoint_tp=(base_tp[0], base_tp[1], base_tp[2]),
     )
     return _choose(target, table)
 
@@ -317,7 +325,7 @@ def _candidates(
     figures = measure(module, example_args, example_kwargs, configs).figures
     found = []
     for keep, budget, policy in configs:
-        saved, flops, transient, _, traffic, _ = figures[(keep, budget, policy)]
+        saved, flops, transient, _, traffic, _, *split = figures[(keep, budget, policy)]
         held = None
         if eager and budget is None:
             held = eager_bytes(module, example_args, example_kwargs, keep, policy)
@@ -331,6 +339,7 @@ def _candidates(
                 eager_bytes=held,
                 transient_bytes=transient,
                 recompute_traffic=max(traffic - base_traffic, 0),
+                tp_split=(split[0], split[1], split[2]),
             )
         )
     return found

@@ -20,9 +20,10 @@ from typing import Any, cast
 from .core import Candidate, Plan
 from .devices import Target
 from .model import LayerGroup, ModelPlan
+from .parallel import per_rank_bytes
 from .peak import LayerFigures, ModelSizes, Peak, step_peak
 
-__all__ = ["DevicePlan", "choose", "figures_of", "step_seconds"]
+__all__ = ["DevicePlan", "choose", "figures_of", "no_checkpoint_figures", "step_seconds"]
 
 _FIX = {
     "parameters": "shard wider (a larger fsdp or tp degree)",
@@ -83,7 +84,7 @@ class DevicePlan(ModelPlan):
             scale, unit = (2**30, "GiB") if self.peak.bytes >= 2**30 else (2**20, "MiB")
             lines.append(
                 f"  on {t.device.name} ({t.memory / 2**30:.1f} GiB, {t.usable / 2**30:.1f} usable; "  # type: ignore[union-attr,operator]
-                f"fsdp {t.fsdp}, tp {t.tp}, batch {t.batch} x seq {t.seq}): predicted peak "
+                f"fsdp {t.fsdp}, tp {t.tp}{_tp_layout(t)}, batch {t.batch} x seq {t.seq}): predicted peak "
                 f"{self.peak.bytes / scale:.2f} {unit} in the {self.peak.phase} ({'fits' if self.fits else 'does not fit'})"
             )
             for term, value in self.peak.breakdown.items():
@@ -102,20 +103,49 @@ class DevicePlan(ModelPlan):
         return super().apply(model, compile=self.compile if compile is None else compile, **options)
 
 
+def _tp_layout(t: Target) -> str:
+    if t.tp == 1:
+        return ""
+    parts = [name for name, on in (("sequence", t.sequence_parallel), ("loss", t.loss_parallel)) if on]
+    return f" ({' and '.join(parts)} parallel)" if parts else " (no sequence or loss parallel)"
+
+
 def figures_of(
-    c: Candidate, table: Plan, params: tuple[int, int], count: int, *, compile: bool
+    c: Candidate, table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool
 ) -> LayerFigures:
-    """One kind of layer's figures for :func:`step_peak` with candidate ``c``: compiled, what
-    its partition saves and its backward graph's transient; eager, what the eager engine
-    holds (when measured) and the recompute's restoring what the layer holds unchecked.
-    ``params``: one layer's (parameters, of them the routed experts')."""
+    """One kind of layer's figures for :func:`step_peak` with candidate ``c``, per device of
+    ``target``: compiled, what its partition saves and its backward graph's transient; eager,
+    what the eager engine holds (when measured) and the recompute's restoring what the layer
+    holds unchecked. Under tensor parallelism a rank's share (:mod:`.parallel`: the
+    partition's saved values split by kind; the eager figures and the transients scaled
+    alike). ``params``: one layer's (parameters, of them the routed experts')."""
+    share = _share(c.saved_bytes, c.tp_split, target)
     if compile:
-        return LayerFigures(count, params[0], c.saved_bytes, c.transient_bytes, params[1])
-    plain = table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
-    saved = c.eager_bytes if c.eager_bytes is not None else c.saved_bytes
-    return LayerFigures(
-        count, params[0], saved, max(plain - saved, 0) + table.no_checkpoint_transient, params[1]
+        return LayerFigures(
+            count, params[0], int(c.saved_bytes * share), c.transient_bytes // target.tp, params[1]
+        )
+    plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * _share(
+        table.no_checkpoint_bytes, table.no_checkpoint_tp, target
     )
+    saved = (c.eager_bytes if c.eager_bytes is not None else c.saved_bytes) * share
+    transient = max(plain - saved, 0) + table.no_checkpoint_transient / target.tp
+    return LayerFigures(count, params[0], int(saved), int(transient), params[1])
+
+
+def no_checkpoint_figures(table: Plan, params: tuple[int, int], count: int, target: Target) -> LayerFigures:
+    """One kind of layer's figures without a checkpoint, per device of ``target``."""
+    plain = table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
+    share = _share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target)
+    return LayerFigures(
+        count, params[0], int(plain * share), table.no_checkpoint_transient // target.tp, params[1]
+    )
+
+
+def _share(total: int, split: tuple[int, int, int], target: Target) -> float:
+    """The fraction of a layer's saved bytes one tensor-parallel rank holds."""
+    if target.tp == 1 or total == 0:
+        return 1.0
+    return per_rank_bytes(total, split, target.tp, target.sequence_parallel) / total
 
 
 def _cost(c: Candidate) -> float:
@@ -153,7 +183,7 @@ def choose(
 
     def peak_of(state: list[int]) -> Peak:
         figures = [
-            figures_of(f[i], g.plan, p, len(g.paths), compile=compile)
+            figures_of(f[i], g.plan, p, len(g.paths), target, compile=compile)
             for f, i, g, p in zip(fronts, state, groups, params)
         ]
         return step_peak(sizes, figures, target)

@@ -151,13 +151,15 @@ def present(index: int | None = None) -> Device:
     )
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12, "kib": 2**10, "mib": 2**20}
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12, "kib": 2**10, "mib": 2**20}
 _UNITS |= {"gib": GiB, "tib": 2**40}
 
 
 def parse_memory(memory: int | float | str) -> int:
-    """Bytes from an ``int`` or a string with a unit (``"80GiB"``, ``"80 GB"``, ``"512MiB"``;
-    GB is 10**9, GiB 2**30). Anything else is a ``ValueError`` naming it."""
+    """Bytes from an ``int`` or a string with a unit (``"80GiB"``, ``"80 GB"``, ``"512MiB"``,
+    ``"4096B"``; GB is 10**9, GiB 2**30). A string without a unit (``"80"``, as a command line
+    or a config file writes it) is a ``ValueError``: bytes are said with ``B`` or passed as an
+    int. Anything else is a ``ValueError`` naming it."""
     if isinstance(memory, bool):
         raise TypeError(f"memory={memory!r}: bytes (an int) or a string such as '80GiB'")
     if isinstance(memory, int):
@@ -168,6 +170,11 @@ def parse_memory(memory: int | float | str) -> int:
         return int(memory)
     if isinstance(memory, str):
         found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", memory)
+        if found and not found.group(2):
+            raise ValueError(
+                f"memory={memory!r}: a number with no unit (is it bytes or GiB?): "
+                f"'{found.group(1)}GiB' or '{found.group(1)}GB' ('{found.group(1)}B' for bytes)"
+            )
         if found and found.group(2).lower() in _UNITS:
             value = int(float(found.group(1)) * _UNITS[found.group(2).lower()])
             if value > 0:
@@ -199,7 +206,13 @@ class Target:
             device's.
         fsdp: FSDP degree: parameters, gradients and optimizer state sharded this many ways;
             a layer's parameters (and in the backward its gradients) unsharded while it runs.
-        tp: tensor-parallel degree: a layer's weights and most of its activations split.
+        tp: tensor-parallel degree, laid out as torchtitan lays out Llama: each layer's
+            projections split column- / row-wise, so its weights and the activations between
+            them are split ``tp`` ways (:mod:`sac_compile.planning.parallel`).
+        sequence_parallel: with ``tp``, the residual stream between the projections split on
+            the sequence too (torchtitan's default; a kept region saves the input it gathers).
+        loss_parallel: with ``tp``, the logits split on the vocabulary and the loss computed
+            on the shards (torchtitan's default): the head's logits and loss terms ``1 / tp``.
         ep: expert-parallel degree (torchtitan's layout: a divisor of ``fsdp``): an MoE
             layer's routed experts split this many ways and FSDP-sharded over the other
             ``fsdp / ep``, so only ``1 / ep`` of them is all-gathered while the layer runs.
@@ -219,6 +232,8 @@ class Target:
     fsdp: int = 1
     tp: int = 1
     ep: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
     param_dtype: torch.dtype | str = torch.bfloat16
     master_dtype: torch.dtype | str = torch.float32
     reduce_dtype: torch.dtype | str = torch.float32
@@ -235,6 +250,9 @@ class Target:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Target({name}={value!r}): a positive int")
+        for name in ("sequence_parallel", "loss_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Target({name}={getattr(self, name)!r}): True or False")
         if self.fsdp % self.ep:
             raise ValueError(
                 f"Target(ep={self.ep}, fsdp={self.fsdp}): the expert-parallel degree divides the FSDP degree "

@@ -6,8 +6,10 @@ GPU runs flash attention (or the memory-efficient kernel), which saves its outpu
 logsumexp (``batch x heads x seq`` float32) instead. :func:`target_kernels` makes a trace see
 what the target runs: for a CUDA (or ROCm) target, every ``scaled_dot_product_attention`` call
 becomes the flash kernel (``sac_compile_plan::flash_attention``: output and logsumexp saved,
-its backward the flash backward's shapes), keys and values repeated to the query's heads first when
-the call asks for grouped-query attention. A mask handed to the call is taken for a causal
+its backward the flash backward's shapes). Grouped-query attention stays grouped, as in
+FlashAttention-2 and cuDNN's kernels: the keys and values saved are the ``kv_heads`` ones, not
+repeated to the query's heads (on the CPU the stand-in repeats them inside the op, where
+nothing sees them). A mask handed to the call is taken for a causal
 or padding mask (flash's ``is_causal``): on the meta device values do not matter, only what
 the kernel saves. Nothing changes for a CPU target.
 """
@@ -30,10 +32,21 @@ _SDPA = F.scaled_dot_product_attention
 # which has no meta kernel). Its namespace is not PyTorch's, so the policies count it costly
 # (``op_classes.is_costly``), and ``inspection.flops`` counts its FLOPs as flash attention's.
 # Off the meta device it runs the CPU flash kernel: same values, same saved tensors.
+def _grouped(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values repeated to the query's heads (grouped-query attention), for the CPU kernel."""
+    group = query.shape[-3] // key.shape[-3]
+    if group == 1:
+        return key, value
+    return key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
+
+
 @torch.library.custom_op("sac_compile_plan::flash_attention", mutates_args=())
 def _flash(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    key, value = _grouped(query, key, value)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, is_causal, scale=scale
     )
@@ -58,9 +71,13 @@ def _flash_backward(
     is_causal: bool,
     scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    keys, values = _grouped(query, key, value)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, query, key, value, out, lse, 0.0, is_causal, scale=scale
+        grad, query, keys, values, out, lse, 0.0, is_causal, scale=scale
     )
+    if keys is not key:  # each kv head's gradient: the sum over the query heads that share it
+        dk = dk.unflatten(-3, (key.shape[-3], -1)).sum(-3)
+        dv = dv.unflatten(-3, (value.shape[-3], -1)).sum(-3)
     return dq, dk, dv
 
 
@@ -95,10 +112,6 @@ def flash_attention(
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention``'s signature, run as the flash kernel: it saves its
     output and the logsumexp for the backward (no ``seq x seq`` matrix)."""
-    heads = query.shape[-3]
-    if key.shape[-3] != heads:  # grouped-query attention: the kernel sees every head
-        key = key.repeat_interleave(heads // key.shape[-3], dim=-3)
-        value = value.repeat_interleave(heads // value.shape[-3], dim=-3)
     causal = bool(is_causal) or attn_mask is not None
     out, _ = _flash(query, key, value, causal, scale)
     return out

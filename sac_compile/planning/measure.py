@@ -33,8 +33,9 @@ class PartitionEach:
     def __init__(self, configs: dict[Any, Any]) -> None:
         self.configs = configs
         # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in
-        # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move)
-        self.figures: dict[Any, list[int]] = {key: [0, 0, 0, 0, 0, 0] for key in configs}
+        # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
+        # and their tensor-parallel split (planning.parallel.tensor_parallel_split)
+        self.figures: dict[Any, list[int]] = {key: [0] * 9 for key in configs}
         self.regions: list[str] = []
         self.scopes: list[int] = []  # per graph: the checkpoint scopes of the first configuration
 
@@ -44,10 +45,15 @@ class PartitionEach:
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition
+        from .parallel import tensor_parallel_split
         from .peak import graph_transient
 
         unit = backends.new_unit(gm, example_inputs)
         trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
+
+        def is_param(name: str) -> bool:
+            index = aot.primal_index(name)
+            return index is not None and 0 <= index < len(unit.input_is_param) and unit.input_is_param[index]
 
         def partition(joint, joint_inputs, **kwargs):
             chosen = None
@@ -71,6 +77,8 @@ class PartitionEach:
                 self.figures[key][3] += graph_costly_flops(fw)
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)
+                for i, part_bytes in enumerate(tensor_parallel_split(fw, bw, is_param)):
+                    self.figures[key][6 + i] += part_bytes
                 for rec in one.records[-1:]:
                     self.regions.extend(r for r in rec.regions if r not in self.regions)
                     if chosen is None:

@@ -66,6 +66,8 @@ class ModelSizes:
     head_saved_bytes: int  # held for the backward outside the layers (embedding out, norm, logits / loss)
     head_transient_bytes: int  # the loss's and the head's backward temporaries
     head_flops: int = 0  # the output projection's forward and backward FLOPs
+    # of head_saved_bytes, the residual stream's (the final norm's saves: the rest is logits)
+    head_stream_bytes: int = 0
     head_traffic: int = 0  # bytes the loss's memory-bound ops move (forward and backward)
 
 
@@ -122,7 +124,7 @@ def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target)
                 optimizer_state=optimizer,
                 fsdp_buffers=root,
                 activations=held_all,
-                logits_loss=model.head_saved_bytes + model.head_transient_bytes,
+                logits_loss=_head(model, target),
             ),
         )
     )
@@ -163,6 +165,16 @@ def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target)
     )
     phase, breakdown = max(phases, key=lambda p: sum(p[1].values()))
     return Peak(sum(breakdown.values()), phase, breakdown)
+
+
+def _head(model: ModelSizes, target: Target) -> int:
+    """The head's saved values and its backward's temporaries per device: the logits' and
+    loss's split ``tp`` ways with loss parallelism, the final norm's with sequence parallelism."""
+    tp = target.tp
+    logits = model.head_saved_bytes - model.head_stream_bytes + model.head_transient_bytes
+    logits = logits // tp if target.loss_parallel else logits
+    stream = model.head_stream_bytes // tp if target.sequence_parallel else model.head_stream_bytes
+    return logits + stream
 
 
 def graph_transient(gm: torch.fx.GraphModule) -> int:

@@ -1,0 +1,141 @@
+"""What one tensor-parallel rank holds of what a layer saves: the saved values split by kind.
+
+A layer is measured whole, on one device. Under tensor parallelism as torchtitan lays it out
+(Megatron's column / row split of each block's projections: ``ColwiseParallel`` for the
+projections that read the residual stream, ``RowwiseParallel`` for those that write back to
+it), each rank holds of each saved value:
+
+* **sharded**: a value between a column-parallel projection and the row-parallel one after
+  it (queries, keys, values, the attention's output and logsumexp, the MLP's hidden
+  activations): ``1 / tp`` of it, split by heads or hidden units;
+* **gathered**: the residual stream's value a column-parallel projection reads (the norm's
+  output): the whole of it on every rank. Without sequence parallelism it is replicated;
+  with it (torchtitan's ``PrepareModuleInput``) it is all-gathered from the sequence shards,
+  and the projection saves the gathered tensor (Megatron-LM instead saves its shard and
+  gathers it again in the backward: ``1 / tp``, not modelled);
+* **stream**: every other value of the residual stream (the layer's input, the norms' inputs
+  and statistics, the residual sums): whole without sequence parallelism, ``1 / tp`` with it
+  (each rank holds its chunk of the sequence).
+
+With sequence parallelism torchtitan gathers a block's input at the attention's and the
+feed forward's entry (``PrepareModuleInput``), inside the region: a kept region saves the
+gathered tensor its projections read, whole, though the norm's output it is gathered from is
+recomputed (the third figure of :func:`tensor_parallel_split`; measured on 2 gloo ranks:
+``tests/test_tensor_parallel.py``).
+
+:func:`tensor_parallel_split` classifies the saved values of a partitioned forward graph by
+following it from its inputs: a matmul with a parameter operand is a projection; it is
+column-parallel when its activation operand is not sharded (its output is), row-parallel
+when it is (its output is back in the stream); any other op's output is sharded when one of
+its activation inputs is. Routed experts' grouped matmuls are not projections (expert
+parallelism splits them, not TP), nor is anything else TP leaves whole (a router's
+projection is taken for a column-parallel one: its output, tokens x experts, is small).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .._compat.aot import is_tangent
+from .._compat.ops import is_view_op
+
+__all__ = ["per_rank_bytes", "tensor_parallel_split"]
+
+_WEIGHT, _SHARDED, _STREAM = "weight", "sharded", "stream"
+
+aten = torch.ops.aten
+# (op, index of the activation operand, index of the weight operand)
+_PROJECTIONS = {
+    aten.mm.default: (0, 1),
+    aten.addmm.default: (1, 2),
+    aten.linear.default: (0, 1),
+    aten.matmul.default: (0, 1),
+}
+
+
+def tensor_parallel_split(
+    fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, is_param: Callable[[str], bool]
+) -> tuple[int, int, int]:
+    """``(sharded, gathered, gathered_in_region)``: the bytes of the values ``bw`` reads from
+    ``fw`` (distinct storages; parameters left out, as the planner's saved bytes leave them)
+    that are sharded ``tp`` ways, and those that a column-parallel projection reads from the
+    residual stream; the rest of the saved bytes is the stream's. ``gathered_in_region``:
+    bytes not saved here that a rank saves with sequence parallelism, the stream values a
+    saved column-parallel projection reads (gathered in its region). ``is_param``: whether a
+    placeholder of ``fw`` (by name) is a parameter."""
+    kind: dict[torch.fx.Node, str] = {}
+    base: dict[torch.fx.Node, torch.fx.Node] = {}
+    column_inputs: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # stream value -> projections
+    for n in fw.graph.nodes:
+        if n.op == "placeholder":
+            kind[n] = _WEIGHT if is_param(n.name) else _STREAM
+            continue
+        if n.op != "call_function":
+            continue
+        inputs = n.all_input_nodes
+        if is_view_op(n.target) and inputs:
+            base[n] = base.get(inputs[0], inputs[0])
+        activations = [a for a in inputs if kind.get(a) != _WEIGHT]
+        projection = _PROJECTIONS.get(n.target)
+        if inputs and not activations:
+            kind[n] = _WEIGHT  # computed from parameters alone (a transpose, a cast)
+        elif projection and _kind(n.args, projection[1], kind) == _WEIGHT:
+            act = n.args[projection[0]]
+            if kind.get(act) == _SHARDED:
+                kind[n] = _STREAM  # row-parallel: reduced back into the stream
+            else:
+                kind[n] = _SHARDED  # column-parallel
+                column_inputs.setdefault(base.get(act, act), []).append(n)
+        elif any(kind.get(a) == _SHARDED for a in activations):
+            kind[n] = _SHARDED
+        else:
+            kind[n] = _STREAM
+    nodes = {n.name: n for n in fw.graph.nodes}
+    sharded = gathered = 0
+    seen: set[torch.fx.Node] = set()
+    for p in bw.graph.nodes:
+        if p.op != "placeholder" or is_tangent(p.name) or p.name not in nodes:
+            continue
+        node = nodes[p.name]
+        root = base.get(node, node)
+        val = node.meta.get("val")
+        if root in seen or not isinstance(val, torch.Tensor):
+            continue
+        seen.add(root)
+        if kind.get(root) == _WEIGHT and root.op == "placeholder":
+            continue
+        nbytes = _nbytes(root)
+        if kind.get(node) in (_SHARDED, _WEIGHT) or kind.get(root) == _SHARDED:
+            sharded += nbytes
+        elif root in column_inputs:
+            gathered += nbytes
+    in_region = sum(
+        _nbytes(value)
+        for value, projections in column_inputs.items()
+        if value not in seen and any(n in seen for n in projections)
+    )
+    return sharded, gathered, in_region
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return int(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
+
+
+def _kind(args: tuple, index: int, kind: dict[torch.fx.Node, str]) -> str | None:
+    value = args[index] if index < len(args) else None
+    return kind.get(value) if isinstance(value, torch.fx.Node) else None
+
+
+def per_rank_bytes(total: int, split: tuple[int, int, int], tp: int, sequence_parallel: bool) -> int:
+    """What one of ``tp`` ranks holds of ``total`` saved bytes split as
+    :func:`tensor_parallel_split` splits them."""
+    if tp == 1:
+        return total
+    sharded, gathered, in_region = split
+    stream = max(total - sharded - gathered, 0)
+    if sequence_parallel:
+        return int(sharded / tp + gathered + in_region + stream / tp)
+    return int(sharded / tp + gathered + stream)
