@@ -10,6 +10,7 @@ breakdown and a step-time estimate; ``--json`` writes the same as JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -96,6 +97,7 @@ def _report(plan: Any, seconds: float) -> dict[str, Any]:
         "ep": t.ep,
         "sequence_parallel": t.sequence_parallel,
         "loss_parallel": t.loss_parallel,
+        "loss": t.loss,
         "batch": t.batch,
         "seq": t.seq,
         "param_dtype": str(t.param_dtype).removeprefix("torch."),
@@ -152,6 +154,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --tp: the logits whole on every rank (default: split on the vocabulary, as torchtitan)",
     )
+    parser.add_argument(
+        "--loss",
+        default="transformers",
+        help="how the trainer's loss holds the logits: transformers (default), torchtitan, chunked[:N]",
+    )
+    parser.add_argument(
+        "--ac",
+        default=None,
+        help="predict one configuration instead of choosing: none, full, keep=attn,mlp[@BUDGET], keep=all",
+    )
     parser.add_argument("--eager", action="store_true", help="plan for the eager engine (keep sets only)")
     parser.add_argument("--json", default=None, help="write the plan as JSON to this path")
     return parser
@@ -172,6 +184,7 @@ def plan_command(argv: list[str]) -> int:
             raise SystemExit(f"sac_compile plan: --memory: {e}") from None
     if args.json:
         _check_writable(args.json)
+    ac = None if args.ac is None else _parse_ac(args.ac)
 
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -185,6 +198,7 @@ def plan_command(argv: list[str]) -> int:
             ep=args.ep,
             sequence_parallel=not args.no_sequence_parallel,
             loss_parallel=not args.no_loss_parallel,
+            loss=args.loss,
             batch=args.batch,
             seq=args.seq,
         )
@@ -199,17 +213,93 @@ def plan_command(argv: list[str]) -> int:
         f"{type(model).__name__} from {args.config}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters",
         file=sys.stderr,
     )
+    # measured once for any memory; then chosen for the target's, or the --ac configuration
+    unbounded = target.replace(memory=1 << 60)
     try:
-        plan = hf.plan_for(model, None, device=target, compile=not args.eager, progress=_progress, include=())
+        measured = hf.plan_for(
+            model, None, device=unbounded, compile=not args.eager, progress=_progress, include=()
+        )
+        plan = measured.select(target.memory) if ac is None else measured.select(1 << 60)
     except ValueError as e:
         raise SystemExit(f"sac_compile plan: {e}") from None
+    plan = dataclasses.replace(plan, target=target) if ac is not None else plan
     seconds = time.perf_counter() - start
-    print(plan.format())
+    report = _report(plan, seconds)
+    if ac is None:
+        print(plan.format())
+        report["peers"] = _peers(plan)
+        print("  beside it: " + "; ".join(_peer_line(name, p) for name, p in report["peers"].items()))
+        fits = plan.fits
+    else:  # (the plan's own figures are not this configuration's)
+        plan_keys = ("peak_bytes", "fits", "phase", "breakdown", "step_seconds", "groups")
+        report = {k: v for k, v in report.items() if k not in plan_keys}
+        report["ac"] = _configuration(plan, *ac, spec=args.ac)
+        print(_peer_line(f"--ac {args.ac}", report["ac"], full=True))
+        fits = report["ac"]["fits"]
     print(f"  planned in {seconds:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(_report(plan, seconds), f, indent=1)
-    return 0 if plan.fits else 1
+            json.dump(report, f, indent=1)
+    return 0 if fits else 1
+
+
+def _parse_ac(spec: str) -> tuple[Any, float | None]:
+    """``--ac``: ``none`` (no checkpoint), ``full`` (every layer recomputed), or
+    ``keep=attn,mlp`` / ``keep=all`` with an optional ``@budget`` -> ``(keep, budget)``."""
+    from .keep import ALL_REGIONS
+
+    if spec == "none":
+        return None, None
+    if spec == "full":
+        return (), None
+    body, _, budget = spec.partition("@")
+    if body.startswith("keep="):
+        names = [n for n in body.removeprefix("keep=").split(",") if n]
+        try:
+            value = float(budget) if budget else None
+        except ValueError:
+            value = -1.0
+        if value is None or 0 < value <= 1:
+            return (ALL_REGIONS if names == ["all"] else frozenset(names)), value
+    raise SystemExit(
+        f"sac_compile plan: --ac {spec}: none, full, or keep=REGION[,REGION...] (keep=all: every region) "
+        "with an optional @BUDGET in (0, 1], e.g. keep=attn,mlp or keep=attn@0.3"
+    )
+
+
+def _configuration(plan: Any, keep: Any, budget: float | None, *, spec: str) -> dict[str, Any]:
+    try:
+        peak, seconds = plan.configuration(keep, budget)
+    except ValueError as e:
+        raise SystemExit(f"sac_compile plan: --ac {spec}: {e}") from None
+    return {
+        "spec": spec,
+        "peak_bytes": peak.bytes,
+        "fits": peak.bytes <= plan.target.usable,
+        "phase": peak.phase,
+        "breakdown": peak.breakdown,
+        "step_seconds": seconds,
+    }
+
+
+def _peers(plan: Any) -> dict[str, dict[str, Any]]:
+    """What a user would run instead of the plan, on the same target: no AC, full AC."""
+    return {
+        name: _configuration(plan, keep, None, spec=spec)
+        for name, keep, spec in (("no AC", None, "none"), ("full AC", (), "full"))
+    }
+
+
+def _peer_line(name: str, found: dict[str, Any], *, full: bool = False) -> str:
+    scale, unit = (2**30, "GiB") if found["peak_bytes"] >= 2**30 else (2**20, "MiB")
+    line = (
+        f"{name}: peak {found['peak_bytes'] / scale:.2f} {unit} in the {found['phase']} "
+        f"({'fits' if found['fits'] else 'does not fit'}), step {found['step_seconds']:.3f} s (est.)"
+    )
+    if full:
+        terms = (f"    {t:<20}{v / scale:>10.2f} {unit}" for t, v in found["breakdown"].items() if v)
+        line = "\n".join([line, *terms])
+    return line
 
 
 #: command -> what it does (``python -m sac_compile --help``)

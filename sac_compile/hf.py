@@ -115,6 +115,7 @@ def plan_for(
     tp: int = 1,
     ep: int = 1,
     compile: bool = True,
+    loss: str | None = None,
     **options: Any,
 ) -> ModelPlan: ...
 
@@ -133,6 +134,7 @@ def plan_for(
     tp: int = 1,
     ep: int = 1,
     compile: bool = True,
+    loss: str | None = None,
     **options: Any,
 ) -> DevicePlan: ...
 
@@ -150,6 +152,7 @@ def plan_for(
     tp: int = 1,
     ep: int = 1,
     compile: bool = True,
+    loss: str | None = None,
     **options: Any,
 ) -> ModelPlan:
     """Plan the layers of every stack of ``model``, one plan per kind of layer (dense and MoE
@@ -171,13 +174,20 @@ def plan_for(
     ``False`` (the eager engine: keep sets only). A model on the meta device is planned at
     its real size without allocating (cast in place to the target's ``param_dtype``), traced
     with the target's attention kernel (:mod:`sac_compile.planning.kernels`). ``options``:
-    ``budgets``, ``policies``, ``eager`` of :func:`sac_compile.planning.plan`."""
+    ``budgets``, ``policies``, ``eager`` of :func:`sac_compile.planning.plan`. ``loss``
+    (with ``device``): how the trainer's loss holds the logits,
+    :data:`sac_compile.planning.devices.LOSSES` (default ``"transformers"``; a ``Target``
+    passed as ``device`` carries its own)."""
     for name, value in (("batch", batch), ("seq", seq)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(
                 f"plan_for({name}={value!r}): a positive int ({'sequences' if name == 'batch' else 'tokens a sequence'} "
                 "per device)"
             )
+    if loss is not None and device is None:
+        raise ValueError(
+            f"plan_for(loss={loss!r}) without device=: the loss is part of a device's step (pass device=...)"
+        )
     read = read_stacks(model, include or ())
     report_unchecked(
         model,
@@ -196,7 +206,8 @@ def plan_for(
         )
     from .hf_plan import plan_for_device
 
-    return plan_for_device(model, memory, read, batch, seq, inputs, device, fsdp, tp, ep, compile, options)
+    parallel = {"fsdp": fsdp, "tp": tp, "ep": ep, "loss": loss}
+    return plan_for_device(model, memory, read, batch, seq, inputs, device, parallel, compile, options)
 
 
 def checkpointing_kwargs(

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ._compat.aot import meta_rng_states
 from ._compat.dynamo import unwrap_compiled
+from ._compat.transformers import grouped_query_sdpa
 from .hf_layers import layer_regions, merged, read_stacks, report_unchecked, vocab_size
 from .keep import ALL_REGIONS, normalize_keep
 from .planning import ModelPlan, plan_model
@@ -33,25 +34,24 @@ def plan_for_device(
     seq: int,
     inputs: dict[str, Any] | None,
     device: Any,
-    fsdp: int,
-    tp: int,
-    ep: int,
+    parallel: dict[str, Any],
     compile: bool,
     options: dict[str, Any],
 ) -> DevicePlan:
-    """``hf.plan_for`` with ``device``: see its docstring."""
+    """``hf.plan_for`` with ``device``: see its docstring. ``parallel``: its ``fsdp``, ``tp``,
+    ``ep`` and ``loss``."""
     from .planning.device_plan import choose
     from .planning.devices import Target
 
     root = unwrap_compiled(model)
     meta = any(p.is_meta for p in root.parameters())
+    loss = parallel.pop("loss") or "transformers"
     if isinstance(device, Target):
         target = device if memory is None else device.replace(memory=memory)
+        target = target if loss == "transformers" else target.replace(loss=loss)
     else:
         dtype = torch.bfloat16 if meta else next(root.parameters()).dtype
-        target = Target(
-            device, memory=memory, fsdp=fsdp, tp=tp, ep=ep, batch=batch, seq=seq, param_dtype=dtype
-        )
+        target = Target(device, memory=memory, batch=batch, seq=seq, param_dtype=dtype, loss=loss, **parallel)
     if options.get("estimator") == "time":
         where = next(root.parameters()).device
         here = "cuda" if target.device.cuda else "cpu"  # type: ignore[union-attr]
@@ -89,7 +89,8 @@ def _measure(
     patterns = tuple(f"{path}.*" for path, _ in read)
     # (on the meta device, a recomputed dropout's RNG state is saved as on the CPU)
     rng = meta_rng_states() if where.type == "meta" else contextlib.nullcontext()
-    with target_kernels(target.device.cuda and where.type != "cuda"), rng:
+    gpu_kernels = target.device.cuda and where.type != "cuda"
+    with target_kernels(gpu_kernels), grouped_query_sdpa(gpu_kernels), rng:
         planned = plan_model(
             model, layers=patterns, memory=1.0, regions=merged(read), use_cache=False, **inputs, **options
         )
@@ -166,11 +167,13 @@ def _step_sizes(
     root: nn.Module, planned: ModelPlan, target: Any, inputs: dict[str, Any]
 ) -> tuple[tuple, Any]:
     """Per kind of layer, one layer's parameters; the model's sizes for the step's peak: its
-    parameters and the head's terms (transformers' causal-LM loss upcasts the logits to
-    float32: its ``log_softmax`` output is held, two gradients of that size live in its
-    backward; the final norm saves three hidden-sized values; the output projection's
-    FLOPs, forward and backward; the loss's six passes over the float32 logits, forward and
-    backward, for its traffic)."""
+    parameters and the head's terms, by ``target.loss`` (:data:`~sac_compile.planning.devices.LOSSES`:
+    transformers' causal-LM loss upcasts the logits to float32, its ``log_softmax`` output is
+    held, two gradients of that size live in its backward, and the model's own logits stay
+    alive in its output; torchtitan frees those before the backward; a chunked loss holds one
+    chunk); the final norm saves three hidden-sized values; the output projection's FLOPs,
+    forward and backward (a chunked loss recomputes its forward); the loss's six passes over
+    the float32 logits, forward and backward, for its traffic)."""
     from .planning.peak import ModelSizes
 
     modules = dict(root.named_modules())
@@ -185,13 +188,17 @@ def _step_sizes(
     tokens = int(inputs["input_ids"].numel()) if "input_ids" in inputs else target.batch * target.seq
     width = torch.empty((), dtype=target.param_dtype).element_size()
     logits = tokens * text.vocab_size * 4
+    norm = 3 * tokens * text.hidden_size * width
+    model_logits = tokens * text.vocab_size * width if width != 4 else 0
     sizes = ModelSizes(
         params=sum(p.numel() for p in root.parameters()),
-        head_saved_bytes=logits + 3 * tokens * text.hidden_size * width,
-        head_stream_bytes=3 * tokens * text.hidden_size * width,
-        head_transient_bytes=2 * logits + (tokens * text.vocab_size * width if width != 4 else 0),
+        head_saved_bytes=logits + norm,  # (transformers' loss; the target's loss: peak._head)
+        head_stream_bytes=norm,
+        head_transient_bytes=2 * logits + model_logits,
         head_flops=6 * tokens * text.hidden_size * text.vocab_size,
         head_traffic=6 * logits,
+        logits_bytes=logits,
+        model_logits_bytes=model_logits,
     )
     return params, sizes
 

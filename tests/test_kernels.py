@@ -42,3 +42,34 @@ def test_multi_head_attention_is_unchanged():
     q, k, v = _qkv(4, 4)
     out = flash_attention(q, k, v)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_transformers_hands_grouped_keys_to_the_kernel_when_tracing_for_a_gpu(monkeypatch):
+    """With a mask (as a trace on another device builds one) transformers repeats keys and
+    values to the query's heads; on a GPU, training without padding, it skips the mask and
+    passes them grouped (``enable_gqa``). ``grouped_query_sdpa`` makes a trace do the GPU's
+    (red before: the planner's no-checkpoint bytes of a Llama-3 layer counted the repeats)."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from sac_compile._compat.transformers import grouped_query_sdpa
+
+    seen = []
+
+    def sdpa(query, key, value, attn_mask=None, **kwargs):
+        seen.append((key.shape[1], kwargs.get("enable_gqa", False)))
+        return flash_attention(query, key, value, attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    q, k, v = _qkv(8, 2)
+    mask = torch.zeros(2, 1, 16, 16)
+    sdpa_attention_forward(module, q, k, v, mask)
+    with grouped_query_sdpa():
+        sdpa_attention_forward(module, q, k, v, mask)
+    with grouped_query_sdpa(False):
+        sdpa_attention_forward(module, q, k, v, mask)
+    assert seen == [(8, False), (2, True), (8, False)]

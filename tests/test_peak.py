@@ -9,6 +9,8 @@ dense and an MoE transformers model: no checkpoint, full recompute, attention ke
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ pytest.importorskip("transformers")
 
 from sac_compile import declare_regions, hf  # noqa: E402
 from sac_compile.planning.devices import DEVICES, Target, device, parse_memory  # noqa: E402
-from sac_compile.planning.peak import TERMS, LayerFigures, ModelSizes, step_peak  # noqa: E402
+from sac_compile.planning.peak import TERMS, LayerFigures, ModelSizes, head_logits_bytes, step_peak  # noqa: E402
 from sac_compile.testing.hf_families import tiny_llama, tiny_qwen3_moe  # noqa: E402
 
 from .releases import default_torch_only, extended  # noqa: E402
@@ -119,6 +121,36 @@ def test_the_terms_follow_the_target():
     assert step_peak(sizes, less, Target("h100-80gb", fsdp=8)).bytes < eight.bytes
 
 
+def test_the_loss_and_tensor_parallel_layout_shape_the_head():
+    """The head's logits term by the trainer's loss and tensor-parallel layout (red before:
+    always transformers' loss, never divided by tp)."""
+    logits, model_logits, norm = 12 << 30, 6 << 30, 1 << 30  # float32 logits, the model's bf16 ones
+    sizes = ModelSizes(
+        params=1_000_000,
+        head_saved_bytes=logits + norm,
+        head_stream_bytes=norm,
+        head_transient_bytes=2 * logits + model_logits,
+        logits_bytes=logits,
+        model_logits_bytes=model_logits,
+    )
+
+    def head(**target) -> int:
+        return step_peak(sizes, [], Target("h100-80gb", **target)).breakdown["logits_loss"]
+
+    assert head() == 3 * logits + model_logits + norm  # transformers': its logits alive in the output
+    assert head(loss="torchtitan") == 3 * logits + norm  # freed before the backward
+    assert head(loss="chunked:4") == 3 * logits // 4 + norm  # one chunk at a time
+    assert head(loss="chunked") == 3 * logits // 8 + norm  # (8 chunks by default)
+    assert head(tp=4) == (3 * logits + model_logits) // 4 + norm // 4  # loss and sequence parallel
+    assert head(tp=4, loss_parallel=False, sequence_parallel=False) == head()
+    assert head(tp=4, loss_parallel=False) == 3 * logits + model_logits + norm // 4
+    for bad in ("mse", "chunked:0", "torchtitan:2"):
+        with pytest.raises(
+            ValueError, match=rf"Target\(loss='{bad}': one of transformers, torchtitan, chunked"
+        ):
+            Target("h100-80gb", loss=bad)
+
+
 def test_bad_targets_are_refused_clearly():
     with pytest.raises(
         ValueError, match=r"device='h100' is not a known kind: h100-80gb, h200, a100-80gb, b200"
@@ -168,6 +200,13 @@ def test_a_meta_models_predicted_peak_follows_the_keep_set():
     none, attn, full = (figures.peak(keep) for keep in (None, {"attn"}, ()))
     assert full.bytes < attn.bytes < none.bytes, (full, attn, none)
     assert 0 < full.breakdown["activations"] < attn.breakdown["activations"] < none.breakdown["activations"]
+    # the trainer's loss, without measuring again: torchtitan's frees the model's bf16 logits
+    torchtitan = target.replace(loss="torchtitan")
+    bf16_logits = 1 * 2048 * 4096 * 2
+    assert (
+        head_logits_bytes(figures.sizes, target) - head_logits_bytes(figures.sizes, torchtitan) == bf16_logits
+    )
+    assert dataclasses.replace(figures, target=torchtitan).peak(None).bytes < none.bytes
     assert attn.breakdown["activations"] == figures.peak({"attn"}, compile=True).breakdown["activations"]
 
 
@@ -288,6 +327,8 @@ SMALL = dict(
 @default_torch_only
 @pytest.mark.slow
 def test_the_plan_command_writes_the_plan(tmp_path):
+    import json
+
     done, plan = _plan_command(tmp_path, SMALL, "--seq", "2048", "--device", "h100-80gb", "--memory", "40GiB")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "predicted peak" in done.stdout and "measuring [" in done.stderr  # the plan and a progress bar
@@ -296,6 +337,29 @@ def test_the_plan_command_writes_the_plan(tmp_path):
     (group,) = plan["groups"]
     assert group["count"] == 3 and group["layers"] == ["model.layers.0", "model.layers.1", "model.layers.2"]
     assert {"keep", "budget", "saved_bytes", "recompute_flops"} <= set(group)
+    # the peers beside the plan: no AC holds more, full AC less (and recomputes)
+    peers = plan["peers"]
+    assert "beside it: no AC: peak" in done.stdout and "full AC: peak" in done.stdout, done.stdout
+    assert peers["full AC"]["peak_bytes"] <= plan["peak_bytes"] <= peers["no AC"]["peak_bytes"], peers
+    assert peers["full AC"]["step_seconds"] >= plan["step_seconds"] >= peers["no AC"]["step_seconds"], peers
+    # --ac predicts one configuration (here in this process): keep attn between the two
+    from sac_compile.__main__ import main
+
+    out = tmp_path / "ac.json"
+    argv = [
+        "plan",
+        str(tmp_path / "config.json"),
+        "--seq",
+        "2048",
+        "--device",
+        "h100-80gb",
+        "--memory",
+        "40GiB",
+    ]
+    assert main([*argv, "--ac", "keep=attn", "--json", str(out)]) == 0
+    ac = json.loads(out.read_text())["ac"]
+    assert peers["full AC"]["peak_bytes"] < ac["peak_bytes"] < peers["no AC"]["peak_bytes"], (ac, peers)
+    assert ac["fits"] and ac["peak_bytes"] == sum(ac["breakdown"].values())
 
 
 def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
@@ -325,6 +389,11 @@ def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
         main(["plan", str(path), "--seq", "64", "--device", "h200", "--json", str(missing)])
     with pytest.raises(SystemExit, match=r"--json .*: a folder, not a file"):
         main(["plan", str(path), "--seq", "64", "--device", "h200", "--json", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"loss='mse': one of transformers, torchtitan, chunked"):
+        main(["plan", str(path), "--seq", "64", "--device", "h200", "--loss", "mse"])
+    for ac in ("some", "keep=attn@2", "keep=attn@x"):
+        with pytest.raises(SystemExit, match=rf"--ac {ac}: none, full, or keep=REGION"):
+            main(["plan", str(path), "--seq", "64", "--device", "h200", "--ac", ac])
     for bad in (["--seq", "0"], ["--seq", "64", "--batch", "-1"], ["--seq", "64", "--tp", "0"]):
         with pytest.raises(SystemExit, match=r"a positive int"):
             main(["plan", str(path), "--device", "h200", *bad])
@@ -353,6 +422,10 @@ def test_plan_for_refuses_a_sequence_or_batch_that_is_not_positive():
             hf.plan_for(model, "40GiB", device="h100-80gb", **kwargs)
         with pytest.raises(ValueError, match=rf"plan_for\({name}={value!r}\): a positive int"):
             hf.plan_for(model, 0.5, **kwargs)
+    with pytest.raises(ValueError, match=r"loss='mse': one of transformers, torchtitan, chunked"):
+        hf.plan_for(model, "40GiB", device="h100-80gb", loss="mse")
+    with pytest.raises(ValueError, match=r"plan_for\(loss='chunked'\) without device="):
+        hf.plan_for(model, 0.5, loss="chunked")
 
 
 @default_torch_only

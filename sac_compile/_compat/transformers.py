@@ -39,6 +39,7 @@ __all__ = [
     "check_version",
     "cache_positions",
     "checkpoints_inside",
+    "grouped_query_sdpa",
     "is_checkpointing_layer",
     "kernelized_classes",
     "note_caches_off",
@@ -203,7 +204,27 @@ def value_checks_off() -> Iterator[None]:
     (``torch_compilable_check``: "image features and image tokens do not match", ...): its own
     switch, ``TRANSFORMERS_DISABLE_TORCH_CHECK=1``, read at every check. For a forward on
     fake tensors of a meta model, whose values do not exist."""
-    key = "TRANSFORMERS_DISABLE_TORCH_CHECK"
+    with _env("TRANSFORMERS_DISABLE_TORCH_CHECK"):
+        yield
+
+
+@contextlib.contextmanager
+def grouped_query_sdpa(on: bool = True) -> Iterator[None]:
+    """While open (and ``on``), transformers' SDPA attention hands grouped-query keys and
+    values to ``scaled_dot_product_attention`` as they are (``enable_gqa=True``) instead of
+    repeating them to the query's heads first: what it does on a CUDA device when the causal
+    mask is skipped (training without padding), read from its own switch,
+    ``TRANSFORMERS_SDPA_FORCE_GQA=1``. For tracing a GPU's step on another device, where a
+    mask is built and the keys and values would be repeated (4x a Llama-3 layer's)."""
+    if not on:
+        yield
+        return
+    with _env("TRANSFORMERS_SDPA_FORCE_GQA"):
+        yield
+
+
+@contextlib.contextmanager
+def _env(key: str) -> Iterator[None]:
     before = os.environ.get(key)
     os.environ[key] = "1"
     try:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from .core import Candidate, Plan
-from .devices import Target
+from .devices import Target, parse_loss
 from .model import LayerGroup, ModelPlan
 from .parallel import per_rank_bytes
 from .peak import LayerFigures, ModelSizes, Peak, step_peak
@@ -101,6 +101,38 @@ class DevicePlan(ModelPlan):
 
     def apply(self, model: Any, *, compile: Any = None, **options: Any) -> Any:
         return super().apply(model, compile=self.compile if compile is None else compile, **options)
+
+    def configuration(self, keep: Any, budget: float | None = None) -> tuple[Peak, float]:
+        """The predicted peak and step seconds of every layer running one configuration,
+        from the same measurements: ``keep=None`` no checkpoint, ``()`` full recompute, a keep
+        set (each kind of layer keeps the regions of it it has), with a measured ``budget``
+        (compiled). What a user would pick instead of the plan, on the same target."""
+        from ..keep import ALL_REGIONS, normalize_keep
+
+        assert self.target is not None and self.sizes is not None
+        figures: list[LayerFigures] = []
+        chosen: list[tuple[int, Plan, Candidate | None]] = []
+        for g, params in zip(self.measured, self.params):
+            table, count = g.plan, len(g.paths)
+            if keep is None:
+                figures.append(no_checkpoint_figures(table, params, count, self.target))
+                chosen.append((count, table, None))
+                continue
+            wanted = normalize_keep(keep)
+            kept = (
+                frozenset(table.regions)
+                if wanted is ALL_REGIONS
+                else cast("frozenset[str]", wanted) & set(table.regions)
+            )
+            found = [c for c in table.candidates if c.keep == kept and c.budget == budget]
+            if not found:
+                budgets = sorted({c.budget for c in table.candidates if c.budget is not None})
+                raise ValueError(
+                    f"budget={budget!r} was not measured for {g.kind}: one of {budgets} (or None: the keep set alone)"
+                )
+            figures.append(figures_of(found[0], table, params, count, self.target, compile=self.compile))
+            chosen.append((count, table, found[0]))
+        return step_peak(self.sizes, figures, self.target), step_seconds(chosen, self.sizes, self.target)
 
 
 def _tp_layout(t: Target) -> str:
@@ -252,6 +284,8 @@ def step_seconds(
     launch overheads and kernel efficiency (real steps run at 40-60% of it); Inductor's fusion
     moves fewer bytes than counted here."""
     flops, traffic = sizes.head_flops, sizes.head_traffic
+    if sizes.logits_bytes and parse_loss(target.loss)[0] == "chunked":
+        flops = flops * 4 // 3  # the chunk's logits computed again in the backward
     for count, table, c in layers:
         flops += count * (table.forward_flops + table.no_checkpoint_flops + (c.recompute_flops if c else 0))
         traffic += count * (

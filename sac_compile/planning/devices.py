@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEVICES", "Device", "Target", "device", "parse_memory", "present"]
+__all__ = ["DEVICES", "LOSSES", "Device", "Target", "device", "parse_loss", "parse_memory", "present"]
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,28 @@ def parse_memory(memory: int | float | str) -> int:
     )
 
 
+#: loss -> how its head holds the logits (``Target.loss``; :func:`parse_loss`)
+LOSSES = {
+    "transformers": "transformers' causal-LM loss: the logits upcast to float32, their log-softmax held; the "
+    "model's own logits stay alive in its output through the backward",
+    "torchtitan": "torchtitan's: the float32 log-softmax held, the model's logits freed before the backward",
+    "chunked": "a chunked / fused linear cross-entropy (chunked:N, default 8 chunks): no logits held, one "
+    "chunk's float32 logits, log-softmax and gradient at a time, the chunk's logits recomputed in the backward",
+}
+
+
+def parse_loss(loss: str) -> tuple[str, int]:
+    """``(kind, chunks)`` of a ``Target.loss`` (``"transformers"``, ``"torchtitan"``,
+    ``"chunked"`` or ``"chunked:N"``); anything else is a ``ValueError`` listing them."""
+    kind, _, chunks = str(loss).partition(":")
+    if kind in LOSSES and (not chunks or kind == "chunked" and chunks.isdigit() and int(chunks) > 0):
+        return kind, int(chunks) if chunks else (8 if kind == "chunked" else 1)
+    raise ValueError(
+        f"loss={loss!r}: one of {', '.join(LOSSES)} ('chunked:N' for N chunks): "
+        + "; ".join(f"{k}: {v}" for k, v in LOSSES.items())
+    )
+
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -213,6 +235,8 @@ class Target:
             the sequence too (torchtitan's default; a kept region saves the input it gathers).
         loss_parallel: with ``tp``, the logits split on the vocabulary and the loss computed
             on the shards (torchtitan's default): the head's logits and loss terms ``1 / tp``.
+        loss: how the trainer's loss holds the logits, one of :data:`LOSSES` (default
+            ``"transformers"``; ``"chunked:N"``).
         ep: expert-parallel degree (torchtitan's layout: a divisor of ``fsdp``): an MoE
             layer's routed experts split this many ways and FSDP-sharded over the other
             ``fsdp / ep``, so only ``1 / ep`` of them is all-gathered while the layer runs.
@@ -234,6 +258,7 @@ class Target:
     ep: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    loss: str = "transformers"
     param_dtype: torch.dtype | str = torch.bfloat16
     master_dtype: torch.dtype | str = torch.float32
     reduce_dtype: torch.dtype | str = torch.float32
@@ -250,6 +275,10 @@ class Target:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Target({name}={value!r}): a positive int")
+        try:
+            parse_loss(self.loss)
+        except ValueError as e:
+            raise ValueError(f"Target({e}") from None
         for name in ("sequence_parallel", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Target({name}={getattr(self, name)!r}): True or False")

@@ -29,9 +29,9 @@ import torch
 
 from .._compat.ops import is_view_op
 from ..inspection.flops import val_bytes
-from .devices import OPTIMIZER_STATES, Target
+from .devices import OPTIMIZER_STATES, Target, parse_loss
 
-__all__ = ["TERMS", "LayerFigures", "ModelSizes", "Peak", "graph_transient", "step_peak"]
+__all__ = ["TERMS", "LayerFigures", "ModelSizes", "Peak", "graph_transient", "head_logits_bytes", "step_peak"]
 
 #: The terms of :attr:`Peak.breakdown`, in this order.
 TERMS = (
@@ -68,6 +68,11 @@ class ModelSizes:
     head_flops: int = 0  # the output projection's forward and backward FLOPs
     # of head_saved_bytes, the residual stream's (the final norm's saves: the rest is logits)
     head_stream_bytes: int = 0
+    # where set, the head's logits terms follow the target's loss (Target.loss) instead of
+    # head_saved_bytes / head_transient_bytes: the float32 logits' bytes, and the model's own
+    # logits' (in param_dtype; 0 when that is float32)
+    logits_bytes: int = 0
+    model_logits_bytes: int = 0
     head_traffic: int = 0  # bytes the loss's memory-bound ops move (forward and backward)
 
 
@@ -167,11 +172,24 @@ def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target)
     return Peak(sum(breakdown.values()), phase, breakdown)
 
 
+def head_logits_bytes(model: ModelSizes, target: Target) -> int:
+    """The logits' share of the head's peak (before any loss parallelism), by ``target.loss``
+    (:data:`~sac_compile.planning.devices.LOSSES`): the float32 log-softmax held and two
+    gradients of it in its backward, and for transformers' loss the model's own logits alive
+    in its output; a chunked loss one chunk's logits, log-softmax and gradient."""
+    kind, chunks = parse_loss(target.loss)
+    if kind == "chunked":
+        return 3 * model.logits_bytes // chunks
+    return 3 * model.logits_bytes + (model.model_logits_bytes if kind == "transformers" else 0)
+
+
 def _head(model: ModelSizes, target: Target) -> int:
     """The head's saved values and its backward's temporaries per device: the logits' and
     loss's split ``tp`` ways with loss parallelism, the final norm's with sequence parallelism."""
     tp = target.tp
     logits = model.head_saved_bytes - model.head_stream_bytes + model.head_transient_bytes
+    if model.logits_bytes:
+        logits = head_logits_bytes(model, target)
     logits = logits // tp if target.loss_parallel else logits
     stream = model.head_stream_bytes // tp if target.sequence_parallel else model.head_stream_bytes
     return logits + stream
