@@ -256,7 +256,7 @@ class StepFigures:
         for group, params, c in zip(self.plan.groups, self.layer_params, self._chosen(keep)):
             table, count = group.plan, len(group.paths)
             if c is None:
-                layers.append(no_checkpoint_figures(table, params, count, self.target))
+                layers.append(no_checkpoint_figures(table, params, count, self.target, compile=compile))
             else:
                 layers.append(figures_of(c, table, params, count, self.target, compile=compile))
         return step_peak(self.sizes, layers, self.target)

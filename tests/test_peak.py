@@ -520,3 +520,49 @@ def test_on_the_device_itself_estimator_time_measures_the_step():
     assert "s measured" in timed.format()
     with pytest.raises(ValueError, match=r"estimator='time' measures compiled steps on the device itself"):
         hf.plan_for(model, "80GB", device="h100-80gb", estimator="time")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_leaves_a_routers_and_the_routed_experts_values_whole():
+    """Expert parallelism splits the routed experts, not TP: their values are the stream's
+    (red before: the router's projection was taken for a column-parallel one, and everything
+    computed from its scores -- the routing weights, the experts' activations -- counted
+    1/tp a rank)."""
+    plan = hf.plan_for(tiny_qwen3_moe(), 1.0, budgets=(None,), eager=False)
+    found = {c.keep: c for c in plan.groups[0].plan.candidates}
+    moe = found[frozenset({"router", "experts"})]
+    assert moe.saved_bytes > found[frozenset()].saved_bytes  # it keeps something...
+    assert moe.tp_split[0] == 0, moe.tp_split  # ...none of it split by tensor parallelism
+    attn = found[frozenset({"attn"})]
+    assert 0 < attn.tp_split[0] < attn.saved_bytes, attn.tp_split  # queries, keys, values: split
+
+
+def test_a_split_of_one_projection_counts_its_storage_once():
+    """The pieces of a fused projection (GPT-2's ``c_attn(x).split(...)``) are views of one
+    storage: the partition counts it once, as autograd holds it (red before: once per piece,
+    3x; GPT-2's layer was 12 sbh over the paper's count)."""
+    import torch.nn as nn
+
+    import sac_compile as sc
+    from sac_compile.compiler.backend import baseline_backend
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+
+        def forward(self, x):  # GPT-2's attention: the pieces, split into heads, to SDPA
+            b, s, _ = x.shape
+            q, k, v = (t.view(b, s, 4, 8).transpose(1, 2) for t in self.qkv(x).split(32, dim=-1))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    torch.manual_seed(0)
+    module, x = Fused(), torch.randn(2, 8, 32, requires_grad=True)
+    report = sc.inspection.capture_partition(module, x, backend=baseline_backend("aot_eager"))
+    held = sc.inspection.autograd_saved_bytes(
+        torch.compile(module, backend=baseline_backend("aot_eager")), x, exclude=list(module.parameters())
+    )
+    # (the input's view the matmul saves is the caller's x: not made by the call)
+    assert report.activation_bytes == held, (report.activation_bytes, held, report.format(inputs=True))
+    pieces = [v.nbytes for v in report.saved if v.op == "aten.transpose"]
+    assert sorted(pieces) == [0, 0, 2 * 8 * 96 * 4], pieces  # the fused output's storage, once

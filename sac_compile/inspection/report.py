@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from .._compat import aot
+from .._compat.tensors import storage_id
 from ..compiler.session import CompileUnit
 from ..keep import ALL_REGIONS, INPUT, NO_REGION, PARAM, RNG, KeepSet
 from ..records import GraphRecord
@@ -249,7 +250,9 @@ def build_partition(index: int, unit: CompileUnit) -> GraphPartition | None:
     saved: list[SavedValue] = []
     recomputed: dict[str, list[tuple[str, str]]] = defaultdict(list)
     if bw is not None:
-        seen: set[str] = set()
+        # a storage counts once: saved values that alias one (views of it, the pieces of a
+        # split, an _unsafe_view of a matmul's output) share it, whatever op made them
+        seen: set[Any] = set()
         for name, val in bw["placeholders"]:
             if aot.is_tangent(name):
                 continue
@@ -265,13 +268,24 @@ def build_partition(index: int, unit: CompileUnit) -> GraphPartition | None:
             if record is not None:
                 scope = record.node_scope.get(name, record.node_scope.get(base))
             op = INPUT if name in fw_inputs else fw_ops.get(name, "?")
-            saved.append(_saved_value(name, op, region, scope, val, count=base not in seen))
-            seen.add(base)
+            key = _storage_key(val, base)
+            saved.append(_saved_value(name, op, region, scope, val, count=key not in seen))
+            seen.add(key)
         for name, op, _ in bw["calls"]:
             if name in fw_ops:
                 regions = regions_of(name)
                 recomputed["+".join(regions) if regions else NO_REGION].append((name, op))
     return GraphPartition(index, saved, dict(recomputed), record, backward_compiled=bw is not None)
+
+
+def _storage_key(val: Any, base: str) -> Any:
+    """What identifies a saved value's memory: its (fake) storage, else its view chain's base."""
+    if isinstance(val, torch.Tensor):
+        try:
+            return storage_id(val.untyped_storage())
+        except (NotImplementedError, RuntimeError):
+            pass
+    return base
 
 
 def _is_param(primal: str, input_is_param: list[bool]) -> bool:

@@ -110,12 +110,18 @@ class DevicePlan(ModelPlan):
         from ..keep import ALL_REGIONS, normalize_keep
 
         assert self.target is not None and self.sizes is not None
+        known = {r for g in self.measured for r in g.plan.regions}
+        named = normalize_keep(keep) if keep is not None else frozenset()
+        if named is not ALL_REGIONS and (unknown := set(cast("frozenset[str]", named)) - known):
+            raise ValueError(
+                f"keep={sorted(unknown)}: no layer has such a region (the layers' regions: {sorted(known)})"
+            )
         figures: list[LayerFigures] = []
         chosen: list[tuple[int, Plan, Candidate | None]] = []
         for g, params in zip(self.measured, self.params):
             table, count = g.plan, len(g.paths)
             if keep is None:
-                figures.append(no_checkpoint_figures(table, params, count, self.target))
+                figures.append(no_checkpoint_figures(table, params, count, self.target, compile=self.compile))
                 chosen.append((count, table, None))
                 continue
             wanted = normalize_keep(keep)
@@ -124,11 +130,17 @@ class DevicePlan(ModelPlan):
                 if wanted is ALL_REGIONS
                 else cast("frozenset[str]", wanted) & set(table.regions)
             )
-            found = [c for c in table.candidates if c.keep == kept and c.budget == budget]
+            same_keep = [c for c in table.candidates if c.keep == kept]
+            found = [c for c in same_keep if c.budget == budget]  # (the first policy measured)
             if not found:
-                budgets = sorted({c.budget for c in table.candidates if c.budget is not None})
+                budgets = sorted({c.budget for c in same_keep if c.budget is not None})
                 raise ValueError(
-                    f"budget={budget!r} was not measured for {g.kind}: one of {budgets} (or None: the keep set alone)"
+                    f"keep={sorted(kept)}, budget={budget!r} was not measured for {g.kind}: "
+                    + (
+                        f"its budgets: {budgets} (or None: the keep set alone)"
+                        if same_keep
+                        else "not among its keep sets"
+                    )
                 )
             figures.append(figures_of(found[0], table, params, count, self.target, compile=self.compile))
             chosen.append((count, table, found[0]))
@@ -164,9 +176,14 @@ def figures_of(
     return LayerFigures(count, params[0], int(saved), int(transient), params[1])
 
 
-def no_checkpoint_figures(table: Plan, params: tuple[int, int], count: int, target: Target) -> LayerFigures:
-    """One kind of layer's figures without a checkpoint, per device of ``target``."""
-    plain = table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
+def no_checkpoint_figures(
+    table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool = False
+) -> LayerFigures:
+    """One kind of layer's figures without a checkpoint, per device of ``target``: what the
+    compiled layer saves (``compile``), else what autograd holds eagerly where measured."""
+    plain = (
+        table.no_checkpoint_bytes if compile else table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
+    )
     share = _share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target)
     return LayerFigures(
         count, params[0], int(plain * share), table.no_checkpoint_transient // target.tp, params[1]
@@ -186,16 +203,25 @@ def _cost(c: Candidate) -> float:
     return c.step_time if c.step_time is not None else c.recompute_flops
 
 
-def _frontier(table: Plan, compile: bool) -> list[Candidate]:
-    """The candidates on the (bytes, cost) frontier, the cheapest first: cost is the measured
-    step time where the table was timed (``estimator="time"``: its timed points), else the
-    recomputed FLOPs."""
+def _held(c: Candidate, target: Target, compile: bool) -> int:
+    """What a layer with candidate ``c`` holds per device of ``target`` (as :func:`figures_of`
+    counts it): under tensor parallelism a rank's share; eager, the engine's bytes."""
+    held = c.saved_bytes if compile or c.eager_bytes is None else c.eager_bytes
+    return int(held * _share(c.saved_bytes, c.tp_split, target))
+
+
+def _frontier(table: Plan, compile: bool, target: Target) -> list[Candidate]:
+    """The candidates on the (bytes per device, cost) frontier, the cheapest first: cost is the
+    measured step time where the table was timed (``estimator="time"``: its timed points), else
+    the recomputed FLOPs."""
     pool = [c for c in table.candidates if compile or c.budget is None]
     if table.estimator == "time":
         pool = [c for c in pool if c.step_time is not None]
     front: list[Candidate] = []
-    for c in sorted(pool, key=lambda c: (_cost(c), c.saved_bytes, c.budget is not None, len(c.keep))):
-        if not front or c.saved_bytes < front[-1].saved_bytes:
+    for c in sorted(
+        pool, key=lambda c: (_cost(c), _held(c, target, compile), c.budget is not None, len(c.keep))
+    ):
+        if not front or _held(c, target, compile) < _held(front[-1], target, compile):
             front.append(c)
     return front
 
@@ -210,7 +236,7 @@ def choose(
     layers: Any,
 ) -> DevicePlan:
     """The least-recompute plan per kind of layer whose predicted step peak fits ``target``."""
-    fronts = [_frontier(g.plan, compile) for g in groups]
+    fronts = [_frontier(g.plan, compile, target) for g in groups]
     state = [0] * len(groups)
 
     def peak_of(state: list[int]) -> Peak:
@@ -232,7 +258,9 @@ def choose(
         moves = []
         for k, (front, i, g) in enumerate(zip(fronts, state, groups)):
             if i + 1 < len(front):
-                freed = (front[i].saved_bytes - front[i + 1].saved_bytes) * len(g.paths)
+                freed = (_held(front[i], target, compile) - _held(front[i + 1], target, compile)) * len(
+                    g.paths
+                )
                 cost = (_cost(front[i + 1]) - _cost(front[i])) * len(g.paths)
                 moves.append((freed / max(cost, 1e-12 if front[i].step_time is not None else 1), k))
         if not moves:

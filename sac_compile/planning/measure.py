@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -77,7 +78,9 @@ class PartitionEach:
                 self.figures[key][3] += graph_costly_flops(fw)
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)
-                for i, part_bytes in enumerate(tensor_parallel_split(fw, bw, is_param)):
+                node_regions = dict(one.records[-1].node_regions) if one.records else {}
+                split = tensor_parallel_split(fw, bw, is_param, functools.partial(_regions, node_regions))
+                for i, part_bytes in enumerate(split):
                     self.figures[key][6 + i] += part_bytes
                 for rec in one.records[-1:]:
                     self.regions.extend(r for r in rec.regions if r not in self.regions)
@@ -96,6 +99,10 @@ class PartitionEach:
             partition_fn=partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+
+
+def _regions(node_regions: dict[str, tuple[str, ...]], name: str) -> tuple[str, ...]:
+    return node_regions.get(name, ())
 
 
 def measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> PartitionEach:

@@ -27,9 +27,10 @@ recomputed (the third figure of :func:`tensor_parallel_split`; measured on 2 glo
 following it from its inputs: a matmul with a parameter operand is a projection; it is
 column-parallel when its activation operand is not sharded (its output is), row-parallel
 when it is (its output is back in the stream); any other op's output is sharded when one of
-its activation inputs is. Routed experts' grouped matmuls are not projections (expert
-parallelism splits them, not TP), nor is anything else TP leaves whole (a router's
-projection is taken for a column-parallel one: its output, tokens x experts, is small).
+its activation inputs is. What TP leaves whole is never sharded: the values of the regions
+named in :data:`WHOLE_REGIONS` (a router, the routed experts: expert parallelism splits
+those, and under sequence parallelism each rank routes its chunk of the tokens, so they are
+the stream's), and integer values (indices, counts), which only route.
 """
 
 from __future__ import annotations
@@ -40,8 +41,13 @@ import torch
 
 from .._compat.aot import is_tangent
 from .._compat.ops import is_view_op
+from .._compat.tensors import storage_id
 
-__all__ = ["per_rank_bytes", "tensor_parallel_split"]
+__all__ = ["WHOLE_REGIONS", "per_rank_bytes", "tensor_parallel_split"]
+
+#: Regions whose values tensor parallelism leaves whole (the names ``hf.regions_for`` and the
+#: torchtitan plugin declare)
+WHOLE_REGIONS = frozenset({"router", "experts"})
 
 _WEIGHT, _SHARDED, _STREAM = "weight", "sharded", "stream"
 
@@ -56,7 +62,10 @@ _PROJECTIONS = {
 
 
 def tensor_parallel_split(
-    fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, is_param: Callable[[str], bool]
+    fw: torch.fx.GraphModule,
+    bw: torch.fx.GraphModule,
+    is_param: Callable[[str], bool],
+    regions: Callable[[str], tuple[str, ...]] = lambda name: (),
 ) -> tuple[int, int, int]:
     """``(sharded, gathered, gathered_in_region)``: the bytes of the values ``bw`` reads from
     ``fw`` (distinct storages; parameters left out, as the planner's saved bytes leave them)
@@ -64,7 +73,8 @@ def tensor_parallel_split(
     residual stream; the rest of the saved bytes is the stream's. ``gathered_in_region``:
     bytes not saved here that a rank saves with sequence parallelism, the stream values a
     saved column-parallel projection reads (gathered in its region). ``is_param``: whether a
-    placeholder of ``fw`` (by name) is a parameter."""
+    placeholder of ``fw`` (by name) is a parameter; ``regions``: the regions a node (by name)
+    belongs to."""
     kind: dict[torch.fx.Node, str] = {}
     base: dict[torch.fx.Node, torch.fx.Node] = {}
     column_inputs: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # stream value -> projections
@@ -75,12 +85,14 @@ def tensor_parallel_split(
         if n.op != "call_function":
             continue
         inputs = n.all_input_nodes
-        if is_view_op(n.target) and inputs:
-            base[n] = base.get(inputs[0], inputs[0])
+        if (is_view_op(n.target) or n.target is aten._unsafe_view.default) and inputs:
+            base[n] = base.get(inputs[0], inputs[0])  # (an _unsafe_view aliases its input too)
         activations = [a for a in inputs if kind.get(a) != _WEIGHT]
         projection = _PROJECTIONS.get(n.target)
         if inputs and not activations:
             kind[n] = _WEIGHT  # computed from parameters alone (a transpose, a cast)
+        elif WHOLE_REGIONS & set(regions(n.name)) or not _floating(n):
+            kind[n] = _STREAM  # left whole by TP, or only routing (indices, counts)
         elif projection and _kind(n.args, projection[1], kind) == _WEIGHT:
             act = n.args[projection[0]]
             if kind.get(act) == _SHARDED:
@@ -95,6 +107,7 @@ def tensor_parallel_split(
     nodes = {n.name: n for n in fw.graph.nodes}
     sharded = gathered = 0
     seen: set[torch.fx.Node] = set()
+    storages: set[int] = set()  # (a storage counts once, as the partition report counts it)
     for p in bw.graph.nodes:
         if p.op != "placeholder" or is_tangent(p.name) or p.name not in nodes:
             continue
@@ -104,6 +117,10 @@ def tensor_parallel_split(
         if root in seen or not isinstance(val, torch.Tensor):
             continue
         seen.add(root)
+        seen.add(node)
+        if (key := storage_id(val.untyped_storage())) in storages:
+            continue
+        storages.add(key)
         if kind.get(root) == _WEIGHT and root.op == "placeholder":
             continue
         nbytes = _nbytes(root)
@@ -122,6 +139,14 @@ def tensor_parallel_split(
 def _nbytes(node: torch.fx.Node) -> int:
     val = node.meta.get("val")
     return int(val.untyped_storage().nbytes()) if isinstance(val, torch.Tensor) else 0
+
+
+def _floating(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value is floating point (a tuple: its first tensor's); no value: yes."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return not isinstance(val, torch.Tensor) or val.is_floating_point()
 
 
 def _kind(args: tuple, index: int, kind: dict[torch.fx.Node, str]) -> str | None:
