@@ -219,10 +219,10 @@ def plan_command(argv: list[str]) -> int:
         measured = hf.plan_for(
             model, None, device=unbounded, compile=not args.eager, progress=_progress, include=()
         )
-        plan = measured.select(target.memory) if ac is None else measured.select(1 << 60)
+        # (--ac: the measurements on the real target; the plan's own choice is not reported)
+        plan = measured.select(target.memory) if ac is None else dataclasses.replace(measured, target=target)
     except ValueError as e:
         raise SystemExit(f"sac_compile plan: {e}") from None
-    plan = dataclasses.replace(plan, target=target) if ac is not None else plan
     seconds = time.perf_counter() - start
     report = _report(plan, seconds)
     if ac is None:

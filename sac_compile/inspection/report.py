@@ -259,7 +259,7 @@ def build_partition(index: int, unit: CompileUnit) -> GraphPartition | None:
             base = root(name)
             regions = regions_of(name)
             if base in fw_inputs:
-                region = PARAM if _is_param(base, unit.input_is_param) else INPUT
+                region = PARAM if param_input(base, unit.input_is_param) else INPUT
             elif aot.is_rng_state_output(name):
                 region = RNG  # AOTAutograd's saved RNG state for a recomputed random op
             else:
@@ -288,7 +288,8 @@ def _storage_key(val: Any, base: str) -> Any:
     return base
 
 
-def _is_param(primal: str, input_is_param: list[bool]) -> bool:
+def param_input(primal: str, input_is_param: list[bool]) -> bool:
+    """Whether the partitioned graph input ``primal`` (``primals_N``) is a parameter."""
     index = aot.primal_index(primal)
     return index is not None and 0 <= index < len(input_is_param) and input_is_param[index]
 

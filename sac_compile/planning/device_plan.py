@@ -124,11 +124,10 @@ class DevicePlan(ModelPlan):
                 figures.append(no_checkpoint_figures(table, params, count, self.target, compile=self.compile))
                 chosen.append((count, table, None))
                 continue
-            wanted = normalize_keep(keep)
             kept = (
                 frozenset(table.regions)
-                if wanted is ALL_REGIONS
-                else cast("frozenset[str]", wanted) & set(table.regions)
+                if named is ALL_REGIONS
+                else cast("frozenset[str]", named) & set(table.regions)
             )
             same_keep = [c for c in table.candidates if c.keep == kept]
             found = [c for c in same_keep if c.budget == budget]  # (the first policy measured)

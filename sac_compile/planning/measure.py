@@ -45,16 +45,14 @@ class PartitionEach:
         from ..compiler import backend as backends
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_costly_flops, graph_traffic
-        from ..inspection.report import build_partition
+        from ..inspection.report import build_partition, param_input
         from .parallel import tensor_parallel_split
         from .peak import graph_transient
 
         unit = backends.new_unit(gm, example_inputs)
         trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
 
-        def is_param(name: str) -> bool:
-            index = aot.primal_index(name)
-            return index is not None and 0 <= index < len(unit.input_is_param) and unit.input_is_param[index]
+        is_param = functools.partial(param_input, input_is_param=unit.input_is_param)
 
         def partition(joint, joint_inputs, **kwargs):
             chosen = None
