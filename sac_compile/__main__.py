@@ -95,6 +95,10 @@ def _report(plan: Any, seconds: float) -> dict[str, Any]:
         "fsdp": t.fsdp,
         "tp": t.tp,
         "ep": t.ep,
+        "cp": t.cp,
+        "pp": t.pp,
+        "pp_schedule": t.pp_schedule,
+        "microbatch_size": t.microbatch_size,
         "sequence_parallel": t.sequence_parallel,
         "loss_parallel": t.loss_parallel,
         "loss": t.loss,
@@ -105,9 +109,12 @@ def _report(plan: Any, seconds: float) -> dict[str, Any]:
         "compile": plan.compile,
         "peak_bytes": plan.peak_bytes,
         "fits": plan.fits,
+        "reserved_bytes": plan.reserved_bytes,
         "phase": plan.peak.phase,
         "breakdown": plan.breakdown,
-        "step_seconds": plan.step_seconds,
+        **_step(plan.step),
+        "gpus_per_node": t.gpus_per_node,
+        "network": t.network,
         "planning_seconds": round(seconds, 1),
         "groups": [
             {
@@ -145,6 +152,21 @@ def _parser() -> argparse.ArgumentParser:
         "--ep", type=int, default=1, help="expert-parallel degree, a divisor of --fsdp (default 1)"
     )
     parser.add_argument(
+        "--cp", type=int, default=1, help="context-parallel degree: the sequence split cp ways (default 1)"
+    )
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
+    parser.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        help="with --pp: 1f1b (default), interleaved-1f1b (two stages a rank) or gpipe",
+    )
+    parser.add_argument(
+        "--microbatch-size",
+        type=int,
+        default=1,
+        help="with --pp: sequences per microbatch, a divisor of --batch (default 1, as torchtitan)",
+    )
+    parser.add_argument(
         "--no-sequence-parallel",
         action="store_true",
         help="with --tp: the residual stream whole on every rank (default: split on the sequence, as torchtitan)",
@@ -162,7 +184,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ac",
         default=None,
-        help="predict one configuration instead of choosing: none, full, keep=attn,mlp[@BUDGET], keep=all",
+        help="predict one configuration instead of choosing: none, full, torchtitan-op (torchtitan's per-op "
+        "SAC), keep=attn,mlp[@BUDGET], keep=all, budget=B (PyTorch's activation_memory_budget alone)",
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs a node's link joins (default 8)")
+    parser.add_argument(
+        "--network-gbps",
+        type=float,
+        default=400.0,
+        help="network bandwidth per GPU between nodes, Gb/s (default 400)",
     )
     parser.add_argument("--eager", action="store_true", help="plan for the eager engine (keep sets only)")
     parser.add_argument("--json", default=None, help="write the plan as JSON to this path")
@@ -201,6 +231,12 @@ def plan_command(argv: list[str]) -> int:
             loss=args.loss,
             batch=args.batch,
             seq=args.seq,
+            cp=args.cp,
+            pp=args.pp,
+            pp_schedule=args.pp_schedule,
+            microbatch_size=args.microbatch_size,
+            gpus_per_node=args.gpus_per_node,
+            network=args.network_gbps * 1e9 / 8,
         )
     except ValueError as e:
         raise SystemExit(f"sac_compile plan: {e}") from None
@@ -231,7 +267,8 @@ def plan_command(argv: list[str]) -> int:
         print("  beside it: " + "; ".join(_peer_line(name, p) for name, p in report["peers"].items()))
         fits = plan.fits
     else:  # (the plan's own figures are not this configuration's)
-        plan_keys = ("peak_bytes", "fits", "phase", "breakdown", "step_seconds", "groups")
+        plan_keys: tuple[str, ...] = ("peak_bytes", "reserved_bytes", "fits", "phase", "breakdown", "groups")
+        plan_keys += ("step_seconds", "step_terms", "tokens_per_second", "mfu")
         report = {k: v for k, v in report.items() if k not in plan_keys}
         report["ac"] = _configuration(plan, *ac, spec=args.ac)
         print(_peer_line(f"--ac {args.ac}", report["ac"], full=True))
@@ -244,15 +281,22 @@ def plan_command(argv: list[str]) -> int:
 
 
 def _parse_ac(spec: str) -> tuple[Any, float | None]:
-    """``--ac``: ``none`` (no checkpoint), ``full`` (every layer recomputed), or
-    ``keep=attn,mlp`` / ``keep=all`` with an optional ``@budget`` -> ``(keep, budget)``."""
+    """``--ac``: ``none`` (no checkpoint), ``full`` (every layer recomputed), ``torchtitan-op``,
+    ``budget=B`` (PyTorch's budget alone: ``keep=@B``), or ``keep=attn,mlp`` / ``keep=all``
+    with an optional ``@budget`` -> ``(keep, budget)``."""
     from .keep import ALL_REGIONS
+    from .planning.op_sac import TORCHTITAN_OP
 
     if spec == "none":
         return None, None
     if spec == "full":
         return (), None
-    body, _, budget = spec.partition("@")
+    if spec == TORCHTITAN_OP:
+        return TORCHTITAN_OP, None
+    if spec.startswith("budget="):  # PyTorch's budget alone: no region kept
+        body, budget = "keep=", spec.removeprefix("budget=") or "none"
+    else:
+        body, _, budget = spec.partition("@")
     if body.startswith("keep="):
         names = [n for n in body.removeprefix("keep=").split(",") if n]
         try:
@@ -262,39 +306,63 @@ def _parse_ac(spec: str) -> tuple[Any, float | None]:
         if value is None or 0 < value <= 1:
             return (ALL_REGIONS if names == ["all"] else frozenset(names)), value
     raise SystemExit(
-        f"sac_compile plan: --ac {spec}: none, full, or keep=REGION[,REGION...] (keep=all: every region) "
-        "with an optional @BUDGET in (0, 1], e.g. keep=attn,mlp or keep=attn@0.3"
+        f"sac_compile plan: --ac {spec}: none, full, torchtitan-op, budget=B (B in (0, 1]), or "
+        "keep=REGION[,REGION...] (keep=all: every region) with an optional @BUDGET in (0, 1], e.g. keep=attn,mlp "
+        "or keep=attn@0.3"
     )
 
 
 def _configuration(plan: Any, keep: Any, budget: float | None, *, spec: str) -> dict[str, Any]:
     try:
-        peak, seconds = plan.configuration(keep, budget)
+        peak, step = plan.configuration(keep, budget)
     except ValueError as e:
         raise SystemExit(f"sac_compile plan: --ac {spec}: {e}") from None
     return {
         "spec": spec,
         "peak_bytes": peak.bytes,
-        "fits": peak.bytes <= plan.target.usable,
+        "fits": peak.reserved <= plan.target.usable,
+        "reserved_bytes": peak.reserved,
         "phase": peak.phase,
         "breakdown": peak.breakdown,
-        "step_seconds": seconds,
+        **_step(step),
+    }
+
+
+def _step(step: Any) -> dict[str, Any]:
+    """The JSON of a :class:`~sac_compile.planning.step_time.StepTime`."""
+    return {
+        "step_seconds": step.seconds,
+        "step_terms": step.terms(),
+        "tokens_per_second": step.tokens_per_second,
+        "mfu": step.mfu,
     }
 
 
 def _peers(plan: Any) -> dict[str, dict[str, Any]]:
-    """What a user would run instead of the plan, on the same target: no AC, full AC."""
-    return {
-        name: _configuration(plan, keep, None, spec=spec)
-        for name, keep, spec in (("no AC", None, "none"), ("full AC", (), "full"))
-    }
+    """What a user would run instead of the plan, on the same target: no AC, full AC,
+    torchtitan's per-op SAC, and compiled, PyTorch's ``activation_memory_budget`` alone at
+    each budget measured."""
+    from .planning.op_sac import TORCHTITAN_OP
+
+    peers: list[tuple[str, Any, float | None, str]] = [
+        ("no AC", None, None, "none"),
+        ("full AC", (), None, "full"),
+    ]
+    peers.append(("torchtitan op SAC", TORCHTITAN_OP, None, TORCHTITAN_OP))
+    if plan.compile:
+        budgets = sorted(
+            {c.budget for g in plan.measured for c in g.plan.candidates if c.budget and not c.keep}
+        )
+        peers += [(f"budget {b:g}", (), b, f"budget={b:g}") for b in budgets if b >= 0.01]
+    return {name: _configuration(plan, keep, budget, spec=spec) for name, keep, budget, spec in peers}
 
 
 def _peer_line(name: str, found: dict[str, Any], *, full: bool = False) -> str:
     scale, unit = (2**30, "GiB") if found["peak_bytes"] >= 2**30 else (2**20, "MiB")
     line = (
         f"{name}: peak {found['peak_bytes'] / scale:.2f} {unit} in the {found['phase']} "
-        f"({'fits' if found['fits'] else 'does not fit'}), step {found['step_seconds']:.3f} s (est.)"
+        f"({found['reserved_bytes'] / scale:.2f} reserved, {'fits' if found['fits'] else 'does not fit'}), step {found['step_seconds']:.3f} s (est.), "
+        f"{found['tokens_per_second']:,.0f} tokens/s per GPU"
     )
     if full:
         terms = (f"    {t:<20}{v / scale:>10.2f} {unit}" for t, v in found["breakdown"].items() if v)

@@ -16,12 +16,12 @@ from ._compat.aot import meta_rng_states
 from ._compat.dynamo import unwrap_compiled
 from ._compat.transformers import grouped_query_sdpa
 from .hf_layers import layer_regions, merged, read_stacks, report_unchecked, vocab_size
-from .keep import ALL_REGIONS, normalize_keep
 from .planning import ModelPlan, plan_model
 from .planning.peak import Peak
 
 if TYPE_CHECKING:
     from .planning.device_plan import DevicePlan
+    from .planning.step_time import StepTime
 
 __all__ = ["StepFigures", "plan_for_device", "predict_peak", "step_figures"]
 
@@ -99,13 +99,15 @@ def _measure(
 
 
 def _tokens(model: nn.Module, target: Any, device: Any) -> dict[str, Any]:
-    """A batch of ``target.batch`` x ``target.seq`` random tokens; for a vision-language model
+    """A batch of random tokens the shape of ``target.traced`` (one microbatch, one rank's
+    share of the sequence); for a vision-language model
     of a family :func:`_images` knows, one image a row taking about a quarter of the
     sequence (placeholders from position 1), so that its vision stack runs too."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab_size(model), (target.batch, target.seq), generator=g)
+    batch, seq = target.traced
+    ids = torch.randint(0, vocab_size(model), (batch, seq), generator=g)
     inputs = {"input_ids": ids}
-    images = _images(unwrap_compiled(model).config, target.batch, target.seq)
+    images = _images(unwrap_compiled(model).config, batch, seq)
     if images is not None:
         tokens, extra = images
         token = cast(int, _image_token(unwrap_compiled(model).config))  # (not None: _images made images)
@@ -185,7 +187,9 @@ def _step_sizes(
 
     params = tuple(counted(modules[g.paths[0]]) for g in planned.groups)
     text = _text_config(root)
-    tokens = int(inputs["input_ids"].numel()) if "input_ids" in inputs else target.batch * target.seq
+    tokens = (
+        int(inputs["input_ids"].numel()) if "input_ids" in inputs else target.traced[0] * target.traced[1]
+    )
     width = torch.empty((), dtype=target.param_dtype).element_size()
     logits = tokens * text.vocab_size * 4
     norm = 3 * tokens * text.hidden_size * width
@@ -199,8 +203,34 @@ def _step_sizes(
         head_traffic=6 * logits,
         logits_bytes=logits,
         model_logits_bytes=model_logits,
+        tokens=tokens,
+        hidden_size=text.hidden_size,
+        top_k=int(getattr(text, "num_experts_per_tok", 0) or 0),
+        embedding_params=_embedding_params(root),
+        **_attention_sizes(text, target, width),
     )
     return params, sizes
+
+
+def _embedding_params(root: nn.Module) -> int:
+    embeddings = cast(Any, root).get_input_embeddings() if hasattr(root, "get_input_embeddings") else None
+    return sum(p.numel() for p in embeddings.parameters()) if isinstance(embeddings, nn.Module) else 0
+
+
+def _attention_sizes(text: Any, target: Any, width: int) -> dict[str, int]:
+    """One layer's forward attention FLOPs (causal: half of ``4 b s^2 heads d``) and its keys
+    and values, at the traced shape, from the config (what context parallelism adds and
+    passes around the ring: ``planning.step_time``)."""
+    heads = getattr(text, "num_attention_heads", 0) or 0
+    if not heads:
+        return {}
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    batch, seq = target.traced
+    return {
+        "attention_flops": 2 * batch * seq * seq * heads * head_dim,
+        "kv_bytes": 2 * batch * seq * kv_heads * head_dim * width,
+    }
 
 
 def predict_peak(
@@ -229,46 +259,34 @@ class StepFigures:
     ]  # per group: one layer's parameters, of them the routed experts'
     sizes: Any  # planning.peak.ModelSizes
 
-    def _chosen(self, keep: Any) -> list[Any]:
-        """Per kind of layer, the candidate keeping ``keep`` (None: no checkpoint)."""
-        if keep is None:
-            return [None] * len(self.plan.groups)
-        keep_set = normalize_keep(keep)
-        out = []
-        for group in self.plan.groups:
-            table = group.plan
-            regions = set(table.regions)
-            kept = (
-                frozenset(regions)
-                if keep_set is ALL_REGIONS
-                else frozenset(cast("frozenset[str]", keep_set)) & regions
-            )
-            out.append([c for c in table.candidates if c.keep == kept and c.budget is None][0])
-        return out
-
     def peak(self, keep: Any = None, *, compile: bool = False) -> Peak:
-        """The predicted peak with every layer keeping ``keep`` (None: no checkpoint), under
-        the eager engine or (``compile``) compiled."""
-        from .planning.device_plan import figures_of, no_checkpoint_figures
+        """The predicted peak with every layer keeping ``keep`` (None: no checkpoint;
+        ``"torchtitan-op"``: torchtitan's per-op SAC), under the eager engine or
+        (``compile``) compiled."""
+        from .planning.device_plan import configured, layer_figures
         from .planning.peak import step_peak
 
-        layers = []
-        for group, params, c in zip(self.plan.groups, self.layer_params, self._chosen(keep)):
-            table, count = group.plan, len(group.paths)
-            if c is None:
-                layers.append(no_checkpoint_figures(table, params, count, self.target, compile=compile))
-            else:
-                layers.append(figures_of(c, table, params, count, self.target, compile=compile))
+        groups = self.plan.groups
+        layers = [
+            layer_figures(c, g.plan, params, len(g.paths), self.target, compile=compile)
+            for g, params, c in zip(groups, self.layer_params, configured(groups, keep))
+        ]
         return step_peak(self.sizes, layers, self.target)
 
     def seconds(self, keep: Any = None) -> float:
-        """The step's time on the target, estimated from its roofline
-        (:func:`sac_compile.planning.device_plan.step_seconds`), every layer keeping ``keep``."""
-        from .planning.device_plan import step_seconds
+        """The step's time on the target, estimated (:func:`sac_compile.planning.step_time.step_time`),
+        every layer keeping ``keep``."""
+        return self.step(keep).seconds
+
+    def step(self, keep: Any = None) -> StepTime:
+        """The step's predicted time by term, tokens/s and MFU, every layer keeping ``keep``."""
+        from .planning.device_plan import configured
+        from .planning.step_time import step_time
 
         groups = self.plan.groups
-        layers = [(len(g.paths), g.plan, c) for g, c in zip(groups, self._chosen(keep))]
-        return step_seconds(layers, self.sizes, self.target)
+        chosen = configured(groups, keep)
+        layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(groups, chosen, self.layer_params)]
+        return step_time(layers, self.sizes, self.target)
 
 
 def step_figures(

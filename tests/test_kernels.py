@@ -73,3 +73,21 @@ def test_transformers_hands_grouped_keys_to_the_kernel_when_tracing_for_a_gpu(mo
     with grouped_query_sdpa(False):
         sdpa_attention_forward(module, q, k, v, mask)
     assert seen == [(8, False), (2, True), (8, False)]
+
+
+def test_a_causal_flash_kernel_counts_half_the_attention_flops():
+    """The stand-in for a GPU's flash kernel: causal skips the blocks above the diagonal, so a
+    step's time is not charged the masked half (PyTorch's own counter charges every block)."""
+    from sac_compile.inspection.flops import costly_flops
+
+    q = torch.empty(1, 4, 128, 16, device="meta")
+    k = v = torch.empty(1, 2, 128, 16, device="meta")
+    forward = torch.ops.sac_compile_plan.flash_attention.default
+    full = costly_flops(forward, (q, k, v, False, None), {}, None)
+    assert full == 2 * (2 * 4 * 128 * 128 * 16)  # q @ k^T and p @ v, every query head
+    assert costly_flops(forward, (q, k, v, True, None), {}, None) == full // 2
+    backward = torch.ops.sac_compile_plan.flash_attention_backward.default
+    args = (q, q, k, v, q, None)
+    assert costly_flops(backward, (*args, True, None), {}, None) * 2 == costly_flops(
+        backward, (*args, False, None), {}, None
+    )

@@ -146,14 +146,14 @@ def test_the_loss_and_tensor_parallel_layout_shape_the_head():
     assert head(tp=4, loss_parallel=False) == 3 * logits + model_logits + norm // 4
     for bad in ("mse", "chunked:0", "torchtitan:2"):
         with pytest.raises(
-            ValueError, match=rf"Target\(loss='{bad}': one of transformers, torchtitan, chunked"
+            ValueError, match=rf"Target\(loss='{bad}': one of transformers, torchtitan, compiled, chunked"
         ):
             Target("h100-80gb", loss=bad)
 
 
 def test_bad_targets_are_refused_clearly():
     with pytest.raises(
-        ValueError, match=r"device='h100' is not a known kind: h100-80gb, h200, a100-80gb, b200"
+        ValueError, match=r"device='h100' is not a known kind: h100-80gb, h100-96gb, h200, a100-80gb, b200"
     ):
         Target("h100")
     with pytest.raises(ValueError, match=r"memory='80 gigs': bytes .* or a number with a unit"):
@@ -253,7 +253,7 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
     # a larger memory never gives more predicted recompute; nothing measured again
     full = [c for c in table.candidates if not c.keep and c.budget is None][0]
     held = gpu.breakdown["activations"] + gpu.breakdown["backward_transient"]
-    fixed = gpu.peak_bytes - held
+    fixed = gpu.reserved_bytes - held  # (a plan fits on what the allocator reserves)
     sizes = [int((fixed + held * f) / 0.95) for f in (1.2, 1.0, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05)]
     chosen = []
     for memory in sizes:
@@ -264,7 +264,7 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
             break
     flops = [p.recompute_flops for p in chosen]
     assert flops == sorted(flops) and flops[0] == 0 < flops[-1], flops  # from keeping all to recomputing
-    assert all(p.peak_bytes <= p.target.usable for p in chosen)
+    assert all(p.peak_bytes <= p.reserved_bytes <= p.target.usable for p in chosen)
     assert full.recompute_flops * 4 >= flops[-1]  # at most every layer fully recomputed
     with pytest.raises(
         ValueError, match=r"no plan fits h100-80gb with .* smallest predicted peak is .* GiB .*largest term"
@@ -342,6 +342,11 @@ def test_the_plan_command_writes_the_plan(tmp_path):
     assert "beside it: no AC: peak" in done.stdout and "full AC: peak" in done.stdout, done.stdout
     assert peers["full AC"]["peak_bytes"] <= plan["peak_bytes"] <= peers["no AC"]["peak_bytes"], peers
     assert peers["full AC"]["step_seconds"] >= plan["step_seconds"] >= peers["no AC"]["step_seconds"], peers
+    # torchtitan's per-op SAC and PyTorch's budget alone beside them
+    titan = peers["torchtitan op SAC"]
+    assert peers["full AC"]["peak_bytes"] < titan["peak_bytes"] < peers["no AC"]["peak_bytes"], peers
+    assert {"budget 0.1", "budget 0.5"} <= set(peers), sorted(peers)
+    assert peers["budget 0.1"]["peak_bytes"] <= peers["budget 0.5"]["peak_bytes"], peers
     # --ac predicts one configuration (here in this process): keep attn between the two
     from sac_compile.__main__ import main
 
@@ -370,7 +375,7 @@ def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(SMALL))
-    with pytest.raises(SystemExit, match=r"device='v100' is not a known kind: h100-80gb, h200"):
+    with pytest.raises(SystemExit, match=r"device='v100' is not a known kind: h100-80gb, h100-96gb, h200"):
         main(["plan", str(path), "--seq", "64", "--device", "v100"])
     path.write_text(json.dumps({"model_type": "no_such_model"}))
     with pytest.raises(SystemExit, match=r"model_type 'no_such_model' is not one transformers knows"):
@@ -389,10 +394,10 @@ def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
         main(["plan", str(path), "--seq", "64", "--device", "h200", "--json", str(missing)])
     with pytest.raises(SystemExit, match=r"--json .*: a folder, not a file"):
         main(["plan", str(path), "--seq", "64", "--device", "h200", "--json", str(tmp_path)])
-    with pytest.raises(SystemExit, match=r"loss='mse': one of transformers, torchtitan, chunked"):
+    with pytest.raises(SystemExit, match=r"loss='mse': one of transformers, torchtitan, compiled, chunked"):
         main(["plan", str(path), "--seq", "64", "--device", "h200", "--loss", "mse"])
-    for ac in ("some", "keep=attn@2", "keep=attn@x"):
-        with pytest.raises(SystemExit, match=rf"--ac {ac}: none, full, or keep=REGION"):
+    for ac in ("some", "keep=attn@2", "keep=attn@x", "budget=", "budget=0"):
+        with pytest.raises(SystemExit, match=rf"--ac {ac}: none, full, torchtitan-op, budget=B"):
             main(["plan", str(path), "--seq", "64", "--device", "h200", "--ac", ac])
     for bad in (["--seq", "0"], ["--seq", "64", "--batch", "-1"], ["--seq", "64", "--tp", "0"]):
         with pytest.raises(SystemExit, match=r"a positive int"):
@@ -422,7 +427,7 @@ def test_plan_for_refuses_a_sequence_or_batch_that_is_not_positive():
             hf.plan_for(model, "40GiB", device="h100-80gb", **kwargs)
         with pytest.raises(ValueError, match=rf"plan_for\({name}={value!r}\): a positive int"):
             hf.plan_for(model, 0.5, **kwargs)
-    with pytest.raises(ValueError, match=r"loss='mse': one of transformers, torchtitan, chunked"):
+    with pytest.raises(ValueError, match=r"loss='mse': one of transformers, torchtitan, compiled, chunked"):
         hf.plan_for(model, "40GiB", device="h100-80gb", loss="mse")
     with pytest.raises(ValueError, match=r"plan_for\(loss='chunked'\) without device="):
         hf.plan_for(model, 0.5, loss="chunked")
@@ -499,7 +504,7 @@ def test_on_the_device_itself_estimator_time_measures_the_step():
     """``estimator="time"`` where the device is present (here the CPU): each kind of layer's
     frontier ordered by measured step time, the step the layers' measured time plus the head's
     estimate; a plan for another device refuses it (it cannot be measured here)."""
-    from sac_compile.planning.device_plan import step_seconds
+    from sac_compile.planning.step_time import step_time
 
     model = tiny_llama(layers=2, hidden=64)
     timed = hf.plan_for(
@@ -515,7 +520,7 @@ def test_on_the_device_itself_estimator_time_measures_the_step():
     )
     (group,) = timed.groups
     assert timed.step_measured and group.plan.chosen.step_time > 0
-    head = step_seconds([], timed.sizes, timed.target)
+    head = step_time([], timed.sizes, timed.target).seconds
     assert timed.step_seconds == pytest.approx(2 * group.plan.chosen.step_time + head)
     assert "s measured" in timed.format()
     with pytest.raises(ValueError, match=r"estimator='time' measures compiled steps on the device itself"):
@@ -566,3 +571,95 @@ def test_a_split_of_one_projection_counts_its_storage_once():
     assert report.activation_bytes == held, (report.activation_bytes, held, report.format(inputs=True))
     pieces = [v.nbytes for v in report.saved if v.op == "aten.transpose"]
     assert sorted(pieces) == [0, 0, 2 * 8 * 96 * 4], pieces  # the fused output's storage, once
+
+
+def _pipeline_model(**extra):
+    from sac_compile.planning.peak import LayerFigures, ModelSizes
+
+    layers = [LayerFigures(count=8, params=1000, saved_bytes=4096, transient_bytes=64)]
+    sizes = ModelSizes(
+        params=8 * 1000 + 600, head_saved_bytes=8, head_transient_bytes=8, embedding_params=400, **extra
+    )
+    return layers, sizes
+
+
+def test_pipeline_stages_hold_the_microbatches_their_schedule_keeps_in_flight():
+    from sac_compile.planning.devices import Target
+    from sac_compile.planning.peak import in_flight, step_peak
+
+    def target(**kw):
+        return Target("h100-80gb", batch=8, seq=16, optimizer="sgd", **kw)
+
+    one_f = target(pp=4)
+    assert [in_flight(one_f, r) for r in range(4)] == [4, 3, 2, 1]  # warm-up forwards, then one for one
+    assert in_flight(target(pp=4, pp_schedule="gpipe"), 0) == 8  # every microbatch
+    # interleaved, two stages a rank: (v - 1) pp + 2 (pp - 1) + 1 chunks of half a stage
+    assert in_flight(target(pp=4, pp_schedule="interleaved-1f1b"), 0) == (4 + 6 + 1) / 2
+    assert in_flight(target(pp=4, microbatch_size=4), 0) == 2  # only 2 microbatches
+    layers, sizes = _pipeline_model()
+    whole, staged = step_peak(sizes, layers, target()), step_peak(sizes, layers, one_f)
+    assert whole.breakdown["activations"] == 8 * 4096  # every layer, one (whole) batch
+    # the first stage: its 2 layers for each of 4 microbatches in flight; its parameters and
+    # the embeddings' (fp32 master copies), not the head's
+    assert staged.breakdown["activations"] == 4 * 2 * 4096
+    assert staged.breakdown["parameters"] == (2 * 1000 + 400) * 4
+    assert whole.breakdown["parameters"] == (8 * 1000 + 600) * 4
+    gpipe = step_peak(sizes, layers, target(pp=4, pp_schedule="gpipe"))
+    assert gpipe.breakdown["activations"] == 8 * 2 * 4096
+
+
+def test_context_parallel_traces_a_share_of_the_sequence_and_shards_over_fsdp_x_cp():
+    from sac_compile.planning.devices import Target
+    from sac_compile.planning.peak import step_peak
+
+    t = Target("h100-80gb", batch=2, seq=8192, cp=4, fsdp=2)
+    assert t.traced == (2, 2048)
+    assert Target("h100-80gb", batch=8, seq=64, pp=2, microbatch_size=2).traced == (2, 64)
+    layers, sizes = _pipeline_model()
+    peak = step_peak(sizes, layers, t)
+    assert peak.breakdown["parameters"] == (8 * 1000 + 600) * 4 // 8  # fp32, sharded 2 x 4 ways
+    with pytest.raises(ValueError, match=r"cp divides seq"):
+        Target("h100-80gb", seq=100, cp=3)
+    with pytest.raises(ValueError, match=r"microbatch_size divides batch"):
+        Target("h100-80gb", batch=3, pp=2, microbatch_size=2)
+    with pytest.raises(ValueError, match=r"pp_schedule='zb'"):
+        Target("h100-80gb", pp=2, pp_schedule="zb")
+
+
+def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
+    from sac_compile.planning.core import Candidate, Plan
+    from sac_compile.planning.devices import DEVICES, Target
+    from sac_compile.planning.step_time import LINK_EFFICIENCY, step_time
+    from sac_compile.policy import SAVE_COSTLY
+
+    full = Candidate(frozenset(), None, SAVE_COSTLY, 0, recompute_flops=10**12)
+    table = Plan(1, full, (full,), 0, (), "exhaustive", forward_flops=10**12, no_checkpoint_flops=2 * 10**12)
+    _, sizes = _pipeline_model(tokens=8192, hidden_size=4096, attention_flops=10**11, kv_bytes=2**24)
+    layers = [(8, table, full, (10**9, 0))]
+
+    def step(**kw):
+        return step_time(layers, sizes, Target("h100-80gb", batch=8, seq=8192, **kw))
+
+    h100 = DEVICES["h100-80gb"]
+    alone = step()
+    assert alone.compute == pytest.approx(8 * 4 * 10**12 / h100.bf16_flops / h100.efficiency)
+    assert alone.fsdp == alone.tp == alone.bubble == 0 and alone.seconds == alone.compute
+    assert alone.tokens_per_second == pytest.approx(8 * 8192 / alone.seconds)
+    assert alone.mfu == pytest.approx(8 * 3 * 10**12 / alone.seconds / h100.bf16_flops)
+    # TP: compute split, the stream's collectives exposed (over NVLink inside a node)
+    tp = step(tp=8)
+    assert tp.compute == pytest.approx(alone.compute / 8) and tp.tp > 0
+    assert tp.tokens_per_second == pytest.approx(8 * 8192 / tp.seconds / 8)
+    assert step(tp=8, gpus_per_node=4).tp == pytest.approx(tp.tp * h100.link / (50e9))  # over the network
+    # FSDP over nodes: the gathers of 10**9 parameters outrun a layer's compute
+    inside, across = step(fsdp=8), step(fsdp=64)
+    assert 0 < inside.fsdp < across.fsdp
+    # PP: a rank runs 1/pp of the layers for every microbatch (the table read as one
+    # microbatch's: 8 of them, 1 sequence each), plus the fill and drain
+    pp = step(pp=4)
+    assert pp.compute == pytest.approx(alone.compute * 8 / 4)
+    assert pp.bubble == pytest.approx(pp.compute * 3 / 8)
+    # CP: each rank attends to the whole sequence: cp - 1 more of the traced attention
+    cp = step(cp=2)
+    assert cp.compute > alone.compute and cp.tokens_per_second == pytest.approx(8 * 8192 / cp.seconds / 2)
+    assert LINK_EFFICIENCY < 1

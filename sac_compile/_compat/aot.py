@@ -19,6 +19,7 @@ from . import private
 
 __all__ = [
     "aot_autograd",
+    "compute_intensive_ops",
     "copy_joint",
     "forward_saved_outputs",
     "is_buffer_input",
@@ -191,3 +192,11 @@ def running_compiled_code(max_depth: int = 64) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def compute_intensive_ops() -> frozenset:
+    """The partitioner's compute-intensive ops (``torch._functorch.partitioners.get_default_op_list``:
+    mm, addmm, bmm, convolutions, the flash / efficient SDPA kernels, ``_scaled_mm``), as
+    overloads: the ops torchtitan's per-op selective AC saves first."""
+    ops = private("torch._functorch.partitioners", "get_default_op_list")().compute_intensive_ops
+    return frozenset(getattr(op, "default", op) for op in ops)

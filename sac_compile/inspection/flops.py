@@ -43,10 +43,16 @@ def costly_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=out))
     name = op_name(func)
-    if packet is aten._scaled_dot_product_flash_attention_for_cpu or name == _PLANNED_FLASH:
+    if packet is aten._scaled_dot_product_flash_attention_for_cpu:
         return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
-    if name == _PLANNED_FLASH_BACKWARD:  # (grad, query, key, value, ...)
-        return int(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+    # the planner's flash stand-in for a GPU target: a causal flash kernel skips the blocks
+    # above the diagonal, half the work (PyTorch's counter counts them all)
+    if name == _PLANNED_FLASH:  # (query, key, value, is_causal, scale)
+        flops = int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+        return flops // 2 if args[3] else flops
+    if name == _PLANNED_FLASH_BACKWARD:  # (grad, query, key, value, out, lse, is_causal, scale)
+        flops = int(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+        return flops // 2 if args[6] else flops
     if packet is getattr(aten, "_grouped_mm", None) or name == _HF_GROUPED_MM:
         a, b = args[0], args[1]
         if a.dim() == 2 and b.dim() == 3:  # tokens x k  @  experts x k x n

@@ -99,6 +99,9 @@ class Plan:
     forward_traffic: int = 0  # bytes the forward's memory-bound ops move (inspection.flops.graph_traffic)
     no_checkpoint_traffic: int = 0  # the same for the no-checkpoint backward
     no_checkpoint_tp: tuple[int, int, int] = (0, 0, 0)  # its saved bytes' tp_split (Candidate)
+    # torchtitan's per-op selective AC measured on the same trace (planning.op_sac): a peer,
+    # never chosen
+    op_sac: Candidate | None = None
 
     @property
     def keep(self) -> frozenset[str]:
@@ -267,16 +270,10 @@ def plan(
             device: CUDA too).
     """
     budgets, policies = _checked(module, memory, budgets, policies, estimator, inner)
-    from ..compiler.backend import baseline_backend, make_sac_backend
-    from ..keep import ALL_REGIONS
+    from ..compiler.backend import make_sac_backend
 
-    none, every = "none", frozenset({"every region"})
-    first = measure(
-        module,
-        example_args,
-        example_kwargs,
-        {none: baseline_backend("aot_eager"), every: make_sac_backend(ALL_REGIONS, inner="aot_eager")},
-    )
+    first = _first(module, example_args, example_kwargs)
+    none = "none"
     base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic, *base_tp = (
         first.figures[none]
     )
@@ -307,8 +304,34 @@ def plan(
         forward_traffic=forward_traffic,
         no_checkpoint_traffic=base_traffic,
         no_checkpoint_tp=(base_tp[0], base_tp[1], base_tp[2]),
+        op_sac=_candidate(
+            first.figures[OP_SAC],
+            first.figures[none],
+            frozenset(),
+            None,
+            SAVE_COSTLY,
+            first.eager.get(OP_SAC),
+        ),
     )
     return _choose(target, table)
+
+
+def _first(module: nn.Module, example_args: tuple, example_kwargs: dict) -> Any:
+    """The first trace's partitions: no checkpoint (``"none"``), every region kept (which
+    reads the regions) and torchtitan's per-op SAC (``OP_SAC``)."""
+    from ..compiler.backend import baseline_backend, make_sac_backend
+    from ..keep import ALL_REGIONS
+    from .op_sac import TorchtitanOpSac
+
+    configs = {
+        "none": baseline_backend("aot_eager"),
+        frozenset({"every region"}): make_sac_backend(ALL_REGIONS, inner="aot_eager"),
+        OP_SAC: TorchtitanOpSac(),
+    }
+    return measure(module, example_args, example_kwargs, configs)
+
+
+OP_SAC = "torchtitan-op"  # (planning.op_sac.TORCHTITAN_OP)
 
 
 def _candidates(
@@ -321,28 +344,38 @@ def _candidates(
 ) -> list[Candidate]:
     """One ``Candidate`` per ``configs`` entry, its recompute counted over the no-checkpoint
     figures ``base``; ``eager`` also measures what the eager engine holds without a budget."""
-    base_flops, base_traffic = base[1], base[4]
     figures = measure(module, example_args, example_kwargs, configs).figures
     found = []
     for keep, budget, policy in configs:
-        saved, flops, transient, _, traffic, _, *split = figures[(keep, budget, policy)]
         held = None
         if eager and budget is None:
             held = eager_bytes(module, example_args, example_kwargs, keep, policy)
-        found.append(
-            Candidate(
-                keep,
-                budget,
-                policy,
-                saved,
-                max(flops - base_flops, 0),
-                eager_bytes=held,
-                transient_bytes=transient,
-                recompute_traffic=max(traffic - base_traffic, 0),
-                tp_split=(split[0], split[1], split[2]),
-            )
-        )
+        found.append(_candidate(figures[(keep, budget, policy)], base, keep, budget, policy, held))
     return found
+
+
+def _candidate(
+    figures: Sequence[int],
+    base: Sequence[int],
+    keep: frozenset[str],
+    budget: float | None,
+    policy: RegionPolicy,
+    held: int | None = None,
+) -> Candidate:
+    """A candidate from its :class:`~sac_compile.planning.measure.PartitionEach` figures,
+    recompute counted over the no-checkpoint figures ``base``."""
+    saved, flops, transient, _, traffic, _, *split = figures
+    return Candidate(
+        keep,
+        budget,
+        policy,
+        saved,
+        max(flops - base[1], 0),
+        eager_bytes=held,
+        transient_bytes=transient,
+        recompute_traffic=max(traffic - base[4], 0),
+        tp_split=(split[0], split[1], split[2]),
+    )
 
 
 def _choose(target: int, table: Plan) -> Plan:

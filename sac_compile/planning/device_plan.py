@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from .core import Candidate, Plan
-from .devices import Target, parse_loss
+from .devices import Target
 from .model import LayerGroup, ModelPlan
 from .parallel import per_rank_bytes
 from .peak import LayerFigures, ModelSizes, Peak, step_peak
+from .step_time import StepTime, step_time
 
-__all__ = ["DevicePlan", "choose", "figures_of", "no_checkpoint_figures", "step_seconds"]
+__all__ = ["DevicePlan", "choose", "configured", "figures_of", "layer_figures", "no_checkpoint_figures"]
 
 _FIX = {
     "parameters": "shard wider (a larger fsdp or tp degree)",
@@ -44,7 +45,7 @@ class DevicePlan(ModelPlan):
 
     target: Target | None = None
     peak: Peak | None = None
-    step_seconds: float | None = None  # a roofline estimate (:func:`step_seconds`), or measured
+    step: StepTime | None = None  # the step's time by term (planning.step_time)
     step_measured: bool = False  # estimator="time": each layer's step measured on the device
     compile: bool = True
     measured: tuple[LayerGroup, ...] = ()  # every kind of layer's whole candidate table
@@ -66,12 +67,26 @@ class DevicePlan(ModelPlan):
         )
 
     @property
+    def step_seconds(self) -> float | None:
+        """The step's predicted seconds (:mod:`~sac_compile.planning.step_time`), the layers
+        measured on the device where ``step_measured``."""
+        return self.step.seconds if self.step else None
+
+    @property
     def peak_bytes(self) -> int:
+        """The most bytes allocated at once in a step (the predicted peak's)."""
         return self.peak.bytes if self.peak else 0
 
     @property
+    def reserved_bytes(self) -> int:
+        """What the caching allocator holds at the step's high-water mark: FSDP2's collectives
+        allocate in their own streams, whose pools the default stream cannot reuse
+        (:func:`~sac_compile.planning.peak.step_peak`); a plan fits on this."""
+        return self.peak.reserved if self.peak else 0
+
+    @property
     def fits(self) -> bool:
-        return self.peak is not None and self.target is not None and self.peak.bytes <= self.target.usable
+        return self.peak is not None and self.target is not None and self.peak.reserved <= self.target.usable
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -84,66 +99,107 @@ class DevicePlan(ModelPlan):
             scale, unit = (2**30, "GiB") if self.peak.bytes >= 2**30 else (2**20, "MiB")
             lines.append(
                 f"  on {t.device.name} ({t.memory / 2**30:.1f} GiB, {t.usable / 2**30:.1f} usable; "  # type: ignore[union-attr,operator]
-                f"fsdp {t.fsdp}, tp {t.tp}{_tp_layout(t)}, batch {t.batch} x seq {t.seq}): predicted peak "
-                f"{self.peak.bytes / scale:.2f} {unit} in the {self.peak.phase} ({'fits' if self.fits else 'does not fit'})"
+                f"fsdp {t.fsdp}, tp {t.tp}{_tp_layout(t)}{_more_layout(t)}, batch {t.batch} x seq {t.seq}): predicted peak "
+                f"{self.peak.bytes / scale:.2f} {unit} in the {self.peak.phase}, {self.peak.reserved / scale:.2f} {unit} "
+                f"reserved ({'fits' if self.fits else 'does not fit'})"
             )
             for term, value in self.peak.breakdown.items():
                 if value:
                     lines.append(f"    {term:<20}{value / scale:>10.2f} {unit}")
-            if self.step_seconds is not None:
-                how = (
-                    "measured: every layer's compiled forward + backward, the head estimated"
-                    if self.step_measured
-                    else "estimated (roofline: matmul / attention FLOPs at the peak rate, other ops' bytes at the peak bandwidth)"
-                )
-                lines.append(f"  step: {self.step_seconds:.3f} s {how}")
+            if self.step is not None:
+                lines.append(_step_line(self.step, self.step_measured))
         return "\n".join(lines)
 
     def apply(self, model: Any, *, compile: Any = None, **options: Any) -> Any:
         return super().apply(model, compile=self.compile if compile is None else compile, **options)
 
-    def configuration(self, keep: Any, budget: float | None = None) -> tuple[Peak, float]:
-        """The predicted peak and step seconds of every layer running one configuration,
-        from the same measurements: ``keep=None`` no checkpoint, ``()`` full recompute, a keep
-        set (each kind of layer keeps the regions of it it has), with a measured ``budget``
-        (compiled). What a user would pick instead of the plan, on the same target."""
-        from ..keep import ALL_REGIONS, normalize_keep
-
+    def configuration(self, keep: Any, budget: float | None = None) -> tuple[Peak, StepTime]:
+        """The predicted peak and step time of every layer running one configuration, from
+        the same measurements: ``keep=None`` no checkpoint, ``()`` full recompute, a keep set
+        (each kind of layer keeps the regions of it it has), with a measured ``budget``
+        (compiled), or ``"torchtitan-op"``: torchtitan's per-op selective AC
+        (:mod:`~sac_compile.planning.op_sac`). What a user would pick instead of the plan, on
+        the same target."""
         assert self.target is not None and self.sizes is not None
-        known = {r for g in self.measured for r in g.plan.regions}
-        named = normalize_keep(keep) if keep is not None else frozenset()
-        if named is not ALL_REGIONS and (unknown := set(cast("frozenset[str]", named)) - known):
+        chosen = configured(self.measured, keep, budget)
+        figures = [
+            layer_figures(c, g.plan, params, len(g.paths), self.target, compile=self.compile)
+            for g, params, c in zip(self.measured, self.params, chosen)
+        ]
+        layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(self.measured, chosen, self.params)]
+        return step_peak(self.sizes, figures, self.target), step_time(layers, self.sizes, self.target)
+
+
+def configured(
+    groups: Sequence[LayerGroup], keep: Any, budget: float | None = None
+) -> list[Candidate | None]:
+    """Per kind of layer, the measured candidate of one configuration: ``keep=None`` no
+    checkpoint (``None``), ``"torchtitan-op"`` torchtitan's per-op SAC, else the keep set
+    (``()`` full recompute, ``ALL_REGIONS`` or ``"all"`` every region; each kind keeps the
+    regions of it it has) with ``budget``. A region no layer has, or a budget not measured,
+    is a ``ValueError``."""
+    from ..keep import ALL_REGIONS, normalize_keep
+    from .op_sac import TORCHTITAN_OP
+
+    if keep is None:
+        return [None] * len(groups)
+    if isinstance(keep, str) and keep == TORCHTITAN_OP:
+        missing = [g.kind for g in groups if g.plan.op_sac is None]
+        if missing:
+            raise ValueError(f"torchtitan's per-op SAC was not measured for {', '.join(missing)}")
+        return [g.plan.op_sac for g in groups]
+    known = {r for g in groups for r in g.plan.regions}
+    named = normalize_keep(keep)
+    if named is not ALL_REGIONS and (unknown := set(cast("frozenset[str]", named)) - known):
+        raise ValueError(
+            f"keep={sorted(unknown)}: no layer has such a region (the layers' regions: {sorted(known)})"
+        )
+    out: list[Candidate | None] = []
+    for g in groups:
+        table = g.plan
+        regions = frozenset(table.regions)
+        kept = regions if named is ALL_REGIONS else cast("frozenset[str]", named) & regions
+        same_keep = [c for c in table.candidates if c.keep == kept]
+        found = [c for c in same_keep if c.budget == budget]  # (the first policy measured)
+        if not found:
+            budgets = sorted({c.budget for c in same_keep if c.budget is not None})
             raise ValueError(
-                f"keep={sorted(unknown)}: no layer has such a region (the layers' regions: {sorted(known)})"
-            )
-        figures: list[LayerFigures] = []
-        chosen: list[tuple[int, Plan, Candidate | None]] = []
-        for g, params in zip(self.measured, self.params):
-            table, count = g.plan, len(g.paths)
-            if keep is None:
-                figures.append(no_checkpoint_figures(table, params, count, self.target, compile=self.compile))
-                chosen.append((count, table, None))
-                continue
-            kept = (
-                frozenset(table.regions)
-                if named is ALL_REGIONS
-                else cast("frozenset[str]", named) & set(table.regions)
-            )
-            same_keep = [c for c in table.candidates if c.keep == kept]
-            found = [c for c in same_keep if c.budget == budget]  # (the first policy measured)
-            if not found:
-                budgets = sorted({c.budget for c in same_keep if c.budget is not None})
-                raise ValueError(
-                    f"keep={sorted(kept)}, budget={budget!r} was not measured for {g.kind}: "
-                    + (
-                        f"its budgets: {budgets} (or None: the keep set alone)"
-                        if same_keep
-                        else "not among its keep sets"
-                    )
+                f"keep={sorted(kept)}, budget={budget!r} was not measured for {g.kind}: "
+                + (
+                    f"its budgets: {budgets} (or None: the keep set alone)"
+                    if same_keep
+                    else "not among its keep sets"
                 )
-            figures.append(figures_of(found[0], table, params, count, self.target, compile=self.compile))
-            chosen.append((count, table, found[0]))
-        return step_peak(self.sizes, figures, self.target), step_seconds(chosen, self.sizes, self.target)
+            )
+        out.append(found[0])
+    return out
+
+
+def layer_figures(
+    c: Candidate | None, table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool
+) -> LayerFigures:
+    """:func:`figures_of` for a candidate, :func:`no_checkpoint_figures` for ``None``."""
+    if c is None:
+        return no_checkpoint_figures(table, params, count, target, compile=compile)
+    return figures_of(c, table, params, count, target, compile=compile)
+
+
+def _step_line(step: StepTime, measured: bool) -> str:
+    how = "layers measured on the device, the head estimated" if measured else "estimated"
+    comms = ", ".join(f"{k} {v:.3f}" for k, v in step.terms().items() if k != "compute" and v)
+    return (
+        f"  step: {step.seconds:.3f} s {how} (compute {step.compute:.3f}"
+        + (f", exposed communication: {comms}" if comms else "")
+        + f"); {step.tokens_per_second:,.0f} tokens/s per GPU, MFU {step.mfu:.1%}"
+    )
+
+
+def _more_layout(t: Target) -> str:
+    parts = [f"ep {t.ep}"] if t.ep > 1 else []
+    parts += [f"cp {t.cp}"] if t.cp > 1 else []
+    if t.pp > 1:
+        parts.append(f"pp {t.pp} {t.pp_schedule}, {t.microbatches} microbatches of {t.microbatch_size}")
+    return "".join(f", {p}" for p in parts)
 
 
 def _tp_layout(t: Target) -> str:
@@ -249,9 +305,9 @@ def choose(
     smallest: Peak | None = None
     while True:
         peak = peak_of(state)
-        if smallest is None or peak.bytes < smallest.bytes:
+        if smallest is None or peak.reserved < smallest.reserved:
             smallest = peak
-        if peak.bytes <= target.usable:
+        if peak.reserved <= target.usable:
             best = (list(state), peak)
             break
         moves = []
@@ -280,43 +336,23 @@ def choose(
         for g, f, i in zip(groups, fronts, chosen)
     )
     timed = all(g.plan.chosen.step_time is not None for g in out)
-    if timed:  # measured on the device: the layers' forward + backward, the head's estimate
-        seconds = sum(cast(float, g.plan.chosen.step_time) * len(g.paths) for g in out) + step_seconds(
-            [], sizes, target
-        )
-    else:
-        seconds = step_seconds([(len(g.paths), g.plan, g.plan.chosen) for g in out], sizes, target)
+    # measured on the device: the layers' forward + backward, the head's estimate
+    measured = sum(cast(float, g.plan.chosen.step_time) * len(g.paths) for g in out) if timed else None
+    step = step_time(
+        [(len(g.paths), g.plan, g.plan.chosen, p) for g, p in zip(out, params)],
+        sizes,
+        target,
+        measured=measured,
+    )
     return DevicePlan(
         layers,
         out,
         target=target,
         peak=peak,
-        step_seconds=seconds,
+        step=step,
         compile=compile,
         measured=tuple(groups),
         params=tuple(params),
         sizes=sizes,
         step_measured=timed,
     )
-
-
-def step_seconds(
-    layers: Sequence[tuple[int, Plan, Candidate | None]], sizes: ModelSizes, target: Target
-) -> float:
-    """A step's time on ``target`` from its roofline, an estimate: every matmul / attention /
-    grouped-matmul FLOP (forward, backward, recomputed) at the device's peak dense rate, and
-    every byte the other ops read and write (unfused) at its peak bandwidth, the two summed
-    (each op is bound by one of them), split ``tp`` ways. ``layers``: per kind of layer, its
-    count, plan table and chosen candidate (None: no checkpoint). Leaves out communication,
-    launch overheads and kernel efficiency (real steps run at 40-60% of it); Inductor's fusion
-    moves fewer bytes than counted here."""
-    flops, traffic = sizes.head_flops, sizes.head_traffic
-    if sizes.logits_bytes and parse_loss(target.loss)[0] == "chunked":
-        flops = flops * 4 // 3  # the chunk's logits computed again in the backward
-    for count, table, c in layers:
-        flops += count * (table.forward_flops + table.no_checkpoint_flops + (c.recompute_flops if c else 0))
-        traffic += count * (
-            table.forward_traffic + table.no_checkpoint_traffic + (c.recompute_traffic if c else 0)
-        )
-    device = target.device
-    return (flops / device.bf16_flops + traffic / device.bandwidth) / target.tp  # type: ignore[union-attr]

@@ -35,10 +35,25 @@ class Device:
     bandwidth: float  # memory bytes/s
     source: str
     cuda: bool = True  # its attention kernels are CUDA's (flash / memory-efficient) — ROCm's too
+    # the GPU-to-GPU link inside a node, bytes/s one way per GPU (NVLink; 0: none)
+    link: float = 0.0
+    # the fraction of its roofline (FLOPs at bf16_flops, memory-bound bytes at bandwidth) a
+    # whole compiled training step reaches, from a published run (efficiency_source)
+    efficiency: float = 1.0
+    efficiency_source: str = "none: the roofline itself"
 
 
 GB = 10**9
 GiB = 2**30
+
+#: The fraction of the roofline a compiled training step of a published run reached (the
+#: time benchmarks/published.py predicts with efficiency 1, over the published step time less
+#: its exposed communication)
+H100_EFFICIENCY = 0.655
+H100_SOURCE = (
+    "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1: Llama-3.1-8B on 8 H100s (96 GB, 500 W), "
+    "FSDP 8, batch 2 x 8192, per-op SAC, compiled: 6,667 tokens/s per GPU (benchmarks/published.py)"
+)
 
 #: Datasheet figures, dense (the sparse figures are twice these).
 DEVICES: dict[str, Device] = {
@@ -49,35 +64,73 @@ DEVICES: dict[str, Device] = {
             80 * GB,
             989.4e12,
             3.35e12,
-            "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity",
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity, "
+            "NVLink 900 GB/s (both ways)",
+            link=450e9,
+            efficiency=H100_EFFICIENCY,
+            efficiency_source=H100_SOURCE,
+            # (the published run's H100s ran at 500 W: an SXM5 at 700 W is faster)
+        ),
+        Device(
+            "h100-96gb",
+            96 * GB,
+            989.4e12,
+            2.4e12,
+            "H100 96 GB HBM2e at 500 W (Meta's Grand Teton, torchtitan's benchmark hosts: "
+            "benchmarks/llama3_h100_202412_torchtitan.md): 96 GB, 2.4 TB/s; its peak rate lies between "
+            "the SXM's and the NVL's, the SXM's taken (as torchtitan's MFU does)",
+            link=450e9,
+            efficiency=H100_EFFICIENCY,
+            efficiency_source=H100_SOURCE,
         ),
         Device(
             "h200",
             141 * GB,
             989.4e12,
             4.8e12,
-            "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity",
+            "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity, "
+            "NVLink 900 GB/s",
+            link=450e9,
+            efficiency=H100_EFFICIENCY,
+            efficiency_source=H100_SOURCE,
+            # (no published bf16 run on an H200 found: the H100's, the same compute die)
         ),
         Device(
             "a100-80gb",
             80 * GB,
             312e12,
             2.039e12,
-            "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS",
+            "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS, NVLink 600 GB/s",
+            link=300e9,
+            efficiency=0.52,
+            efficiency_source="Narayanan et al. 2021 (Efficient Large-Scale Language Model Training on GPU "
+            "Clusters Using Megatron-LM), Table 1: 163 TFLOP/s per A100 (52% of peak) at 3,072 GPUs, recompute "
+            "counted",
         ),
         Device(
             "b200",
             180 * GB,
             2.25e15,
             7.7e12,
-            "NVIDIA HGX B200 datasheet: 180 GB HBM3e and 7.7 TB/s per GPU, FP16/BF16 4.5 PFLOPS with sparsity",
+            "NVIDIA HGX B200 datasheet: 180 GB HBM3e and 7.7 TB/s per GPU, FP16/BF16 4.5 PFLOPS with sparsity, "
+            "NVLink 1.8 TB/s",
+            link=900e9,
+            efficiency=0.317,
+            efficiency_source="torchao's MX-formats README, dense models: Llama-3-8B bf16 on 8 power-limited "
+            "B200s, FSDP 8, batch 1 x 8192, per-op SAC, compiled: 8,307.5 tokens/s per GPU "
+            "(benchmarks/published.py)",
         ),
         Device(
             "mi300x",
             192 * GB,
             1307.4e12,
             5.3e12,
-            "AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 TFLOPS dense",
+            "AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 TFLOPS dense, Infinity Fabric "
+            "896 GB/s peak aggregate",
+            link=448e9,
+            efficiency=H100_EFFICIENCY,
+            efficiency_source=H100_SOURCE,
+            # (no published bf16 MI300X run found here: the H100's assumed)
         ),
     )
 }
@@ -190,6 +243,8 @@ LOSSES = {
     "transformers": "transformers' causal-LM loss: the logits upcast to float32, their log-softmax held; the "
     "model's own logits stay alive in its output through the backward",
     "torchtitan": "torchtitan's: the float32 log-softmax held, the model's logits freed before the backward",
+    "compiled": "a torch.compile'd cross-entropy (torchtitan's with compile since 2025-04): the model's logits "
+    "saved by the compiled loss and their gradient made in the same dtype, no float32 logits-sized tensor",
     "chunked": "a chunked / fused linear cross-entropy (chunked:N, default 8 chunks): no logits held, one "
     "chunk's float32 logits, log-softmax and gradient at a time, the chunk's logits recomputed in the backward",
 }
@@ -197,7 +252,8 @@ LOSSES = {
 
 def parse_loss(loss: str) -> tuple[str, int]:
     """``(kind, chunks)`` of a ``Target.loss`` (``"transformers"``, ``"torchtitan"``,
-    ``"chunked"`` or ``"chunked:N"``); anything else is a ``ValueError`` listing them."""
+    ``"compiled"``, ``"chunked"`` or ``"chunked:N"``); anything else is a ``ValueError``
+    listing them."""
     kind, _, chunks = str(loss).partition(":")
     if kind in LOSSES and (not chunks or kind == "chunked" and chunks.isdigit() and int(chunks) > 0):
         return kind, int(chunks) if chunks else (8 if kind == "chunked" else 1)
@@ -249,6 +305,18 @@ class Target:
         batch, seq: per device.
         headroom: the fraction of ``memory`` kept free for the allocator and the CUDA
             context (a plan fits when its predicted peak is at most ``(1 - headroom) * memory``).
+        cp: context-parallel degree (torchtitan's layout: ring attention over the sequence,
+            parameters sharded over ``fsdp x cp``): each rank runs ``seq / cp`` tokens of
+            every sequence and attends to all of them.
+        pp: pipeline-parallel degree: the layers split evenly into ``pp`` stages, embeddings
+            on the first, the head on the last; ``batch`` is split into microbatches of
+            ``microbatch_size`` (torchtitan's default 1).
+        pp_schedule: ``"1f1b"`` (default), ``"interleaved-1f1b"`` (two stages a rank) or
+            ``"gpipe"``: how many microbatches a stage holds at once (:mod:`.peak`).
+        microbatch_size: sequences per microbatch with ``pp`` (a divisor of ``batch``).
+        gpus_per_node: GPUs joined by the device's link (:attr:`Device.link`); a collective
+            whose group spans nodes runs over ``network``.
+        network: bytes/s per GPU between nodes (default 400 Gb/s: one ConnectX-7 port a GPU).
     """
 
     device: Device | str = "h100-80gb"
@@ -266,12 +334,18 @@ class Target:
     batch: int = 1
     seq: int = 4096
     headroom: float = 0.05
+    cp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatch_size: int = 1
+    gpus_per_node: int = 8
+    network: float = 400e9 / 8
 
     def __post_init__(self) -> None:
         dev = device(self.device)
         object.__setattr__(self, "device", dev)
         object.__setattr__(self, "memory", dev.memory if self.memory is None else parse_memory(self.memory))
-        for name in ("fsdp", "tp", "ep", "batch", "seq"):
+        for name in ("fsdp", "tp", "ep", "cp", "pp", "batch", "seq", "microbatch_size", "gpus_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Target({name}={value!r}): a positive int")
@@ -282,6 +356,17 @@ class Target:
         for name in ("sequence_parallel", "loss_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Target({name}={getattr(self, name)!r}): True or False")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"Target(pp_schedule={self.pp_schedule!r}): one of {', '.join(PP_SCHEDULES)}")
+        if self.pp > 1 and self.batch % self.microbatch_size:
+            raise ValueError(
+                f"Target(batch={self.batch}, microbatch_size={self.microbatch_size}): with pp the batch is split "
+                "into microbatches: microbatch_size divides batch"
+            )
+        if self.seq % self.cp:
+            raise ValueError(
+                f"Target(seq={self.seq}, cp={self.cp}): the sequence is split cp ways: cp divides seq"
+            )
         if self.fsdp % self.ep:
             raise ValueError(
                 f"Target(ep={self.ep}, fsdp={self.fsdp}): the expert-parallel degree divides the FSDP degree "
@@ -291,8 +376,23 @@ class Target:
             object.__setattr__(self, name, _dtype(getattr(self, name), name))
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"Target(optimizer={self.optimizer!r}): one of {', '.join(OPTIMIZER_STATES)}")
+        if isinstance(self.network, bool) or not isinstance(self.network, (int, float)) or self.network <= 0:
+            raise ValueError(
+                f"Target(network={self.network!r}): bytes/s per GPU between nodes, > 0 (400 Gb/s: 50e9)"
+            )
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"Target(headroom={self.headroom!r}): a fraction in [0, 1)")
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches a step runs (1 without pipeline parallelism)."""
+        return self.batch // self.microbatch_size if self.pp > 1 else 1
+
+    @property
+    def traced(self) -> tuple[int, int]:
+        """``(batch, seq)`` one layer is measured at: one microbatch of one rank's share of the
+        sequence."""
+        return (self.microbatch_size if self.pp > 1 else self.batch), self.seq // self.cp
 
     @property
     def usable(self) -> int:
@@ -302,6 +402,9 @@ class Target:
     def replace(self, **changes: Any) -> Target:
         return dataclasses.replace(self, **changes)
 
+
+#: pipeline schedule -> model stages a rank holds (torchtitan's interleaved default: 2)
+PP_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2, "gpipe": 1}
 
 #: optimizer -> states kept per parameter (in ``master_dtype``)
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}

@@ -37,6 +37,7 @@ class PartitionEach:
         # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
         # and their tensor-parallel split (planning.parallel.tensor_parallel_split)
         self.figures: dict[Any, list[int]] = {key: [0] * 9 for key in configs}
+        self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
         self.regions: list[str] = []
         self.scopes: list[int] = []  # per graph: the checkpoint scopes of the first configuration
 
@@ -60,8 +61,9 @@ class PartitionEach:
                 one = dataclasses.replace(unit, records=[], graphs={}, saved_names=None)
                 # the records stay here: not in the compile session, the history or the trace
                 pass_ = backend.new_pass(unit.context, one.records.append) if backend.checkpoint else None
+                tagged = aot.copy_joint(joint)
                 fw, bw = backend.partition(
-                    aot.copy_joint(joint),
+                    tagged,
                     joint_inputs,
                     pass_=pass_,
                     untagged=lambda: aot.copy_joint(joint),
@@ -80,6 +82,8 @@ class PartitionEach:
                 split = tensor_parallel_split(fw, bw, is_param, functools.partial(_regions, node_regions))
                 for i, part_bytes in enumerate(split):
                     self.figures[key][6 + i] += part_bytes
+                if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)
+                    self.eager[key] = self.eager.get(key, 0) + backend.held_eagerly(tagged, is_param)
                 for rec in one.records[-1:]:
                     self.regions.extend(r for r in rec.regions if r not in self.regions)
                     if chosen is None:

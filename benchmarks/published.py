@@ -1,0 +1,444 @@
+"""The device planner beside training runs others measured and published: predicted peak
+memory and tokens/s per GPU against the published figures, with ratios.
+
+Each run is planned as ``python -m sac_compile plan`` plans it (the model from its
+``config.json`` on the meta device, one layer of each kind traced with the target's kernels),
+then ``DevicePlan.configuration`` predicts the run's own activation checkpointing (no AC,
+full AC, or torchtitan's per-op SAC: ``planning.op_sac``) on the run's layout. One
+measurement per (config, batch, seq, compile) serves every run that shares it.
+
+Published memory is the allocator's max *reserved* (torchtitan's tables) or what the source
+names; float8 runs (``float8`` column) convert their linear layers, which the planner does
+not model: their memory is compared, their tokens/s is not. A run marked ``calibrates``
+set its device's ``efficiency`` (``planning.devices``): its tokens/s ratio is 1 by
+construction and checks nothing.
+
+    python benchmarks/published.py [--match REGEX] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "examples", "configs")
+
+TT_2412 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TT_ASYNC = "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
+TT_TRAINY = "torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
+AO_MX = "torchao prototype/mx_formats README (torchtitan components/quantization/mxfp8.md), dense models"
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    config: str  # examples/configs/<config>.json
+    device: str
+    batch: int
+    seq: int
+    ac: str  # none, full, torchtitan-op
+    published_gib: float | None  # max reserved, GiB
+    published_tps: float | None  # tokens/s per GPU
+    source: str
+    fsdp: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    compile: bool = True
+    float8: bool = False
+    calibrates: bool = False
+    loss: str = "torchtitan"  # torchtitan compiles its loss with the model since 2025-04: "compiled"
+    memory_unit: float = 2**30  # the published memory's unit
+
+
+RUNS = (
+    Run(
+        "8B FSDP 8, SAC, eager",
+        "llama3_8b",
+        "h100-96gb",
+        2,
+        8192,
+        "torchtitan-op",
+        82.4,
+        5762,
+        TT_2412 + " Table 1",
+        fsdp=8,
+        compile=False,
+    ),
+    Run(
+        "8B FSDP 8, SAC",
+        "llama3_8b",
+        "h100-96gb",
+        2,
+        8192,
+        "torchtitan-op",
+        77.0,
+        6667,
+        TT_2412 + " Table 1",
+        fsdp=8,
+        calibrates=True,
+    ),
+    Run(
+        "8B FSDP 128, SAC, eager",
+        "llama3_8b",
+        "h100-96gb",
+        2,
+        8192,
+        "torchtitan-op",
+        67.0,
+        5605,
+        TT_2412 + " Table 3",
+        fsdp=128,
+        compile=False,
+    ),
+    Run(
+        "8B FSDP 128, SAC",
+        "llama3_8b",
+        "h100-96gb",
+        2,
+        8192,
+        "torchtitan-op",
+        62.0,
+        6514,
+        TT_2412 + " Table 3",
+        fsdp=128,
+    ),
+    Run(
+        "8B FSDP 8 x TP 8, SAC",
+        "llama3_8b",
+        "h100-96gb",
+        12,
+        8192,
+        "torchtitan-op",
+        None,
+        4378,
+        TT_ASYNC + " (vanilla TP, bf16)",
+        fsdp=8,
+        tp=8,
+        loss="compiled",
+    ),
+    Run(
+        "70B FSDP 32 x TP 8, full AC",
+        "llama3_70b",
+        "h100-96gb",
+        16,
+        8192,
+        "full",
+        None,
+        597.3,
+        TT_ASYNC + " (vanilla TP, bf16)",
+        fsdp=32,
+        tp=8,
+        loss="compiled",
+    ),
+    Run(
+        "70B FSDP 32 x TP 8, full AC, float8",
+        "llama3_70b",
+        "h100-96gb",
+        16,
+        8192,
+        "full",
+        71.9,
+        829,
+        TT_2412 + " Table 4",
+        fsdp=32,
+        tp=8,
+        float8=True,
+    ),
+    Run(
+        "8B FSDP 8, SAC (B200)",
+        "llama3_8b",
+        "b200",
+        1,
+        8192,
+        "torchtitan-op",
+        33.71,
+        8307.5,
+        AO_MX,
+        fsdp=8,
+        calibrates=True,
+        loss="compiled",
+    ),
+    Run(
+        "8B FSDP 8, CP 1, full AC, float8",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        32768,
+        "full",
+        83.9,
+        3890,
+        TT_2412 + " Table 2",
+        fsdp=8,
+        float8=True,
+    ),
+    Run(
+        "8B FSDP 4, CP 2, full AC, float8",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        65536,
+        "full",
+        84.2,
+        2540,
+        TT_2412 + " Table 2",
+        fsdp=4,
+        cp=2,
+        float8=True,
+    ),
+    Run(
+        "8B FSDP 2, CP 4, full AC, float8",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        131072,
+        "full",
+        84.0,
+        1071,
+        TT_2412 + " Table 2",
+        fsdp=2,
+        cp=4,
+        float8=True,
+    ),
+    Run(
+        "8B FSDP 1, CP 8, full AC, float8",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        262144,
+        "full",
+        84.5,
+        548,
+        TT_2412 + " Table 2",
+        cp=8,
+        float8=True,
+    ),
+    Run(
+        "405B FSDP 8 x TP 8 x PP 8 1F1B, full AC, float8",
+        "llama3_405b",
+        "h100-96gb",
+        32,
+        8192,
+        "full",
+        82.5,
+        100,
+        TT_2412 + " Table 5",
+        fsdp=8,
+        tp=8,
+        pp=8,
+        float8=True,
+    ),
+    Run(
+        "405B FSDP 8 x TP 8 x PP 8 interleaved, full AC, float8",
+        "llama3_405b",
+        "h100-96gb",
+        32,
+        8192,
+        "full",
+        72.7,
+        128,
+        TT_2412 + " Table 5",
+        fsdp=8,
+        tp=8,
+        pp=8,
+        pp_schedule="interleaved-1f1b",
+        float8=True,
+    ),
+    Run(
+        "405B FSDP 8 x TP 8 x PP 8, CP 1, full AC, float8",
+        "llama3_405b",
+        "h100-96gb",
+        8,
+        32768,
+        "full",
+        75.3,
+        76,
+        TT_2412 + " Table 6",
+        fsdp=8,
+        tp=8,
+        pp=8,
+        float8=True,
+    ),
+    Run(
+        "405B FSDP 4 x TP 8 x PP 8, CP 2, full AC, float8",
+        "llama3_405b",
+        "h100-96gb",
+        8,
+        65536,
+        "full",
+        75.9,
+        47,
+        TT_2412 + " Table 6",
+        fsdp=4,
+        tp=8,
+        pp=8,
+        cp=2,
+        float8=True,
+    ),
+    Run(
+        "405B FSDP 2 x TP 8 x PP 8, CP 4, full AC, float8",
+        "llama3_405b",
+        "h100-96gb",
+        8,
+        131072,
+        "full",
+        77.1,
+        31,
+        TT_2412 + " Table 6",
+        fsdp=2,
+        tp=8,
+        pp=8,
+        cp=4,
+        float8=True,
+    ),
+    Run(
+        "405B FSDP 1 x TP 8 x PP 8, CP 8, full AC, float8",
+        "llama3_405b",
+        "h100-96gb",
+        8,
+        262144,
+        "full",
+        84.9,
+        16,
+        TT_2412 + " Table 6",
+        tp=8,
+        pp=8,
+        cp=8,
+        float8=True,
+    ),
+    Run(
+        "8B FSDP 32, SAC, float8 (H200)",
+        "llama3_8b",
+        "h200",
+        2,
+        8192,
+        "torchtitan-op",
+        47.96,
+        10938,
+        TT_TRAINY,
+        fsdp=32,
+        float8=True,
+        loss="compiled",
+    ),
+    Run(
+        "8B FSDP 64, SAC, float8 (H200)",
+        "llama3_8b",
+        "h200",
+        2,
+        8192,
+        "torchtitan-op",
+        46.97,
+        10753,
+        TT_TRAINY,
+        fsdp=64,
+        float8=True,
+        loss="compiled",
+    ),
+)
+
+
+def _target(run: Run, **changes: object) -> object:
+    from sac_compile.planning.devices import Target
+
+    layout = dict(fsdp=run.fsdp, tp=run.tp, cp=run.cp, pp=run.pp, pp_schedule=run.pp_schedule, loss=run.loss)
+    return Target(run.device, batch=run.batch, seq=run.seq, **{**layout, **changes})
+
+
+def _measured(run: Run, cache: dict) -> object:
+    from sac_compile import hf
+    from sac_compile.__main__ import _model
+
+    target = _target(run, memory=1 << 60)
+    key = (run.config, run.device, target.traced, run.compile)
+    if key not in cache:
+        model = _model(os.path.join(CONFIGS, run.config + ".json"))
+        cache[key] = hf.plan_for(model, None, device=target, compile=run.compile, include=())
+        del model
+        gc.collect()
+    return cache[key]
+
+
+def predict(run: Run, cache: dict) -> dict:
+    measured = _measured(run, cache)
+    plan = dataclasses.replace(measured, target=_target(run))
+    peak, step = plan.configuration(None if run.ac == "none" else () if run.ac == "full" else run.ac)
+    gib = peak.reserved / 2**30
+    published = run.published_gib * run.memory_unit / 2**30 if run.published_gib else None
+    return {
+        "run": run.name,
+        "source": run.source,
+        "float8": run.float8,
+        "calibrates": run.calibrates,
+        "predicted_gib": gib,
+        "allocated_gib": peak.bytes / 2**30,
+        "published_gib": published,
+        "memory_ratio": gib / published if published else None,
+        "phase": peak.phase,
+        "breakdown_gib": {k: v / 2**30 for k, v in peak.breakdown.items() if v},
+        "predicted_tps": step.tokens_per_second,
+        "published_tps": run.published_tps,
+        "tps_ratio": step.tokens_per_second / run.published_tps
+        if run.published_tps and not run.float8
+        else None,
+        "step_terms": step.terms(),
+        "mfu": step.mfu,
+    }
+
+
+def _cell(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--match", default=None, help="a regular expression: the runs whose name it finds (default all)"
+    )
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    runs = RUNS if args.match is None else tuple(r for r in RUNS if re.search(args.match, r.name))
+    cache: dict = {}
+    rows = []
+    start = time.perf_counter()
+    for run in runs:
+        rows.append(predict(run, cache))
+        print(f"  {run.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    print(
+        "| run | device | predicted GiB | published GiB | ratio | predicted tokens/s | published | ratio | MFU |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for run, row in zip(runs, rows):
+        mark = " (float8)" if run.float8 else " (calibrates)" if run.calibrates else ""
+        print(
+            f"| {run.name}{mark} | {run.device} | {row['predicted_gib']:.1f} | {_cell(row['published_gib'], '.1f')} | "
+            f"{_cell(row['memory_ratio'], '.2f')} | {row['predicted_tps']:,.0f} | {_cell(run.published_tps, ',.0f')} | "
+            f"{_cell(row['tps_ratio'], '.2f')} | {row['mfu']:.1%} |"
+        )
+    for run, row in zip(runs, rows):
+        terms = ", ".join(f"{k} {v:.1f}" for k, v in row["breakdown_gib"].items())
+        steps = ", ".join(f"{k} {v:.3f}" for k, v in row["step_terms"].items() if v)
+        print(f"  {run.name}: peak in the {row['phase']}: {terms}; step s: {steps}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

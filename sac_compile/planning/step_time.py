@@ -1,0 +1,210 @@
+"""A training step's time on a target: compute at the rate published runs reach, plus the
+communication compute does not hide.
+
+One model for every configuration (:func:`step_time`):
+
+* **compute**: the step's roofline — every matmul / attention / grouped-matmul FLOP (forward,
+  backward, recomputed, the LM head) at the device's peak dense bf16 rate and every byte the
+  other ops move at its memory bandwidth — divided by the device's ``efficiency``: the
+  fraction of that roofline a whole compiled step of a published run reached
+  (:attr:`~sac_compile.planning.devices.Device.efficiency_source` names the run). Split
+  ``tp`` ways.
+* **FSDP**: each layer's parameters all-gathered in the forward and again in the backward
+  (FSDP2 reshards after the forward), its gradients reduce-scattered in ``reduce_dtype``; a
+  ring moves ``(n - 1) / n`` of the unsharded bytes per rank. They overlap the neighbouring
+  layer's compute (FSDP2 prefetches one layer): per layer only what exceeds that layer's
+  forward / backward compute is exposed, plus the first all-gather and the last
+  reduce-scatter.
+* **TP** (torchtitan's layout): per layer two all-gathers and two reduce-scatters of the
+  residual stream with sequence parallelism (two all-reduces without), in the forward, again
+  in the backward, and in the recomputed forward in proportion to the FLOPs recomputed; not
+  overlapped (async TP would hide part).
+* **EP**: per MoE layer the tokens' dispatch and combine all-to-all (``top_k`` copies of the
+  stream), forward and backward; not overlapped.
+
+A collective runs over the node's GPU link (:attr:`Device.link`) when its group fits in a
+node (``Target.gpus_per_node``; the mesh is torchtitan's, ``tp`` innermost), else over the
+network (``Target.network`` bytes/s per GPU), at :data:`LINK_EFFICIENCY` of either.
+``tokens_per_second`` is per GPU as torchtitan logs it (a data-parallel rank's tokens over
+the step, divided by ``tp``); ``mfu`` counts the model's FLOPs (no recompute) at the peak rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .core import Candidate, Plan
+from .devices import PP_SCHEDULES, Target, parse_loss
+from .peak import ModelSizes
+
+__all__ = ["LINK_EFFICIENCY", "StepTime", "step_time"]
+
+#: the fraction of a link's bandwidth a large ring collective reaches (NCCL's bus bandwidth
+#: in nccl-tests on NVLink and 400 Gb/s InfiniBand is about 80-90% of the link's)
+LINK_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """A step's predicted seconds, by term, and what they make."""
+
+    compute: float
+    fsdp: float  # exposed: not hidden behind compute
+    tp: float
+    ep: float
+    tokens: int  # a data-parallel rank's tokens per step
+    ranks_per_replica: int  # tp x cp x pp: the GPUs that share those tokens
+    model_flops: float  # per GPU, without recompute
+    peak_flops: float
+    cp: float = 0.0  # ring attention's passes not hidden behind attention
+    bubble: float = 0.0  # the pipeline's fill and drain
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.terms().values())
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Per GPU, as torchtitan logs it."""
+        return self.tokens / self.seconds / self.ranks_per_replica
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.seconds / self.peak_flops
+
+    def terms(self) -> dict[str, float]:
+        return {
+            "compute": self.compute,
+            "fsdp": self.fsdp,
+            "tp": self.tp,
+            "ep": self.ep,
+            "cp": self.cp,
+            "bubble": self.bubble,
+        }
+
+
+def _width(dtype: object) -> int:
+    return torch.empty((), dtype=dtype).element_size()  # type: ignore[call-overload]
+
+
+def _link(target: Target, group: int, inner: int) -> float:
+    """Bytes/s a ring over ``group`` ranks reaches, ``inner`` ranks apart in the mesh."""
+    device = target.device
+    inside = group * inner <= target.gpus_per_node and device.link > 0  # type: ignore[union-attr]
+    return (device.link if inside else target.network) * LINK_EFFICIENCY  # type: ignore[union-attr]
+
+
+@dataclass
+class _Sum:
+    compute: float = 0.0
+    model: float = 0.0
+    fsdp: float = 0.0
+    gathers: list[float] = dataclasses.field(default_factory=list)  # with pp: per layer
+    first: float = 0.0  # without pp: the first all-gather and the last reduce-scatter
+    last: float = 0.0
+    tp: float = 0.0
+    ep: float = 0.0
+    cp: float = 0.0
+
+
+def step_time(
+    layers: Sequence[tuple[int, Plan, Candidate | None, tuple[int, int]]],
+    sizes: ModelSizes,
+    target: Target,
+    *,
+    measured: float | None = None,
+) -> StepTime:
+    """The step of ``target`` with, per kind of layer, its count, plan table, candidate (None:
+    no checkpoint) and one layer's (parameters, of them routed experts'). ``measured``: the
+    layers' forward + backward seconds measured on the device itself (the head estimated).
+    Layer figures are per traced unit (one microbatch, one rank's share of the sequence): a
+    rank runs ``1 / pp`` of the layers for each of ``target.microbatches``."""
+    device = target.device
+    rate, efficiency = device.bf16_flops, device.efficiency  # type: ignore[union-attr]
+    runs = target.microbatches / target.pp  # traced units of every layer a rank runs a step
+    head_flops = sizes.head_flops * 4 // 3 if _chunked(target) else sizes.head_flops
+    head = (head_flops / rate + sizes.head_traffic / device.bandwidth) / efficiency / target.tp  # type: ignore[union-attr]
+    total = _Sum(compute=head * runs, model=sizes.head_flops * runs)
+    for count, table, c, params in layers:
+        _layer(total, count * runs, table, c, params, sizes, target)
+    if measured is not None:  # (the device's own figure replaces the layers' estimate)
+        total.compute = head * runs + measured * target.microbatches / target.pp
+    fsdp = total.fsdp
+    if target.pp > 1 and total.gathers:  # gathered once and reduced once a step, hidden behind it all
+        fsdp = max(sum(total.gathers) - total.compute, 0.0)
+    fsdp += total.first + total.last
+    v = PP_SCHEDULES[target.pp_schedule]
+    bubble = total.compute * (target.pp - 1) / (target.microbatches * v) if target.pp > 1 else 0.0
+    return StepTime(
+        total.compute,
+        fsdp,
+        total.tp,
+        total.ep,
+        tokens=target.batch * target.seq,
+        ranks_per_replica=target.tp * target.cp * target.pp,
+        model_flops=total.model / target.tp,
+        peak_flops=rate,
+        cp=total.cp,
+        bubble=bubble,
+    )
+
+
+def _layer(
+    total: _Sum,
+    units: float,
+    table: Plan,
+    c: Candidate | None,
+    params: tuple[int, int],
+    sizes: ModelSizes,
+    target: Target,
+) -> None:
+    """Add one kind of layer's terms, run ``units`` times (layers x traced units) a step."""
+    device = target.device
+    rate, bandwidth, efficiency = device.bf16_flops, device.bandwidth, device.efficiency  # type: ignore[union-attr]
+    tp, cp, ep, shard = target.tp, target.cp, target.ep, target.fsdp * target.cp
+    recompute = c.recompute_flops if c else 0
+    redo = recompute / table.forward_flops if table.forward_flops else 0.0
+    # context parallelism: each rank attends to the whole sequence, cp times the traced attention
+    ring = (cp - 1) * sizes.attention_flops
+    forward = (table.forward_flops + ring) / rate + table.forward_traffic / bandwidth
+    backward = (table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring) / rate
+    backward += (table.no_checkpoint_traffic + (c.recompute_traffic if c else 0)) / bandwidth
+    forward, backward = forward / efficiency / tp, backward / efficiency / tp
+    total.compute += units * (forward + backward)
+    total.model += units * (table.forward_flops + table.no_checkpoint_flops + 3.5 * ring)
+    param_b, reduce_b = _width(target.param_dtype), _width(target.reduce_dtype)
+    if shard > 1:
+        dense, routed = (params[0] - params[1]) / tp, params[1] / ep
+        seconds = _ring(dense, shard, _link(target, shard, tp))
+        seconds += _ring(routed, shard // ep, _link(target, shard // ep, tp * ep))
+        gather, scatter = seconds * param_b, seconds * reduce_b
+        layers = units / target.microbatches * target.pp  # (the layers themselves)
+        if target.pp > 1:
+            total.gathers += [gather + scatter] * round(layers)
+            total.first = total.first or gather
+        else:
+            total.fsdp += units * (max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0))
+            total.first, total.last = total.first or gather, scatter
+    stream = sizes.tokens * sizes.hidden_size * param_b  # one residual-stream tensor of the unit
+    if tp > 1:  # two all-gathers and two reduce-scatters (SP), or two all-reduces: as many bytes
+        total.tp += units * (2 + redo) * 4 * (tp - 1) / tp * stream / _link(target, tp, 1)
+    if ep > 1 and params[1]:
+        moved = 2 * sizes.top_k * stream / tp * (ep - 1) / ep
+        total.ep += units * (2 + redo) * moved / _link(target, ep, tp)
+    if cp > 1:  # keys and values around the ring (and their gradients back), beside the attention
+        passes = (cp - 1) * sizes.kv_bytes / tp * (1 + 2 + redo) / _link(target, cp, tp)
+        hidden = 4.5 * ring / rate / efficiency / tp
+        total.cp += units * max(passes - hidden, 0.0)
+
+
+def _ring(elements: float, ranks: int, bandwidth: float) -> float:
+    """Seconds per byte-width of a ring all-gather / reduce-scatter of ``elements`` over ``ranks``."""
+    return 0.0 if ranks <= 1 else (ranks - 1) / ranks * elements / bandwidth
+
+
+def _chunked(target: Target) -> bool:
+    return parse_loss(target.loss)[0] == "chunked"
