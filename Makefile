@@ -105,6 +105,7 @@ bench: install
 	-$(PY) benchmarks/hf_vision_families.py --compiled  # every stack of vision-language, audio, seq2seq families
 	-for task in image-text-to-text causal-lm seq2seq speech-seq2seq; do $(PY) benchmarks/hf_scan.py --task $$task; done  # exits 1: refused families
 	$(PY) benchmarks/integrations.py
+	$(PY) benchmarks/published.py  # the device planner beside 20 published runs (about 9 min)
 	$(PY) examples/torchtitan/compare.py  # torchtitan's trainer, 1 process eager
 	$(PY) examples/torchtitan/compare.py --compile
 	$(VENV)/bin/torchrun --nproc-per-node 2 examples/torchtitan/compare.py --tp 2

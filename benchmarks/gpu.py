@@ -19,7 +19,7 @@ recompute's and no checkpoint's predicted peaks; per configuration the predicted
 (:class:`sac_compile.hf.StepFigures`, for the device present: ``planning.devices.present()``)
 beside the measured one (``torch.cuda.max_memory_allocated`` from zero; on a CPU the
 allocator's timeline, ``sac_compile._compat.profiler.allocation_peak``, plus what was live),
-and the roofline step estimate beside the measured median step. Exit 1 when a loss differs or
+and the step estimate (``planning.step_time``) beside the measured median step. Exit 1 when a loss differs or
 a predicted peak is more than ``--peak-tolerance`` off the measured one.
 
 Sized to finish in under 5 minutes on one GPU at the defaults; ``tests/test_gpu_benchmark.py``
@@ -283,8 +283,8 @@ def predicted_beside_measured(args, ids) -> list[str]:
                 f"{name}: predicted peak {peak.bytes} B is {ratio:.3f}x the measured {measured[name]} B"
             )
     print(
-        "est. s: roofline (matmul / attention FLOPs at the datasheet's peak rate, other ops' unfused bytes at its "
-        "bandwidth): a bound, not a forecast"
+        "est. s: sac_compile.planning.step_time (the roofline at the device's efficiency from a published run; "
+        "the CPU's is its own measured rates, efficiency 1)"
     )
     return problems
 

@@ -169,7 +169,7 @@ def plan_for(
     (bytes or ``"80GiB"``; None: the device's own) and the plan is the least recompute whose
     predicted step peak fits it (:mod:`sac_compile.planning.device_plan`): a
     :class:`~sac_compile.planning.device_plan.DevicePlan` with ``peak_bytes``, ``fits``,
-    ``breakdown`` and ``step_seconds``, for ``batch`` x ``seq`` per device, FSDP, TP and
+    ``reserved_bytes``, ``breakdown`` and ``step`` (time, tokens/s, MFU), for ``batch`` x ``seq`` per device, FSDP, TP and
     expert-parallel degrees ``fsdp`` / ``tp`` / ``ep``, ``compile=True`` (compiled layers: keep sets and budgets) or
     ``False`` (the eager engine: keep sets only). A model on the meta device is planned at
     its real size without allocating (cast in place to the target's ``param_dtype``), traced

@@ -59,7 +59,7 @@ def plan_for_device(
             raise ValueError(
                 f"estimator='time' measures compiled steps on the device itself: a model on {here} planned with "
                 f"compile=True (this one is on {where.type}, compile={compile}); for {target.device.name} from "  # type: ignore[union-attr]
-                "another machine the step is the roofline estimate (estimator='flops', the default)"
+                "another machine the step is estimated (planning.step_time; estimator='flops', the default)"
             )
     if not compile:
         options.setdefault("budgets", (None,))
@@ -263,15 +263,20 @@ class StepFigures:
         """The predicted peak with every layer keeping ``keep`` (None: no checkpoint;
         ``"torchtitan-op"``: torchtitan's per-op SAC), under the eager engine or
         (``compile``) compiled."""
+        return max(self.stages(keep, compile=compile), key=lambda p: p.reserved)
+
+    def stages(self, keep: Any = None, *, compile: bool = False) -> list[Peak]:
+        """:meth:`peak` per rank it may fall on (with pipeline parallelism the first stage's
+        and the last's: :func:`sac_compile.planning.peak.stage_peaks`)."""
         from .planning.device_plan import configured, layer_figures
-        from .planning.peak import step_peak
+        from .planning.peak import stage_peaks
 
         groups = self.plan.groups
         layers = [
             layer_figures(c, g.plan, params, len(g.paths), self.target, compile=compile)
             for g, params, c in zip(groups, self.layer_params, configured(groups, keep))
         ]
-        return step_peak(self.sizes, layers, self.target)
+        return stage_peaks(self.sizes, layers, self.target)
 
     def seconds(self, keep: Any = None) -> float:
         """The step's time on the target, estimated (:func:`sac_compile.planning.step_time.step_time`),

@@ -33,7 +33,17 @@ from .._compat.ops import is_view_op
 from ..inspection.flops import val_bytes
 from .devices import OPTIMIZER_STATES, PP_SCHEDULES, Target, parse_loss
 
-__all__ = ["TERMS", "LayerFigures", "ModelSizes", "Peak", "graph_transient", "head_logits_bytes", "step_peak"]
+__all__ = [
+    "TERMS",
+    "LayerFigures",
+    "ModelSizes",
+    "Peak",
+    "graph_transient",
+    "head_logits_bytes",
+    "in_flight",
+    "stage_peaks",
+    "step_peak",
+]
 
 #: The terms of :attr:`Peak.breakdown`, in this order.
 TERMS = (
@@ -105,17 +115,22 @@ def _bytes(dtype: torch.dtype) -> int:
 
 
 def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target) -> Peak:
-    """The predicted peak of one training step on ``target`` (per device). With pipeline
-    parallelism, the larger of the first stage's (embeddings, the most microbatches in
-    flight) and the last stage's (the head, its loss)."""
+    """The predicted peak of one training step on ``target`` (per device): with pipeline
+    parallelism, the larger of the first and the last stage's (:func:`stage_peaks`)."""
+    return max(stage_peaks(model, layers, target), key=lambda p: p.reserved)
+
+
+def stage_peaks(model: ModelSizes, layers: Sequence[LayerFigures], target: Target) -> list[Peak]:
+    """The predicted peak of each rank the step's peak may fall on: without pipeline
+    parallelism the one; with it the first stage's (embeddings, the most microbatches in
+    flight) and the last stage's (the head, its loss), in that order."""
     order = [dataclasses.replace(g, count=1) for g in layers for _ in range(g.count)]  # forward order
     if target.pp == 1:
-        return _rank_peak(model, order, target, _Stage(0, len(order), True, True, 1.0))
+        return [_rank_peak(model, order, target, _Stage(0, len(order), True, True, 1.0))]
     per = math.ceil(len(order) / target.pp)
-    first = _rank_peak(model, order, target, _Stage(0, per, True, False, in_flight(target, 0)))
-    last_stage = _Stage(len(order) - per, len(order), False, True, in_flight(target, target.pp - 1))
-    last = _rank_peak(model, order, target, last_stage)
-    return max(first, last, key=lambda p: p.reserved)
+    first = _Stage(0, per, True, False, in_flight(target, 0))
+    last = _Stage(len(order) - per, len(order), False, True, in_flight(target, target.pp - 1))
+    return [_rank_peak(model, order, target, first), _rank_peak(model, order, target, last)]
 
 
 @dataclass(frozen=True)
@@ -141,75 +156,127 @@ def in_flight(target: Target, rank: int) -> float:
     return min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, v * n) / v
 
 
+@dataclass
+class _Rank:
+    """What one rank's phases are made of (per device), in backward order."""
+
+    base: dict[str, int]  # parameters and optimizer state
+    grads_of: list[int]  # each layer's sharded gradients (master dtype)
+    gathered: list[float]  # each layer's parameters a rank all-gathers (elements)
+    acts: list[int]
+    transients: list[int]
+    outside: int  # the sharded gradients of the parameters outside the layers
+    root: int  # FSDP2's unsharded root parameters
+    param_b: int
+    reduce_b: int
+
+
 def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, stage: _Stage) -> Peak:
     """The peak of one rank running the stage ``stage`` of the model's layers ``every``."""
     layers = every[stage.start : stage.stop]
     shard, tp = target.fsdp * target.cp, target.tp  # (torchtitan shards parameters over fsdp x cp)
     master = _bytes(target.master_dtype)  # type: ignore[arg-type]
     param_b = _bytes(target.param_dtype)  # type: ignore[arg-type]
-    reduce_b = _bytes(target.reduce_dtype)  # type: ignore[arg-type]
     other = max(model.params - sum(g.params for g in every), 0)  # embeddings, final norm, head
     embedding = model.embedding_params or other // 2
     other = (embedding if stage.embed else 0) + (other - embedding if stage.head else 0)
     params_all = int((sum(g.params for g in layers) / tp + other) * master / shard)
     states = OPTIMIZER_STATES[target.optimizer]
-    optimizer = states * params_all
     order = layers[::-1]  # backward order
-    gathered = [(g.params - g.expert_params) / tp + g.expert_params / target.ep for g in order]
-    acts = [g.saved_bytes for g in order]
-    others_held = int((stage.in_flight - 1) * sum(acts))  # other microbatches' activations
-    pipelined = target.pp > 1
-    # FSDP2 keeps the root's parameters (everything outside the layers) unsharded from the
-    # forward to the end of the backward; with pp it reshards nothing between microbatches
-    # and accumulates unsharded gradients (in reduce_dtype) until the last one
-    root = int(other * param_b) if shard > 1 else 0
-    stage_buffers = int(sum(gathered) * (param_b + reduce_b)) if shard > 1 and pipelined else 0
-    grads_of = [int(g.params / tp * master / shard) for g in order]
-    done = int(other * master / shard)
-    if pipelined and shard == 1:  # gradients accumulated over the earlier microbatches
-        done += sum(grads_of)
-    phases: list[tuple[str, dict[str, int]]] = []
-    base = {"parameters": params_all, "optimizer_state": optimizer}
-    if stage.head:
-        held = others_held + sum(acts)
-        extra = {
-            "fsdp_buffers": root + stage_buffers,
-            "activations": held,
-            "logits_loss": _head(model, target),
-        }
-        phases.append(("loss backward", _terms(**base, **extra)))
-    for i, g in enumerate(order):
-        # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
-        # its gradients unsharded before the reduce-scatter
-        one = int(2 * gathered[i] * param_b + gathered[i] * reduce_b) if shard > 1 and not pipelined else 0
-        extra = {
-            "gradients": done if not (pipelined and shard > 1) else 0,
-            "fsdp_buffers": root + stage_buffers + one,
-            "activations": others_held + sum(acts[i:]),
-            "backward_transient": g.transient_bytes,
-        }
-        phases.append(
-            (f"backward of layer {every.index(layers[len(order) - 1 - i])}", _terms(**base, **extra))
-        )
-        if not pipelined:
-            done += grads_of[i]
-    if pipelined and shard > 1:
-        done += sum(grads_of)
+    rank = _Rank(
+        base={"parameters": params_all, "optimizer_state": states * params_all},
+        grads_of=[int(g.params / tp * master / shard) for g in order],
+        gathered=[(g.params - g.expert_params) / tp + g.expert_params / target.ep for g in order],
+        acts=[g.saved_bytes for g in order],
+        transients=[g.transient_bytes for g in order],
+        outside=int(other * master / shard),
+        # FSDP2 keeps the root's parameters (everything outside the layers) unsharded from
+        # the forward to the end of the backward
+        root=int(other * param_b) if shard > 1 else 0,
+        param_b=param_b,
+        reduce_b=_bytes(target.reduce_dtype),  # type: ignore[arg-type]
+    )
+    if target.pp == 1:
+        phases = _backward_phases(rank, model, target, stage, 1.0, False)
+    elif target.pp_schedule == "gpipe":  # its first backward (every microbatch in flight, no
+        # gradient yet) or its second (one fewer, every gradient of the stage)
+        phases = _backward_phases(rank, model, target, stage, stage.in_flight, False)
+        phases += _backward_phases(rank, model, target, stage, stage.in_flight - 1, True)
+    else:  # 1F1B's steady state: as many in flight, the earlier microbatches' gradients
+        phases = _backward_phases(rank, model, target, stage, stage.in_flight, True)
+    done = rank.outside + sum(rank.grads_of)
     # The optimizer step: foreach implementations (CUDA's default) make one temporary the
     # size of the parameters; the single-tensor loop (CPU's default) one of the largest.
     largest = max([g.params for g in layers] + [0]) / tp
     temp = params_all if target.device.cuda else int(largest * master / shard)  # type: ignore[union-attr]
-    phases.append(("optimizer step", _terms(**base, gradients=done, other=temp if states else 0)))
+    phases.append(("optimizer step", _terms(**rank.base, gradients=done, other=temp if states else 0)))
     phase, breakdown = max(phases, key=lambda p: sum(p[1].values()))
     reserved = sum(breakdown.values())
     if shard > 1:  # FSDP2's all-gathers and reduce-scatters allocate in their own streams' pools
-        most = max(gathered + [0])
-        gather_pool = root + (stage_buffers if pipelined else int(2 * most * param_b))
-        scatter_pool = done + int(most * reduce_b)
-        pooled = ("gradients", "fsdp_buffers")
+        # (with pp the stage's unsharded parameters and gradients stay in fsdp_buffers all
+        # along: counted as they are)
+        most = max(rank.gathered + [0])
+        gather_pool = 0 if target.pp > 1 else rank.root + int(2 * most * param_b)
+        pooled = ("gradients",) if target.pp > 1 else ("gradients", "fsdp_buffers")
         reserved = max(sum(v for k, v in t.items() if k not in pooled) for _, t in phases)
-        reserved += gather_pool + scatter_pool
+        reserved += gather_pool + done + int(most * rank.reduce_b)
     return Peak(sum(breakdown.values()), phase, breakdown, reserved)
+
+
+def _backward_phases(
+    rank: _Rank, model: ModelSizes, target: Target, stage: _Stage, in_flight: float, earlier: bool
+) -> list[tuple[str, dict[str, int]]]:
+    """The loss's backward (on the head's stage) and each layer's, last to first, with
+    ``in_flight`` microbatches' activations held and, with ``earlier``, the gradients the
+    earlier microbatches accumulated. With pp and FSDP, torchtitan reshards nothing between
+    microbatches and accumulates unsharded gradients (in ``reduce_dtype``) until the last."""
+    pipelined, sharded = target.pp > 1, rank.root > 0 or target.fsdp * target.cp > 1
+    held = int((in_flight - 1) * sum(rank.acts))  # other microbatches' activations
+    stage_buffers = 0
+    if pipelined and sharded:
+        per = rank.param_b + (rank.reduce_b if earlier else 0)
+        stage_buffers = int(sum(rank.gathered) * per)
+    done = rank.outside + (sum(rank.grads_of) if earlier and not sharded else 0)
+    phases: list[tuple[str, dict[str, int]]] = []
+    if stage.head:
+        extra = {
+            "gradients": done if pipelined and not sharded else 0,
+            "fsdp_buffers": rank.root + stage_buffers,
+            "activations": held + sum(rank.acts),
+            "logits_loss": _pipeline_head(model, target, in_flight) if pipelined else _head(model, target),
+        }
+        phases.append(("loss backward", _terms(**rank.base, **extra)))
+    for i, gathered in enumerate(rank.gathered):
+        # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
+        # its gradients unsharded before the reduce-scatter
+        one = 0
+        if sharded and not pipelined:
+            one = int(2 * gathered * rank.param_b + gathered * rank.reduce_b)
+        extra = {
+            "gradients": done if not (pipelined and sharded) else 0,
+            "fsdp_buffers": rank.root + stage_buffers + one,
+            "activations": held + sum(rank.acts[i:]),
+            "backward_transient": rank.transients[i],
+        }
+        phases.append((f"backward of layer {stage.stop - 1 - i}", _terms(**rank.base, **extra)))
+        if not pipelined:
+            done += rank.grads_of[i]
+    return phases
+
+
+def _pipeline_head(model: ModelSizes, target: Target, in_flight: float) -> int:
+    """The last stage's head terms: PyTorch's pipelining keeps each microbatch's stage output
+    (the logits) until that microbatch's backward, beside what its loss saves, for every
+    microbatch in flight."""
+    kind, _ = parse_loss(target.loss)
+    output = model.model_logits_bytes or model.logits_bytes
+    saved = model.logits_bytes if kind in ("transformers", "torchtitan") else 0  # (the log-softmax)
+    now = _head(model, target) + (output if kind != "transformers" else 0) // _logits_split(target)
+    return int(now + (in_flight - 1) * (output + saved) / _logits_split(target))
+
+
+def _logits_split(target: Target) -> int:
+    return target.tp if target.loss_parallel else 1
 
 
 def _terms(**found: int) -> dict[str, int]:
