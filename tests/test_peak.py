@@ -659,6 +659,11 @@ def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     pp = step(pp=4)
     assert pp.compute == pytest.approx(alone.compute * 8 / 4)
     assert pp.bubble == pytest.approx(pp.compute * 3 / 8)
+    # with FSDP each stage gathers its own 2 layers once a step (and reduces them once): over
+    # the network, outrunning the stage's compute, the excess exposed
+    gathered = step(pp=4, fsdp=64, gpus_per_node=1)
+    ring = 63 / 64 * 10**9 / (50e9 * LINK_EFFICIENCY)
+    assert gathered.fsdp == pytest.approx(max(2 * ring * (2 + 4) - gathered.compute, 0) + 2 * ring)
     # CP: each rank attends to the whole sequence: cp - 1 more of the traced attention
     cp = step(cp=2)
     assert cp.compute > alone.compute and cp.tokens_per_second == pytest.approx(8 * 8192 / cp.seconds / 2)

@@ -182,9 +182,8 @@ def _layer(
         seconds = _ring(dense, shard, _link(target, shard, tp))
         seconds += _ring(routed, shard // ep, _link(target, shard // ep, tp * ep))
         gather, scatter = seconds * param_b, seconds * reduce_b
-        layers = units / target.microbatches * target.pp  # (the layers themselves)
-        if target.pp > 1:
-            total.gathers += [gather + scatter] * round(layers)
+        if target.pp > 1:  # this stage's layers: gathered once, reduced once a step
+            total.gathers += [gather + scatter] * round(units / target.microbatches)
             total.first = total.first or gather
         else:
             total.fsdp += units * (max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0))
