@@ -14,7 +14,7 @@ import torch
 
 from sac_compile.testing.ranks import RankFailed, run_ranks
 
-from .releases import every_release
+from .releases import beyond, every_release
 
 pytestmark = pytest.mark.distributed
 
@@ -430,7 +430,8 @@ def _pipeline_step_peaks(rank: int, world_size: int, schedule: str) -> dict:
     return peaks
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+# extended: GPipe (its first and second backward); CI checks 1F1B, the schedule torchtitan defaults to
+@pytest.mark.parametrize("schedule", beyond(["1f1b", "gpipe"], "1f1b"))
 def test_the_predicted_pipeline_stage_peaks_match_each_ranks_measured_peak(schedule):
     """The pipeline terms of the predicted peak (a stage's layers and its end of the model,
     the microbatches its schedule keeps in flight, the gradients accumulated over the earlier
