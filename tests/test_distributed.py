@@ -264,21 +264,20 @@ FSDP_BATCH, FSDP_SEQ = 2, 256
 def _fsdp_llama():
     """A tiny Llama with a vocabulary large enough that the root's parameters (embedding and
     head, which FSDP2 keeps unsharded from the forward to the end of the backward) count."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from sac_compile.testing.hf_families import tiny_llama
 
-    from sac_compile._compat.transformers import from_config
+    return tiny_llama(layers=3, hidden=128, vocab=4096)
 
-    cfg = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return from_config(LlamaForCausalLM, cfg, attn_implementation="sdpa")
+
+def _step_peak(step, params, opt) -> int:
+    """The allocator's peak over ``step`` (its timeline: ``allocation_peak``), plus what was
+    live before it: the distinct storages of ``params`` and of ``opt``'s state."""
+    from sac_compile._compat.profiler import allocation_peak
+
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    live = [getattr(t, "_local_tensor", t) for t in [*params, *state]]
+    before = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}.values())
+    return before + allocation_peak(step)
 
 
 def _fsdp_step_peaks(rank: int, world_size: int) -> dict:
@@ -288,7 +287,6 @@ def _fsdp_step_peaks(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from sac_compile import hf
-    from sac_compile._compat.profiler import allocation_peak
 
     peaks = {}
     for keep in (None, ()):
@@ -308,10 +306,7 @@ def _fsdp_step_peaks(rank: int, world_size: int) -> dict:
             opt.zero_grad(set_to_none=True)
 
         step()
-        state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        local = [getattr(t, "_local_tensor", t) for t in [*model.parameters(), *state]]
-        before = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
-        peaks[str(keep)] = before + allocation_peak(step)
+        peaks[str(keep)] = _step_peak(step, model.parameters(), opt)
     return peaks
 
 
@@ -346,21 +341,9 @@ PP_BATCH, PP_SEQ = 4, 128
 
 
 def _pp_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from sac_compile.testing.hf_families import tiny_llama
 
-    from sac_compile._compat.transformers import from_config
-
-    cfg = LlamaConfig(
-        vocab_size=2048,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return from_config(LlamaForCausalLM, cfg, attn_implementation="sdpa")
+    return tiny_llama(layers=4, hidden=128, vocab=2048)
 
 
 class _PipelineStage(torch.nn.Module):
@@ -397,7 +380,6 @@ def _pipeline_step_peaks(rank: int, world_size: int, schedule: str) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from sac_compile import hf
-    from sac_compile._compat.profiler import allocation_peak
 
     peaks = {}
     for keep in (None, ()):
@@ -423,10 +405,7 @@ def _pipeline_step_peaks(rank: int, world_size: int, schedule: str) -> dict:
             opt.zero_grad(set_to_none=True)
 
         step()
-        state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
-        live = [*module.parameters(), *state]
-        before = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}.values())
-        peaks[str(keep)] = before + allocation_peak(step)
+        peaks[str(keep)] = _step_peak(step, module.parameters(), opt)
     return peaks
 
 

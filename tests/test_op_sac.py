@@ -36,21 +36,11 @@ def test_measured_bytes_equal_torchtitans_selective_ac_compiled():
 
 
 def test_device_plan_predicts_torchtitans_op_sac_beside_the_peers():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from sac_compile import hf
     from sac_compile.planning.devices import Target
+    from sac_compile.testing.hf_families import tiny_llama
 
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).train()
+    model = tiny_llama(layers=2, hidden=64, vocab=256).train()
     target = Target("cpu", batch=2, seq=64, param_dtype=torch.float32, memory="100GiB")
     plan = hf.plan_for(model, None, device=target, compile=True, include=())
     none, full, op = (plan.configuration(k)[0].bytes for k in (None, (), "torchtitan-op"))

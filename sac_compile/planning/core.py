@@ -34,6 +34,7 @@ import torch.nn as nn
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_policy
 from ..scope_text import validate_budget
 from .measure import eager_bytes, measure, plain_bytes, timed
+from .op_sac import TORCHTITAN_OP
 
 if TYPE_CHECKING:
     from ..config import SacConfig
@@ -305,12 +306,12 @@ def plan(
         no_checkpoint_traffic=base_traffic,
         no_checkpoint_tp=(base_tp[0], base_tp[1], base_tp[2]),
         op_sac=_candidate(
-            first.figures[OP_SAC],
+            first.figures[TORCHTITAN_OP],
             first.figures[none],
             frozenset(),
             None,
             SAVE_COSTLY,
-            first.eager.get(OP_SAC),
+            first.eager.get(TORCHTITAN_OP),
         ),
     )
     return _choose(target, table)
@@ -318,7 +319,7 @@ def plan(
 
 def _first(module: nn.Module, example_args: tuple, example_kwargs: dict) -> Any:
     """The first trace's partitions: no checkpoint (``"none"``), every region kept (which
-    reads the regions) and torchtitan's per-op SAC (``OP_SAC``)."""
+    reads the regions) and torchtitan's per-op SAC (``TORCHTITAN_OP``)."""
     from ..compiler.backend import baseline_backend, make_sac_backend
     from ..keep import ALL_REGIONS
     from .op_sac import TorchtitanOpSac
@@ -326,12 +327,9 @@ def _first(module: nn.Module, example_args: tuple, example_kwargs: dict) -> Any:
     configs = {
         "none": baseline_backend("aot_eager"),
         frozenset({"every region"}): make_sac_backend(ALL_REGIONS, inner="aot_eager"),
-        OP_SAC: TorchtitanOpSac(),
+        TORCHTITAN_OP: TorchtitanOpSac(),
     }
     return measure(module, example_args, example_kwargs, configs)
-
-
-OP_SAC = "torchtitan-op"  # (planning.op_sac.TORCHTITAN_OP)
 
 
 def _candidates(

@@ -272,11 +272,10 @@ def _frontier(table: Plan, compile: bool, target: Target) -> list[Candidate]:
     pool = [c for c in table.candidates if compile or c.budget is None]
     if table.estimator == "time":
         pool = [c for c in pool if c.step_time is not None]
+    held = {c: _held(c, target, compile) for c in pool}
     front: list[Candidate] = []
-    for c in sorted(
-        pool, key=lambda c: (_cost(c), _held(c, target, compile), c.budget is not None, len(c.keep))
-    ):
-        if not front or _held(c, target, compile) < _held(front[-1], target, compile):
+    for c in sorted(pool, key=lambda c: (_cost(c), held[c], c.budget is not None, len(c.keep))):
+        if not front or held[c] < held[front[-1]]:
             front.append(c)
     return front
 

@@ -110,8 +110,9 @@ class Peak:
         return max(self.breakdown, key=lambda k: self.breakdown[k])
 
 
-def _bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes an element of ``dtype`` takes (the planning package's one reading of it)."""
+    return dtype.itemsize
 
 
 def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target) -> Peak:
@@ -175,8 +176,8 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     """The peak of one rank running the stage ``stage`` of the model's layers ``every``."""
     layers = every[stage.start : stage.stop]
     shard, tp = target.fsdp * target.cp, target.tp  # (torchtitan shards parameters over fsdp x cp)
-    master = _bytes(target.master_dtype)  # type: ignore[arg-type]
-    param_b = _bytes(target.param_dtype)  # type: ignore[arg-type]
+    master = dtype_bytes(target.master_dtype)  # type: ignore[arg-type]
+    param_b = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
     other = max(model.params - sum(g.params for g in every), 0)  # embeddings, final norm, head
     embedding = model.embedding_params or other // 2
     other = (embedding if stage.embed else 0) + (other - embedding if stage.head else 0)
@@ -194,7 +195,7 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         # the forward to the end of the backward
         root=int(other * param_b) if shard > 1 else 0,
         param_b=param_b,
-        reduce_b=_bytes(target.reduce_dtype),  # type: ignore[arg-type]
+        reduce_b=dtype_bytes(target.reduce_dtype),  # type: ignore[arg-type]
     )
     if target.pp == 1:
         phases = _backward_phases(rank, model, target, stage, 1.0, False)
@@ -230,7 +231,7 @@ def _backward_phases(
     ``in_flight`` microbatches' activations held and, with ``earlier``, the gradients the
     earlier microbatches accumulated. With pp and FSDP, torchtitan reshards nothing between
     microbatches and accumulates unsharded gradients (in ``reduce_dtype``) until the last."""
-    pipelined, sharded = target.pp > 1, rank.root > 0 or target.fsdp * target.cp > 1
+    pipelined, sharded = target.pp > 1, target.fsdp * target.cp > 1
     held = int((in_flight - 1) * sum(rank.acts))  # other microbatches' activations
     stage_buffers = 0
     if pipelined and sharded:
@@ -304,7 +305,7 @@ def _head(model: ModelSizes, target: Target) -> int:
     logits = model.head_saved_bytes - model.head_stream_bytes + model.head_transient_bytes
     if model.logits_bytes:
         logits = head_logits_bytes(model, target)
-    logits = logits // tp if target.loss_parallel else logits
+    logits = logits // _logits_split(target)
     stream = model.head_stream_bytes // tp if target.sequence_parallel else model.head_stream_bytes
     return logits + stream
 

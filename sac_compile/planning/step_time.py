@@ -35,11 +35,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from .core import Candidate, Plan
 from .devices import PP_SCHEDULES, Target, parse_loss
-from .peak import ModelSizes
+from .peak import ModelSizes, dtype_bytes
 
 __all__ = ["LINK_EFFICIENCY", "StepTime", "step_time"]
 
@@ -85,10 +83,6 @@ class StepTime:
             "cp": self.cp,
             "bubble": self.bubble,
         }
-
-
-def _width(dtype: object) -> int:
-    return torch.empty((), dtype=dtype).element_size()  # type: ignore[call-overload]
 
 
 def _link(target: Target, group: int, inner: int) -> float:
@@ -176,7 +170,8 @@ def _layer(
     forward, backward = forward / efficiency / tp, backward / efficiency / tp
     total.compute += units * (forward + backward)
     total.model += units * (table.forward_flops + table.no_checkpoint_flops + 3.5 * ring)
-    param_b, reduce_b = _width(target.param_dtype), _width(target.reduce_dtype)
+    param_b = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
+    reduce_b = dtype_bytes(target.reduce_dtype)  # type: ignore[arg-type]
     if shard > 1:
         dense, routed = (params[0] - params[1]) / tp, params[1] / ep
         seconds = _ring(dense, shard, _link(target, shard, tp))

@@ -231,13 +231,12 @@ _TINY: dict[str, Any] = dict(
 )
 
 
-def tiny_llama(*, layers: int = 2, hidden: int = 64, seed: int = 0) -> nn.Module:
+def tiny_llama(*, layers: int = 2, hidden: int = 64, vocab: int = 128, seed: int = 0) -> nn.Module:
     """A ``LlamaForCausalLM`` from a tiny random config (CPU, float32, SDPA attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        **{**_TINY, "num_hidden_layers": layers, "hidden_size": hidden}, intermediate_size=2 * hidden
-    )
+    sizes = {"num_hidden_layers": layers, "hidden_size": hidden, "vocab_size": vocab}
+    cfg = LlamaConfig(**{**_TINY, **sizes}, intermediate_size=2 * hidden)
     torch.manual_seed(seed)
     return from_config(LlamaForCausalLM, cfg, attn_implementation="sdpa")
 
