@@ -53,6 +53,7 @@ class Run:
     cp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
+    microbatch_size: int = 1  # torchtitan's default until 2025 was pp microbatches: batch / pp
     compile: bool = True
     float8: bool = False
     calibrates: bool = False
@@ -235,6 +236,7 @@ RUNS = (
         fsdp=8,
         tp=8,
         pp=8,
+        microbatch_size=4,  # batch 32 in torchtitan's then-default 8 (= pp) microbatches
         float8=True,
     ),
     Run(
@@ -251,6 +253,7 @@ RUNS = (
         tp=8,
         pp=8,
         pp_schedule="interleaved-1f1b",
+        microbatch_size=4,  # batch 32 in torchtitan's then-default 8 (= pp) microbatches
         float8=True,
     ),
     Run(
@@ -349,7 +352,15 @@ RUNS = (
 def _target(run: Run, **changes: object) -> object:
     from sac_compile.planning.devices import Target
 
-    layout = dict(fsdp=run.fsdp, tp=run.tp, cp=run.cp, pp=run.pp, pp_schedule=run.pp_schedule, loss=run.loss)
+    layout = dict(
+        fsdp=run.fsdp,
+        tp=run.tp,
+        cp=run.cp,
+        pp=run.pp,
+        pp_schedule=run.pp_schedule,
+        microbatch_size=run.microbatch_size,
+        loss=run.loss,
+    )
     return Target(run.device, batch=run.batch, seq=run.seq, **{**layout, **changes})
 
 

@@ -180,8 +180,10 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     param_b = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
     other = max(model.params - sum(g.params for g in every), 0)  # embeddings, final norm, head
     embedding = model.embedding_params or other // 2
-    other = (embedding if stage.embed else 0) + (other - embedding if stage.head else 0)
-    params_all = int((sum(g.params for g in layers) / tp + other) * master / shard)
+    # (with tp the embeddings and the output projection are split on the vocabulary, as
+    # torchtitan's and Megatron's plans split them; the final norm's few are counted with them)
+    outside = ((embedding if stage.embed else 0) + (other - embedding if stage.head else 0)) / tp
+    params_all = int((sum(g.params for g in layers) / tp + outside) * master / shard)
     states = OPTIMIZER_STATES[target.optimizer]
     order = layers[::-1]  # backward order
     rank = _Rank(
@@ -190,10 +192,10 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         gathered=[(g.params - g.expert_params) / tp + g.expert_params / target.ep for g in order],
         acts=[g.saved_bytes for g in order],
         transients=[g.transient_bytes for g in order],
-        outside=int(other * master / shard),
+        outside=int(outside * master / shard),
         # FSDP2 keeps the root's parameters (everything outside the layers) unsharded from
         # the forward to the end of the backward
-        root=int(other * param_b) if shard > 1 else 0,
+        root=int(outside * param_b) if shard > 1 else 0,
         param_b=param_b,
         reduce_b=dtype_bytes(target.reduce_dtype),  # type: ignore[arg-type]
     )
@@ -239,12 +241,18 @@ def _backward_phases(
         stage_buffers = int(sum(rank.gathered) * per)
     done = rank.outside + (sum(rank.grads_of) if earlier and not sharded else 0)
     phases: list[tuple[str, dict[str, int]]] = []
+    # the last stage's own microbatches in flight: GPipe's all; a 1F1B schedule's one (the last
+    # stage runs each microbatch's backward right after its forward; with interleaving its
+    # rank's other stages hold the rest of in_flight)
+    head_in_flight = in_flight if target.pp_schedule == "gpipe" else 1.0
     if stage.head:
         extra = {
             "gradients": done if pipelined and not sharded else 0,
             "fsdp_buffers": rank.root + stage_buffers,
             "activations": held + sum(rank.acts),
-            "logits_loss": _pipeline_head(model, target, in_flight) if pipelined else _head(model, target),
+            "logits_loss": _pipeline_head(model, target, head_in_flight)
+            if pipelined
+            else _head(model, target),
         }
         phases.append(("loss backward", _terms(**rank.base, **extra)))
     for i, gathered in enumerate(rank.gathered):
@@ -289,13 +297,16 @@ def head_logits_bytes(model: ModelSizes, target: Target) -> int:
     (:data:`~sac_compile.planning.devices.LOSSES`): the float32 log-softmax held and two
     gradients of it in its backward, and for transformers' loss the model's own logits alive
     in its output; a compiled loss the model's logits and their gradient; a chunked loss one
-    chunk's logits, log-softmax and gradient."""
+    chunk's logits, log-softmax and gradient. With loss parallelism the backward is DTensor's
+    (``torch.distributed.tensor.parallel.loss``: log-softmax's backward folded into
+    nll_loss's, ``(zeros + exp(x)) * grad``): beside the held log-softmax, three at once."""
     kind, chunks = parse_loss(target.loss)
-    if kind == "chunked":
-        return 3 * model.logits_bytes // chunks
     if kind == "compiled":  # the logits saved and their gradient, in the model's dtype
         return 2 * (model.model_logits_bytes or model.logits_bytes)
-    return 3 * model.logits_bytes + (model.model_logits_bytes if kind == "transformers" else 0)
+    held = 4 if _logits_split(target) > 1 else 3
+    if kind == "chunked":
+        return held * model.logits_bytes // chunks
+    return held * model.logits_bytes + (model.model_logits_bytes if kind == "transformers" else 0)
 
 
 def _head(model: ModelSizes, target: Target) -> int:
@@ -306,7 +317,10 @@ def _head(model: ModelSizes, target: Target) -> int:
     if model.logits_bytes:
         logits = head_logits_bytes(model, target)
     logits = logits // _logits_split(target)
-    stream = model.head_stream_bytes // tp if target.sequence_parallel else model.head_stream_bytes
+    stream = model.head_stream_bytes
+    if target.sequence_parallel and tp > 1:  # the final norm's saves split; of its three hidden-sized
+        # values the output, all-gathered for the column-parallel output projection, is whole
+        stream = stream // 3 + 2 * stream // 3 // tp
     return logits + stream
 
 
