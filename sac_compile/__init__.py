@@ -9,7 +9,7 @@ that too):
   we rely on of transformers' checkpointing conventions;
 * ``keep``, ``records``, ``op_classes``, ``policy``, ``scope_text``, ``marker_walk`` - keep
   sets, the tagging pass's records, what an op is (costly, a collective), region policies, a
-  scope's marker text, the marker walk (shared by both engines);
+  scope's actions and their marker text, the marker walk (shared by both engines);
 * ``diagnostics`` - reporting; everything below reports into it;
 * ``markers`` - the marker ops, ``region``, the stack context of a compile;
 * ``declare`` - regions declared by module path;

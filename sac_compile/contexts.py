@@ -41,10 +41,9 @@ from ._compat.checkpoint import (
 from ._compat.frames import innermost_module
 from .diagnostics import eager as diagnosed
 from .eager import engine_contexts
-from .keep import format_keep, normalize_keep, parse_keep
-from .policy import SAVE_COSTLY, validate_policy
+from .policy import SAVE_COSTLY
 from .records import user_class_name
-from .scope_text import format_scope, parse_scope, validate_budget
+from .scope_text import Actions
 
 __all__ = ["region_context_fn"]
 
@@ -67,13 +66,11 @@ def region_context_fn(
     the checkpoint's): the engine replays random ops and stops its recompute as the
     checkpoint does.
     """
-    keep_set = normalize_keep(keep)
-    policy, budget = validate_policy(policy), validate_budget(budget)
+    actions = Actions.of(keep, policy, budget)
     for name, value in (("preserve_rng_state", preserve_rng_state), ("early_stop", early_stop)):
         if not isinstance(value, bool):
             raise TypeError(f"region_context_fn: {name} must be a bool, got {value!r}")
-    scope = format_scope(format_keep(keep_set), policy, budget)
-    return functools.partial(_region_contexts, scope, preserve_rng_state, early_stop)
+    return functools.partial(_region_contexts, actions.text, preserve_rng_state, early_stop)
 
 
 def _region_contexts(
@@ -83,22 +80,17 @@ def _region_contexts(
     if checkpoint_is_traced():
         forward, recompute = selective_checkpoint_contexts(_prefer_recompute)
         return _ScopeMarked(forward, scope), recompute
-    keep_text, policy, budget = parse_scope(scope)
-    keep = parse_keep(keep_text)
+    actions = Actions.from_text(scope)
+    keep = actions.keep
     module = innermost_module()  # the module whose method called the checkpoint
-    if budget is not None:
-        who = type(module).__name__ if module is not None else "a checkpoint"
-        raise ValueError(
-            f"{who}: region_context_fn(budget={budget:g}) runs in the eager engine, which has no "
-            "partitioner to spend a budget: budget= applies under torch.compile only. Compile the "
-            "model, or drop budget="
-        )
+    who = type(module).__name__ if module is not None else "a checkpoint"
+    actions.refuse_budget_eagerly(f"{who}'s region_context_fn", "Compile the model")
     on_forward = None
     if module is not None and not diagnosed.engine_done(module, keep):
         on_forward = functools.partial(diagnosed.check_engine_call, module, keep)
     where = (user_class_name(type(module)) if module is not None else "", "")
     _, forward, recompute = engine_contexts(
-        keep, policy, preserve_rng_state, early_stop, on_forward=on_forward, where=where
+        actions, preserve_rng_state, early_stop, on_forward=on_forward, where=where
     )
     return forward, recompute
 

@@ -1,11 +1,16 @@
-"""A checkpoint scope's keep set, region policy and budget as the text its scope markers
-carry (``format_scope`` / ``parse_scope``), and the budget's validation."""
+"""What a checkpoint scope does with its regions' values -- :class:`Actions`: the keep set,
+the region policy and the partitioner's budget, one frozen value from every entry point to
+the compiled pass, the eager engine and the planner -- and the text its scope markers carry
+(``Actions.text`` / ``Actions.from_text``)."""
 
 from __future__ import annotations
 
-from .policy import RegionPolicy, policy_key, resolve_policy, save_costly
+from dataclasses import dataclass, field
 
-__all__ = ["format_scope", "parse_scope", "validate_budget"]
+from .keep import KeepSet, format_keep, normalize_keep, parse_keep
+from .policy import SAVE_COSTLY, RegionPolicy, policy_key, resolve_policy, validate_policy
+
+__all__ = ["Actions", "format_scope", "keep_of_text", "parse_scope", "validate_budget"]
 
 
 def validate_budget(budget: object) -> float | None:
@@ -27,6 +32,51 @@ def validate_budget(budget: object) -> float | None:
     return float(budget) or None
 
 
+@dataclass(frozen=True)
+class Actions:
+    """A checkpoint scope's actions: the regions it keeps (``keep``: their costly values
+    saved), the policy deciding a kept region's ops (``policy``), and the fraction of the
+    scope's activation bytes PyTorch's knapsack may save beyond them (``budget``, compiled
+    code only). Everything else is recomputed.
+
+    Made once at each entry point (:meth:`of` validates the user's arguments) and handed
+    on whole: the seam, the backend, the joint-graph pass, the eager engine and the planner
+    read these fields and no copies of them. Equal actions compare equal (a policy by
+    identity) and hash alike; ``text`` is the scope markers' payload (computed once here: a
+    user policy's key hashes its source, which Dynamo cannot trace)."""
+
+    keep: KeepSet = frozenset()
+    policy: RegionPolicy = SAVE_COSTLY
+    budget: float | None = None
+    text: str = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "text", format_scope(format_keep(self.keep), self.policy, self.budget))
+
+    @classmethod
+    def of(cls, keep: object = (), policy: object = SAVE_COSTLY, budget: object = None) -> Actions:
+        """The actions a user's ``keep`` / ``policy`` / ``budget`` arguments ask for, each
+        checked (a clear ``TypeError`` / ``ValueError`` naming the value and the fix)."""
+        return cls(normalize_keep(keep), validate_policy(policy), validate_budget(budget))
+
+    @staticmethod
+    def from_text(text: str) -> Actions:
+        """The actions a scope marker's ``text`` carries (inverse of ``.text``)."""
+        keep_text, policy, budget = parse_scope(text)
+        return Actions(parse_keep(keep_text), policy, validate_budget(budget))
+
+    def without_budget(self) -> Actions:
+        return Actions(self.keep, self.policy)
+
+    def refuse_budget_eagerly(self, who: str, fix: str) -> None:
+        """Raise where a scope with a budget runs in the eager engine (no partitioner)."""
+        if self.budget is not None:
+            raise ValueError(
+                f"{who}: budget={self.budget:g} runs in the eager engine, which has no partitioner to "
+                f"spend a budget (budget= applies to compiled code only). {fix}, or drop budget="
+            )
+
+
 def format_scope(keep_text: str, policy: RegionPolicy, budget: float | None) -> str:
     """Scope-marker text: the keep set, then ``;policy=...`` / ``;budget=...`` when not default."""
     parts = [keep_text]
@@ -38,10 +88,15 @@ def format_scope(keep_text: str, policy: RegionPolicy, budget: float | None) -> 
     return ";".join(parts)
 
 
+def keep_of_text(text: str) -> KeepSet:
+    """The keep set of scope-marker ``text`` alone (its policy is not looked up)."""
+    return parse_keep(text.split(";")[0])
+
+
 def parse_scope(text: str) -> tuple[str, RegionPolicy, float | None]:
     """Inverse of :func:`format_scope`: (keep text, policy, budget)."""
     keep_text, *extra = text.split(";")
-    policy: RegionPolicy = save_costly
+    policy: RegionPolicy = SAVE_COSTLY
     budget = None
     for item in extra:
         name, _, value = item.partition("=")

@@ -49,16 +49,16 @@ from ._compat import frames
 from ._compat import transformers as transformers_layers
 from ._compat.dynamo import drop_compiled_call, has_compiled_call, unwrap_compiled
 from ._compat.nn import CALL_IMPL, next_call_impl
-from .compiler.backend import make_sac_backend
+from .compiler.backend import backend_for
 from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
 from .eager.routing import routed_compiled_methods
-from .keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+from .keep import ALL_REGIONS, format_keep
 from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, exporting, seam_scope_args
-from .policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_policy
+from .policy import SAVE_COSTLY, policy_key, validate_policy
 from .records import SEAM_PREFIX, user_class_name
-from .scope_text import format_scope, validate_budget
+from .scope_text import Actions
 
 __all__ = [
     "LEGACY_ATTR",
@@ -76,14 +76,9 @@ _BACKEND_KEYS = {"inner", "inductor_config"}
 
 @dataclass(frozen=True)
 class SeamConfig:
-    keep: KeepSet
+    actions: Actions  # keep, policy, budget (and the scope markers' text)
     preserve_rng_state: bool
     compile_options: tuple[tuple[str, Any], ...] | None  # None: not compiled by the seam
-    policy: RegionPolicy = SAVE_COSTLY
-    budget: float | None = None
-    # the scope markers' text (keep set, policy key, budget), computed once here: a user
-    # policy's key hashes its source, which Dynamo cannot trace (a graph break in the seam)
-    scope_text: str = ""
 
 
 _SUBCLASSES: dict[tuple, type[nn.Module]] = {}
@@ -134,13 +129,11 @@ def apply_selective_checkpointing(
             "`for layer in model.layers: apply_selective_checkpointing(layer, keep=...)`, or "
             "SacConfig(layers='layers.*', ...)"
         )
-    keep_set = normalize_keep(keep)
+    actions = Actions.of(keep, policy, budget)
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
     options = normalize_compile(compile)
-    policy, budget = validate_policy(policy), validate_budget(budget)
-    scope_text = format_scope(format_keep(keep_set), policy, budget)
-    config = SeamConfig(keep_set, preserve_rng_state, options, policy, budget, scope_text)
+    config = SeamConfig(actions, preserve_rng_state, options)
     existing = getattr(module, "_sac_seam", None)
     if existing is not None:
         if existing == config:
@@ -149,11 +142,8 @@ def apply_selective_checkpointing(
             return module
         raise ValueError(
             f"{type(module).__name__} is already wrapped by apply_selective_checkpointing with "
-            f"keep={format_keep(existing.keep)!r}, compile={existing.compile_options}, "
-            f"policy={policy_key(existing.policy)}, budget={existing.budget}; wrapping it again with "
-            f"keep={format_keep(keep_set)!r}, compile={options}, policy={policy_key(config.policy)}, "
-            f"budget={config.budget} would nest two checkpoints. "
-            "Wrap each module once."
+            f"{_described(existing)}; wrapping it again with {_described(config)} would nest two "
+            "checkpoints. Wrap each module once."
         )
     if has_compiled_call(module):
         raise ValueError(
@@ -199,15 +189,18 @@ def remove_selective_checkpointing(module: nn.Module) -> nn.Module:
     return module
 
 
+def _described(config: SeamConfig) -> str:
+    a = config.actions
+    return (
+        f"keep={format_keep(a.keep)!r}, compile={config.compile_options}, policy={policy_key(a.policy)}, "
+        f"budget={a.budget}"
+    )
+
+
 def _backend_and_compile_kwargs(config: SeamConfig) -> tuple[Any, dict[str, Any]]:
     """The backend and the ``torch.compile`` arguments of a ``compile=...`` wrap."""
     opts: dict[str, Any] = {k: dict(v) if k in _DICT_KEYS else v for k, v in (config.compile_options or ())}
-    backend = make_sac_backend(
-        config.keep,
-        policy=config.policy,
-        budget=config.budget,
-        **{k: v for k, v in opts.items() if k in _BACKEND_KEYS},
-    )
+    backend = backend_for(config.actions, **{k: v for k, v in opts.items() if k in _BACKEND_KEYS})
     backend.compile_patches(opts.get("mode"), opts.get("options"))  # raises for bad ones
     return backend, {k: v for k, v in opts.items() if k in _COMPILE_KEYS}
 
@@ -256,11 +249,9 @@ def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
         cls,
         # (a method compiled again, by another backend, is another class)
         tuple(sorted((name, id(fn.__wrapped__)) for name, fn in routed.items())),
-        format_keep(config.keep),
+        config.actions.text,
         config.preserve_rng_state,
         repr(config.compile_options),
-        policy_key(config.policy),
-        config.budget,
     )
     if key not in _SUBCLASSES:
         # A fresh code object per class and configuration: Dynamo keys its cache
@@ -310,7 +301,7 @@ def _seam_reduce_ex(self: nn.Module, protocol: SupportsIndex) -> str | tuple[Any
 
 
 def _rewrapped(cls: type[nn.Module], config: SeamConfig) -> nn.Module:
-    validate_policy(config.policy)  # a user's policy is registered in this process too
+    validate_policy(config.actions.policy)  # a user's policy is registered in this process too
     klass = _subclass_for(cls, config)
     return klass.__new__(klass)
 
@@ -391,7 +382,7 @@ def _eager(
 ) -> Any:
     diagnosed.report_compiled_inside(self)
     if legacy:
-        diagnosed.report_legacy(self, config.keep, LEGACY_ATTR)
+        diagnosed.report_legacy(self, config.actions.keep, LEGACY_ATTR)
         if kwargs:
             # (reentrant checkpointing passes positional arguments only, and would take
             # `early_stop` / `determinism_check` for its own without a word)
@@ -406,31 +397,29 @@ def _eager(
         )
     if not torch.is_grad_enabled():
         return call(*args, **kwargs)
-    if config.budget is not None:
-        raise ValueError(
-            f"{type(self).__name__} was wrapped with budget={config.budget:g}, but runs in the eager engine, "
-            "which has no partitioner to spend a budget: budget= applies to compiled code only. Pass "
-            "compile=True to apply_selective_checkpointing (or compile the model), or drop budget="
-        )
+    actions = config.actions
+    actions.refuse_budget_eagerly(
+        type(self).__name__, "Pass compile=True to apply_selective_checkpointing (or compile the model)"
+    )
     if kwargs:
         # The layer's keyword arguments are bound here, not handed through the
         # checkpoint's **kwargs, where torch.utils.checkpoint would take `debug`,
         # `early_stop`, `determinism_check` or `context_fn` for its own (and we `keep`,
         # `policy`). A non-reentrant checkpoint needs no tensor among its arguments.
         call = functools.partial(call, **kwargs)
-    if config.keep is not ALL_REGIONS and not config.keep:
+    if actions.keep is not ALL_REGIONS and not actions.keep:
         return checkpoint(call, *args, use_reentrant=False, preserve_rng_state=config.preserve_rng_state)
     engine_kwargs: dict[str, Any] = {
-        "keep": config.keep,
-        "policy": config.policy,
+        "keep": actions.keep,
+        "policy": actions.policy,
         "preserve_rng_state": config.preserve_rng_state,
         "where": _where(self, args, kwargs),
     }
-    if diagnosed.engine_done(self, config.keep):
+    if diagnosed.engine_done(self, actions.keep):
         return checkpoint_with_regions(call, *args, **engine_kwargs)
     stats: list = []
     out = checkpoint_with_regions(call, *args, **engine_kwargs, stats_out=stats)
-    diagnosed.check_engine_call(self, config.keep, stats[0])
+    diagnosed.check_engine_call(self, actions.keep, stats[0])
     return out
 
 

@@ -147,7 +147,9 @@ def test_a_keep_set_per_stack():
     assert cfg.keep == frozenset() and cfg.stack_keep == ((f"{language}.*", frozenset({"attn"})),)
     cfg.apply(model)
     keeps = {
-        p.rsplit(".", 1)[0]: m._sac_seam.keep for p, m in model.named_modules() if hasattr(m, "_sac_seam")
+        p.rsplit(".", 1)[0]: m._sac_seam.actions.keep
+        for p, m in model.named_modules()
+        if hasattr(m, "_sac_seam")
     }
     assert keeps == {vision: frozenset(), language: frozenset({"attn"})}
     # through transformers' switch: the vision tower declares none of the regions it does not keep

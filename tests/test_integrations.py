@@ -302,7 +302,7 @@ def test_region_context_fn_validates_its_arguments():
         region_context_fn(keep={"attn"}, early_stop="yes")
     block = Block(d=16)
     x = torch.randn(2, 8, 16, requires_grad=True)
-    with pytest.raises(ValueError, match=r"budget=0\.5\) runs in the eager engine"):
+    with pytest.raises(ValueError, match=r"region_context_fn: budget=0\.5 runs in the eager engine"):
         checkpoint(block, x, use_reentrant=False, context_fn=region_context_fn(keep={"attn"}, budget=0.5))
 
 

@@ -634,9 +634,9 @@ def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     from sac_compile.planning.core import Candidate, Plan
     from sac_compile.planning.devices import DEVICES, Target
     from sac_compile.planning.step_time import LINK_EFFICIENCY, step_time
-    from sac_compile.policy import SAVE_COSTLY
+    from sac_compile.scope_text import Actions
 
-    full = Candidate(frozenset(), None, SAVE_COSTLY, 0, recompute_flops=10**12)
+    full = Candidate(Actions(), 0, recompute_flops=10**12)
     table = Plan(1, full, (full,), 0, (), "exhaustive", forward_flops=10**12, no_checkpoint_flops=2 * 10**12)
     _, sizes = _pipeline_model(tokens=8192, hidden_size=4096, attention_flops=10**11, kv_bytes=2**24)
     layers = [(8, table, full, (10**9, 0))]

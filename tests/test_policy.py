@@ -17,7 +17,7 @@ from sac_compile.eager import checkpoint_with_regions
 from sac_compile.markers import ops
 from sac_compile.passes.tag_regions import _SOURCE_FILES, tag_regions
 from sac_compile.policy import SAVE_ALL, SAVE_COSTLY, is_costly, policy_key
-from sac_compile.scope_text import format_scope, parse_scope
+from sac_compile.scope_text import Actions, format_scope, parse_scope
 
 aten = torch.ops.aten
 SAVE, PREFER, RECOMPUTE = (
@@ -159,7 +159,7 @@ def _kept_mm_tanh(g, x):
 )
 def test_the_pass_applies_the_policy(policy, expected):
     g, nodes = _joint(_kept_mm_tanh)
-    rec = tag_regions(g, frozenset({"r"}), policy=policy)
+    rec = tag_regions(g, Actions(frozenset({"r"}), policy))
     assert [n.meta["recompute"] for n in nodes] == expected
     assert rec.scopes[0].policy == policy_key(policy)
 
@@ -169,7 +169,7 @@ def test_a_user_policy_decides_and_a_bad_return_is_a_clear_error():
         return SAVE if op is aten.tanh.default else RECOMPUTE
 
     g, nodes = _joint(_kept_mm_tanh)
-    tag_regions(g, frozenset({"r"}), policy=save_tanh_only)
+    tag_regions(g, Actions(frozenset({"r"}), save_tanh_only))
     assert [n.meta["recompute"] for n in nodes] == [RECOMPUTE, SAVE, RECOMPUTE]
 
     def broken(op, regions, keep):
@@ -177,12 +177,12 @@ def test_a_user_policy_decides_and_a_bad_return_is_a_clear_error():
 
     g, _ = _joint(_kept_mm_tanh)
     with pytest.raises(TypeError, match=r"broken.*returned 'save'.*CheckpointPolicy"):
-        tag_regions(g, frozenset({"r"}), policy=broken)
+        tag_regions(g, Actions(frozenset({"r"}), broken))
 
 
 def test_budget_leaves_what_is_outside_kept_regions_to_the_knapsack():
     g, nodes = _joint(_kept_mm_tanh)
-    rec = tag_regions(g, frozenset({"r"}), budget=0.25)
+    rec = tag_regions(g, Actions(frozenset({"r"}), budget=0.25))
     mm, th, out = nodes
     # inside the kept region the policy's tags stand; outside it the knapsack chooses
     assert mm.meta["recompute"] == SAVE and th.meta["recompute"] == PREFER and "recompute" not in out.meta

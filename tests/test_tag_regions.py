@@ -11,6 +11,7 @@ import sac_compile as sc
 from sac_compile._compat.inductor import seed_ops
 from sac_compile.markers import Enclosing, ops
 from sac_compile.passes.tag_regions import tag_regions
+from sac_compile.scope_text import Actions
 
 aten = torch.ops.aten
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE
@@ -65,7 +66,7 @@ def test_union_of_nested_and_overlapping_regions():
     e = g.op()
     g.exit("x")
     f = g.op()
-    rec = tag_regions(g.finish(), frozenset({"inner", "x"}))
+    rec = tag_regions(g.finish(), Actions(frozenset({"inner", "x"})))
     assert policies(a, b, c, d, e, f) == [RECOMPUTE, RECOMPUTE, SAVE, SAVE, SAVE, RECOMPUTE]
     assert c.meta["sac_regions"] == ("inner", "outer") and d.meta["sac_regions"] == ("outer", "x")
     assert {n.meta["ac_graph_id"] for n in (a, b, c, d, e, f)} == {1}
@@ -83,7 +84,7 @@ def test_same_name_open_twice_is_counted():
     c = g.op()  # still inside the first "a"
     g.exit("a")
     d = g.op()
-    rec = tag_regions(g.finish(), frozenset({"a"}))
+    rec = tag_regions(g.finish(), Actions(frozenset({"a"})))
     assert policies(b, c, d) == [SAVE, SAVE, RECOMPUTE]
     assert rec.regions["a"].entered == 2 and rec.unbalanced == []
 
@@ -95,7 +96,7 @@ def test_unbalanced_markers_follow_the_spec():
     b = g.op()
     g.enter("late")  # enter without exit: open to the graph's end
     c = g.op()
-    rec = tag_regions(g.finish(), frozenset({"early", "late"}))
+    rec = tag_regions(g.finish(), Actions(frozenset({"early", "late"})))
     assert policies(a, b, c) == [SAVE, RECOMPUTE, SAVE]
     assert rec.unbalanced == [("early", "exit without enter"), ("late", "enter without exit")]
 
@@ -105,7 +106,7 @@ def test_backward_nodes_are_not_tagged_even_with_a_region_open():
     g.enter("late")
     g.op()
     graph = g.finish()
-    tag_regions(graph, sc.ALL_REGIONS)
+    tag_regions(graph, Actions(sc.ALL_REGIONS))
     bw = [n for n in graph.nodes if n.op == "call_function" and n.args[0] is g.tangent][0]
     assert "recompute" not in bw.meta
 
@@ -119,7 +120,7 @@ def test_getitem_follows_its_producer_and_views_are_recomputed():
     pair = g.op(aten.var_mean.correction, view)  # cheap multi-output op
     mean = g.op(operator.getitem, pair, 1)
     g.exit("r")
-    tag_regions(g.finish(), frozenset({"r"}))
+    tag_regions(g.finish(), Actions(frozenset({"r"})))
     assert policies(attn, out, view) == [SAVE, SAVE, RECOMPUTE]
     assert policies(pair, mean) == [CheckpointPolicy.PREFER_RECOMPUTE] * 2
 
@@ -129,7 +130,7 @@ def test_seed_ops_are_never_forced_to_recompute():
     g = G()
     seeds = g.op(seeds_op, 1, torch.device("cpu"))
     y = g.op(aten.sin.default, g.x)
-    tag_regions(g.finish(), frozenset())
+    tag_regions(g.finish(), Actions(frozenset()))
     assert policies(seeds, y) == [SAVE, RECOMPUTE]
 
 
@@ -150,7 +151,7 @@ def test_scope_markers_give_one_increasing_ac_graph_id_per_scope():
     g.scope("exit", 1, "")
     with pytest.raises(KeyError):
         pre.meta["ac_graph_id"]
-    rec = tag_regions(g.finish(), sc.ALL_REGIONS)
+    rec = tag_regions(g.finish(), Actions(sc.ALL_REGIONS))
     # outside every scope nothing is tagged (a marker there is a no-op)
     assert policies(pre, mid) == [None, None]
     assert policies(a, b, c) == [SAVE, RECOMPUTE, RECOMPUTE]  # scope 1 keeps nothing
@@ -163,7 +164,7 @@ def test_scope_split_by_a_graph_break_starts_open():
     a = g.op()
     g.scope("exit", 4, "*")  # the scope began in an earlier graph
     b = g.op()
-    rec = tag_regions(g.finish(), frozenset())
+    rec = tag_regions(g.finish(), Actions(frozenset()))
     assert policies(a, b) == [RECOMPUTE, None]
     assert rec.scopes[0].keep is sc.ALL_REGIONS
 
@@ -173,7 +174,7 @@ def test_initial_open_regions_from_a_decorated_caller():
     a = g.op()
     g.exit("r")  # the decorated wrapper's exit came into this graph too
     b = g.op()
-    rec = tag_regions(g.finish(), frozenset({"r"}), context=Enclosing(regions=("r",)))
+    rec = tag_regions(g.finish(), Actions(frozenset({"r"})), context=Enclosing(regions=("r",)))
     assert policies(a, b) == [SAVE, RECOMPUTE]
     assert rec.unbalanced == []  # the exit matched the inherited region
 
@@ -184,7 +185,7 @@ def test_markers_are_erased_and_inference_graphs_only_lose_them():
     g.op()
     g.exit("r")
     graph = g.finish()
-    tag_regions(graph, sc.ALL_REGIONS)
+    tag_regions(graph, Actions(sc.ALL_REGIONS))
     assert not any(ops.marker_kind(n) for n in graph.nodes)
 
     inf = fx.Graph()
@@ -193,7 +194,7 @@ def test_markers_are_erased_and_inference_graphs_only_lose_them():
     y = inf.call_function(aten.sin.default, (x,))
     inf.call_function(ops.REGION_EXIT, ("r",))
     inf.output((y,))
-    rec = tag_regions(inf, sc.ALL_REGIONS)
+    rec = tag_regions(inf, Actions(sc.ALL_REGIONS))
     assert not rec.is_training and rec.markers_erased == 2
     assert "recompute" not in y.meta
     assert not any(ops.marker_kind(n) for n in inf.nodes)
@@ -208,7 +209,7 @@ def test_checkpoint_policy_is_overridden_only_inside_marked_regions():
     c = g.op()
     for n in (a, b, c):
         n.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=7)
-    rec = tag_regions(g.finish(), frozenset({"core"}))
+    rec = tag_regions(g.finish(), Actions(frozenset({"core"})))
     assert policies(a, b, c) == [CheckpointPolicy.PREFER_RECOMPUTE, SAVE, CheckpointPolicy.PREFER_RECOMPUTE]
     assert rec.policy_overrides == [("core", 7, 1)]
     assert [s.source for s in rec.scopes] == ["torch.utils.checkpoint"]

@@ -31,12 +31,12 @@ from .._compat import aot, dynamo, frames, inductor
 from .._compat.ops import is_view_op, op_name
 from ..diagnostics import compiled as diagnosed
 from ..diagnostics import describe_module, side_file, trace_watch
-from ..keep import ALL_REGIONS, KeepSet, format_keep, normalize_keep
+from ..keep import ALL_REGIONS
 from ..marker_walk import MarkerKind
 from ..markers import marker_kind
 from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, running_regions, with_block_fallbacks
-from ..policy import SAVE_COSTLY, RegionPolicy, policy_key, validate_policy
-from ..scope_text import validate_budget
+from ..policy import SAVE_COSTLY, policy_key
+from ..scope_text import Actions
 from . import session
 from .session import CompileUnit
 
@@ -45,7 +45,15 @@ if TYPE_CHECKING:
 
     from ..passes.tag_regions import TagRegionsPass
 
-__all__ = ["SacBackend", "baseline_backend", "make_sac_backend", "new_unit", "sac_backend", "snapshot"]
+__all__ = [
+    "SacBackend",
+    "backend_for",
+    "baseline_backend",
+    "make_sac_backend",
+    "new_unit",
+    "sac_backend",
+    "snapshot",
+]
 
 _INNER = ("inductor", "aot_eager")
 
@@ -120,20 +128,16 @@ class SacBackend:
 
     def __init__(
         self,
-        keep: KeepSet,
+        actions: Actions,
         inner: str,
         inductor_config: tuple[tuple[str, Any], ...],
         *,
-        policy: RegionPolicy = SAVE_COSTLY,
-        budget: float | None = None,
         checkpoint: bool = True,
     ) -> None:
         # checkpoint=False: the same compile without the tagging pass (the
         # "compiled, no checkpoint" baseline of capture_partition and benchmarks).
         self.checkpoint = checkpoint
-        self.keep = keep
-        self.policy = policy
-        self.budget = budget
+        self.actions = actions
         self.inner = inner
         self.inductor_config = inductor_config
         self._options_key = f"inner={inner}|inductor_config={inductor_config!r}"
@@ -142,9 +146,10 @@ class SacBackend:
     def __repr__(self) -> str:
         if not self.checkpoint:
             return f"<{self.inner} without checkpointing>"
-        keep = "ALL_REGIONS" if self.keep is ALL_REGIONS else sorted(cast("frozenset[str]", self.keep))
-        extra = "" if self.policy is SAVE_COSTLY else f", policy={policy_key(self.policy)}"
-        extra += "" if self.budget is None else f", budget={self.budget:g}"
+        a = self.actions
+        keep = "ALL_REGIONS" if a.keep is ALL_REGIONS else sorted(cast("frozenset[str]", a.keep))
+        extra = "" if a.policy is SAVE_COSTLY else f", policy={policy_key(a.policy)}"
+        extra += "" if a.budget is None else f", budget={a.budget:g}"
         return f"make_sac_backend(keep={keep}{extra}, inner={self.inner!r})"
 
     def tagging_pass(self, context: Enclosing = NO_CONTEXT) -> TagRegionsPass:
@@ -162,14 +167,7 @@ class SacBackend:
         # and importing Inductor is what `import sac_compile` must not do.
         from ..passes.tag_regions import TagRegionsPass
 
-        return TagRegionsPass(
-            self.keep,
-            policy=self.policy,
-            budget=self.budget,
-            options_key=self._options_key,
-            context=context,
-            publish=publish,
-        )
+        return TagRegionsPass(self.actions, options_key=self._options_key, context=context, publish=publish)
 
     def compile_patches(self, mode: str | None = None, options: Mapping[str, Any] | None = None) -> dict:
         """The Inductor config this backend compiles with when ``torch.compile`` passes it
@@ -394,9 +392,13 @@ def make_sac_backend(
     The same arguments return the same object, so every layer compiled with it
     shares Dynamo's cache entries instead of recompiling per backend object.
     """
-    keep_set = normalize_keep(keep)
-    policy_fn = validate_policy(policy)
-    budget = validate_budget(budget)
+    return backend_for(Actions.of(keep, policy, budget), inner, inductor_config)
+
+
+def backend_for(
+    actions: Actions, inner: str = "inductor", inductor_config: Mapping[str, Any] | None = None
+) -> SacBackend:
+    """:func:`make_sac_backend` for actions made already (the seam's, the planner's)."""
     if inner not in _INNER:
         raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
     config_items: tuple[tuple[str, Any], ...] = ()
@@ -410,8 +412,8 @@ def make_sac_backend(
             raise TypeError(f"inductor_config must be a mapping, got {type(inductor_config).__name__}")
         _check_inductor_keys(inductor_config, "inductor_config")
         config_items = tuple(sorted((str(k), v) for k, v in inductor_config.items()))
-    key = (format_keep(keep_set), policy_key(policy_fn), budget, inner, repr(config_items))
-    return _memoised(key, lambda: SacBackend(keep_set, inner, config_items, policy=policy_fn, budget=budget))
+    key = (actions.text, inner, repr(config_items))
+    return _memoised(key, lambda: SacBackend(actions, inner, config_items))
 
 
 def _check_inductor_keys(config: Mapping[str, Any], what: str) -> None:
@@ -439,9 +441,7 @@ def baseline_backend(inner: str = "inductor") -> SacBackend:
     """
     if inner not in _INNER:
         raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
-    return _memoised(
-        ("<baseline>", "", None, inner, "()"), lambda: SacBackend(frozenset(), inner, (), checkpoint=False)
-    )
+    return _memoised(("<baseline>", inner, "()"), lambda: SacBackend(Actions(), inner, (), checkpoint=False))
 
 
 #: Inductor backend keeping every marked region.

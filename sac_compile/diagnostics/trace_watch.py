@@ -31,10 +31,10 @@ from typing import Any
 import torch.nn as nn
 
 from .._compat import TorchApiMoved, dynamo, frames
-from ..keep import ALL_REGIONS, parse_keep
+from ..keep import ALL_REGIONS
 from ..marker_walk import MarkerKind
 from ..records import describe_stack_entry, user_class_name
-from ..scope_text import parse_scope
+from ..scope_text import keep_of_text
 from . import messages
 from .core import (
     COMPILE_SWALLOWED,
@@ -221,8 +221,7 @@ def _trace_diagnosis(key: Key, where: str, backend: str, note: str = "") -> Diag
     if kind == COMPILE_SWALLOWED:
         return messages.compile_swallowed(where, backend)
     if region.startswith(_SCOPE):
-        keep_text, _, _ = parse_scope(region[len(_SCOPE) : -1])  # "attn;policy=..." -> "attn"
-        return messages.no_pass_layer(parse_keep(keep_text), where, backend, note)
+        return messages.no_pass_layer(keep_of_text(region[len(_SCOPE) : -1]), where, backend, note)
     return messages.no_pass(region, where, backend, note)
 
 

@@ -85,9 +85,9 @@ from .._compat.checkpoint import (
     push_dispatch_mode,
     top_saved_tensors_hooks,
 )
-from ..keep import KeepSet
 from ..markers import ops
-from ..policy import SAVE_COSTLY, RegionPolicy
+from ..policy import SAVE_COSTLY
+from ..scope_text import Actions
 from .bodies import Bodies
 from .modes import CachedMode, CachingMode, WatchMode
 from .session import SESSION, EagerSession
@@ -208,13 +208,12 @@ class _Pass:
         self,
         state: EngineState,
         bodies: Bodies,
-        keep: KeepSet,
-        policy: RegionPolicy,
+        actions: Actions,
         forward: bool,
         early_stop: bool,
         on_forward: Callable[[EngineStats], object] | None = None,
     ) -> None:
-        self.state, self.bodies, self.keep, self.policy = state, bodies, keep, policy
+        self.state, self.bodies, self.actions = state, bodies, actions
         self.forward, self.early_stop = forward, early_stop
         self.on_forward = on_forward
         self._hooks: contextlib.ExitStack | None = None
@@ -222,7 +221,7 @@ class _Pass:
     def __enter__(self) -> _Pass:
         state = self.state
         self.spans = _Spans(state, self.forward)
-        self.session = EagerSession(self.keep, self.policy, self.spans, self.bodies, self.forward)
+        self.session = EagerSession(self.actions, self.spans, self.bodies, self.forward)
         self._token = SESSION.set(self.session)
         self._sink = ops.marker_sink(self.session)
         self._sink.__enter__()
@@ -285,8 +284,7 @@ class _Recomputes:
 
 
 def engine_contexts(
-    keep: KeepSet,
-    policy: RegionPolicy = SAVE_COSTLY,
+    actions: Actions,
     preserve_rng_state: bool = True,
     early_stop: bool = True,
     on_forward: Callable[[EngineStats], object] | None = None,
@@ -300,15 +298,15 @@ def engine_contexts(
     state = EngineState(preserve_rng_state)
     state.where = where
     bodies = Bodies(state)
-    forward = _Pass(state, bodies, keep, policy, True, early_stop, on_forward)
-    return state, forward, _Recomputes(lambda: _Pass(state, bodies, keep, policy, False, early_stop))
+    forward = _Pass(state, bodies, actions, True, early_stop, on_forward)
+    return state, forward, _Recomputes(lambda: _Pass(state, bodies, actions, False, early_stop))
 
 
 def checkpoint_with_regions(
     fn: Callable[..., Any],
     *args: Any,
-    keep: KeepSet,
-    policy: RegionPolicy = SAVE_COSTLY,
+    keep: object,
+    policy: object = SAVE_COSTLY,
     preserve_rng_state: bool = True,
     early_stop: bool = True,
     stats_out: list[EngineStats] | None = None,
@@ -320,7 +318,8 @@ def checkpoint_with_regions(
     keyword arguments of ``torch.utils.checkpoint.checkpoint`` (``debug``,
     ``determinism_check``) go to it, as under plain checkpointing; the rest go to ``fn``.
     ``where``: ``(name, hint)`` of the checkpointed function, for recompute errors."""
-    state, forward, recompute = engine_contexts(keep, policy, preserve_rng_state, early_stop, where=where)
+    actions = Actions.of(keep, policy)
+    state, forward, recompute = engine_contexts(actions, preserve_rng_state, early_stop, where=where)
     out = checkpoint(
         fn,
         *args,

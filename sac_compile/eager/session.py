@@ -17,6 +17,7 @@ from ..diagnostics.trace_watch import regions_compiled_in
 from ..keep import KeepSet
 from ..marker_walk import MarkerKind, OpenRegions
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, checked_decision, saves
+from ..scope_text import Actions
 
 __all__ = ["EagerSession"]
 
@@ -51,14 +52,14 @@ class EagerSession:
 
     def __init__(
         self,
-        keep: KeepSet,
-        policy: RegionPolicy = SAVE_COSTLY,
+        actions: Actions,
         spans: Spans | None = None,
         bodies: BodySkipper | None = None,
         forward: bool = True,
     ) -> None:
-        self.keep = keep
-        self.policy = policy
+        self.actions = actions
+        keep, policy = actions.keep, actions.policy
+        self.keep = keep  # (read for every region marker: one attribute, not two)
         self.spans = spans
         # Under SAVE_ALL a kept declared module with no kept region open around it runs
         # with no mode in the forward and is not run in the recompute (eager/bodies.py)
@@ -226,7 +227,8 @@ class EagerSession:
         found = self._saves.get(key)
         if found is None or found[0] is not func:  # (an id reused by another op)
             # (a region policy is a function of the op and the regions: asked once per pass)
-            found = self._saves[key] = (func, saves(checked_decision(self.policy, func, regions, self.keep)))
+            decision = checked_decision(self.actions.policy, func, regions, self.keep)
+            found = self._saves[key] = (func, saves(decision))
         return found[1]
 
 

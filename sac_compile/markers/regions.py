@@ -210,4 +210,4 @@ def seam_scope_args(module: torch.nn.Module) -> tuple[int, str]:
     """
     config: Any = module._sac_seam  # the seam's SeamConfig (sac_compile.seam)
     legacy = getattr(module, LEGACY_ATTR, False) is True
-    return (0 if config.compile_options is None else 1), ("" if legacy else config.scope_text)
+    return (0 if config.compile_options is None else 1), ("" if legacy else config.actions.text)

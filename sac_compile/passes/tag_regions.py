@@ -60,13 +60,12 @@ from .._compat import inductor as inductor_compat
 from .._compat import ops as op_types
 from .._compat.checkpoint import CheckpointPolicy
 from .._compat.inductor import custom_graph_pass_base, get_hash_for_files, seed_ops
-from ..keep import KeepSet, format_keep, parse_keep
 from ..marker_walk import MarkerKind, OpenRegions, balance, close_innermost
 from ..markers import ops
 from ..markers.context import NO_CONTEXT, Enclosing
 from ..markers.regions import WRAPPER_NAME
-from ..policy import RegionPolicy, checked_decision, policy_key, saves
-from ..scope_text import parse_scope
+from ..policy import checked_decision, policy_key, saves
+from ..scope_text import Actions
 from . import hop_bodies, saving_rules
 from .hop_bodies import ERASED as _ERASED
 from .hop_bodies import INVOKE_SUBGRAPH as _INVOKE_SUBGRAPH
@@ -111,23 +110,19 @@ class TagRegionsPass(_PASS_BASE):
 
     def __init__(
         self,
-        keep: KeepSet,
+        actions: Actions,
         *,
-        policy: RegionPolicy = policy.SAVE_COSTLY,
-        budget: float | None = None,
         options_key: str = "",
         context: Enclosing = NO_CONTEXT,
         publish: Callable[[records.GraphRecord], None] = records.publish,
     ) -> None:
         self.publish = publish
-        self.keep = keep
-        self.policy = policy
-        self.budget = budget
+        self.actions = actions
         self.options_key = options_key
         self.context = context
 
     def __call__(self, graph: fx.Graph) -> None:
-        rec = tag_regions(graph, self.keep, policy=self.policy, budget=self.budget, context=self.context)
+        rec = tag_regions(graph, self.actions, context=self.context)
         if not rec.repeat:
             self.publish(rec)
 
@@ -136,7 +131,7 @@ class TagRegionsPass(_PASS_BASE):
         the seam) dropped too (Note [budget short-circuit] in ``_compat/aot.py``)."""
 
         plain = TagRegionsPass(
-            self.keep, policy=self.policy, options_key=self.options_key, context=self.context
+            self.actions.without_budget(), options_key=self.options_key, context=self.context
         )
         plain.publish = self.publish
 
@@ -148,35 +143,25 @@ class TagRegionsPass(_PASS_BASE):
         return run
 
     def uuid(self) -> bytes:
-        extra = (
-            f"keep={format_keep(self.keep)}|policy={policy_key(self.policy)}|budget={self.budget!r}"
-            f"|options={self.options_key}|context={self.context!r}"
-        )
+        extra = f"actions={self.actions.text}|options={self.options_key}|context={self.context!r}"
         return get_hash_for_files(_SOURCE_FILES, extra=extra)
 
     def __repr__(self) -> str:
-        return (
-            f"TagRegionsPass(keep={format_keep(self.keep)!r}, policy={policy_key(self.policy)}, "
-            f"budget={self.budget}, context={self.context})"
-        )
+        return f"TagRegionsPass({self.actions.text!r}, context={self.context})"
 
 
 @dataclass
 class _Scope:
     ac_graph_id: int
-    keep: KeepSet
+    actions: Actions
     info: records.ScopeInfo
     marker_id: int | None = None  # the seam's scope id, for scope markers
-    policy: RegionPolicy = policy.SAVE_COSTLY
-    budget: float | None = None
 
 
 def tag_regions(
     graph: fx.Graph,
-    keep: KeepSet,
+    actions: Actions,
     *,
-    policy: RegionPolicy = policy.SAVE_COSTLY,
-    budget: float | None = None,
     context: Enclosing = NO_CONTEXT,
 ) -> records.GraphRecord:
     """Tag ``graph`` in place (see the module docstring) and return what was seen."""
@@ -185,7 +170,7 @@ def tag_regions(
     rec = records.GraphRecord(
         graph_index=records.next_graph_index(),
         is_training=is_training,
-        keep=keep,
+        keep=actions.keep,
         starts_inside=context.regions,
     )
     for name, path, cls in context.region_owners:  # declared regions entered in a caller's frame
@@ -199,7 +184,7 @@ def tag_regions(
     if is_training:
         forward = _forward_nodes(nodes)
         rec.forward_nodes = {n.name for n in forward}
-        _tag_forward(nodes, forward, keep, policy, budget, context, rec)
+        _tag_forward(nodes, forward, actions, context, rec)
     else:
         _scan_markers(markers, context, rec)
         for n in markers:
@@ -263,26 +248,30 @@ class _Scopes:
     """The checkpoint scopes of one joint graph: made as the walk meets them, numbered in
     program order after the ``ac_graph_id`` of any checkpoint already tagged in it."""
 
-    def __init__(self, rec: records.GraphRecord, keep: KeepSet, policy: RegionPolicy, first_id: int) -> None:
-        self.rec, self.keep, self.policy, self.next_id = rec, keep, policy, first_id
+    def __init__(self, rec: records.GraphRecord, actions: Actions, first_id: int) -> None:
+        self.rec, self.actions, self.next_id = rec, actions, first_id
         self.of_checkpoint: dict[int, _Scope] = {}
 
-    def new(self, source: str, keep: KeepSet, marker_id: int | None, policy: RegionPolicy, budget) -> _Scope:
-        info = records.ScopeInfo(self.next_id, source, keep, policy_key(policy), budget)
+    def new(self, source: str, actions: Actions, marker_id: int | None) -> _Scope:
+        info = records.ScopeInfo(
+            self.next_id, source, actions.keep, policy_key(actions.policy), actions.budget
+        )
         self.rec.scopes.append(info)
         self.next_id += 1
-        return _Scope(info.ac_graph_id, keep, info, marker_id, policy, budget)
+        return _Scope(info.ac_graph_id, actions, info, marker_id)
 
     def from_marker(self, marker_id: int, text: str, source: str = "scope markers") -> _Scope:
-        keep_text, policy, budget = parse_scope(text)
-        return self.new(source, parse_keep(keep_text), marker_id, policy, budget)
+        return self.new(source, Actions.from_text(text), marker_id)
 
     def of(self, ac_id: int) -> _Scope:
         """The scope of a ``torch.utils.checkpoint`` already tagged (no budget inside)."""
         if ac_id not in self.of_checkpoint:
-            info = records.ScopeInfo(ac_id, "torch.utils.checkpoint", self.keep, policy_key(self.policy))
+            actions = self.actions.without_budget()
+            info = records.ScopeInfo(
+                ac_id, "torch.utils.checkpoint", actions.keep, policy_key(actions.policy)
+            )
             self.rec.scopes.append(info)
-            self.of_checkpoint[ac_id] = _Scope(ac_id, self.keep, info, None, self.policy)
+            self.of_checkpoint[ac_id] = _Scope(ac_id, actions, info, None)
         return self.of_checkpoint[ac_id]
 
 
@@ -298,15 +287,13 @@ class _Tally:
 def _tag_forward(
     nodes: list[fx.Node],
     forward: set[fx.Node],
-    keep: KeepSet,
-    graph_policy: RegionPolicy,
-    graph_budget: float | None,
+    actions: Actions,
     context: Enclosing,
     rec: records.GraphRecord,
 ) -> None:
     fw_markers = [n for n in nodes if n in forward and ops.marker_kind(n) is not None]
     ckpt_ids = {n.meta["ac_graph_id"] for n in forward if "recompute" in n.meta and "ac_graph_id" in n.meta}
-    scopes = _Scopes(rec, keep, graph_policy, (max(ckpt_ids) + 1) if ckpt_ids else 1)
+    scopes = _Scopes(rec, actions, (max(ckpt_ids) + 1) if ckpt_ids else 1)
     pre_regions, pre_scopes = _scan_markers(fw_markers, context, rec)
     regions = OpenRegions([*context.regions, *pre_regions.elements()])
     stack = [scopes.from_marker(sid, k, "layer split by a graph break") for sid, k in context.scopes]
@@ -317,7 +304,7 @@ def _tag_forward(
         if context.wrapped_inside:
             rec.outside_every_scope = True  # not the user's checkpoint unit: left untagged
         else:
-            whole = scopes.new("whole graph", keep, None, graph_policy, graph_budget)
+            whole = scopes.new("whole graph", actions, None)
     for name in regions.known():
         rec.regions.setdefault(name, records.RegionStats(name))
     tally = _Tally()
@@ -395,9 +382,9 @@ def _tag_node(
         rec.hop_kept.append("invoke_subgraph")
     if decision is None:
         return
-    if scope.budget is not None:
-        tally.budgets.add(scope.budget)
-        if not saves(decision) and not any(r in scope.keep for r in open_names):
+    if scope.actions.budget is not None:
+        tally.budgets.add(scope.actions.budget)
+        if not saves(decision) and not any(r in scope.actions.keep for r in open_names):
             # PyTorch's knapsack chooses among everything outside the kept regions (inside
             # them the policy's decisions stand: a cheap kept op is still recomputed)
             rec.node_policy[n.name] = "BUDGET"
@@ -412,7 +399,7 @@ def _tag_node(
     rec.node_policy[n.name] = decision.name
     for name in open_names:
         stats = rec.regions[name]
-        stats.kept = stats.kept or name in scope.keep
+        stats.kept = stats.kept or name in scope.actions.keep
         if saves(decision):
             stats.saved_nodes += 1
         else:
@@ -445,4 +432,4 @@ def _decide(n: fx.Node, open_names: tuple[str, ...], scope: _Scope) -> Checkpoin
         return None  # the partitioner saves an effectful op's outputs: it must run once
     if op_types.is_view_op(target):
         return CheckpointPolicy.MUST_RECOMPUTE
-    return checked_decision(scope.policy, target, open_names, scope.keep)
+    return checked_decision(scope.actions.policy, target, open_names, scope.actions.keep)

@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from ..keep import ALL_REGIONS
+from ..scope_text import Actions
 from .core import DEFAULT_BUDGETS, Candidate, flops_order, keep_sets
 
 __all__ = ["advise"]
@@ -37,7 +38,7 @@ def advise(backend: Any, gm: Any, example_inputs: list[Any], unit: Any) -> None:
             return
         _seen.add(key)
     from .._compat import aot
-    from ..compiler.backend import baseline_backend, make_sac_backend
+    from ..compiler.backend import backend_for, baseline_backend
     from .measure import PartitionEach
 
     def measured(configs):
@@ -45,34 +46,30 @@ def advise(backend: Any, gm: Any, example_inputs: list[Any], unit: Any) -> None:
         measuring(aot.copy_joint(gm), example_inputs)  # traces and partitions; runs nothing
         return measuring
 
-    own = make_sac_backend(backend.keep, policy=backend.policy, budget=backend.budget, inner="aot_eager")
+    mine = backend.actions
+    own = backend_for(mine, "aot_eager")
     first = measured({"own": own})
     if first.scopes != [1] or not first.regions:
         return  # a graph holding several scopes (a whole model) has no one keep set to judge
     configs: dict[Any, Any] = {"own": own, "none": baseline_backend("aot_eager")}
     for keep in keep_sets(first.regions)[0]:
         for budget in DEFAULT_BUDGETS:
-            alternative = make_sac_backend(set(keep), policy=backend.policy, budget=budget, inner="aot_eager")
-            configs.setdefault((frozenset(keep), budget), alternative)
+            actions = Actions(frozenset(keep), mine.policy, budget)
+            configs.setdefault(actions, backend_for(actions, "aot_eager"))
     figures = measured(configs).figures
     base_flops = figures.pop("none")[1]
     recomputed = {k: (saved, flops - base_flops) for k, (saved, flops, *_) in figures.items()}
     own_bytes, own_flops = recomputed.pop("own")
     better = [
-        Candidate(keep, budget, backend.policy, saved, flops)
-        for (keep, budget), (saved, flops) in recomputed.items()
+        Candidate(actions, saved, flops)
+        for actions, (saved, flops) in recomputed.items()
         if saved <= own_bytes and flops < own_flops
     ]
     if not better:
         return
     best = min(better, key=flops_order)
-    own_label = Candidate(
-        frozenset(first.regions) if backend.keep is ALL_REGIONS else backend.keep,
-        backend.budget,
-        backend.policy,
-        own_bytes,
-        own_flops,
-    ).label
+    kept = frozenset(first.regions) if mine.keep is ALL_REGIONS else mine.keep
+    own_label = Candidate(Actions(kept, mine.policy, mine.budget), own_bytes, own_flops).label
     _log.info(
         "sac_compile [advice] %s: %s holds %s B for the backward and recomputes %s FLOP more than no "
         "checkpoint; %s holds %s B and recomputes %s (measured on this graph's partitions). "

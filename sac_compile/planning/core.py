@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch.nn as nn
 
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_policy
-from ..scope_text import validate_budget
+from ..scope_text import Actions, validate_budget
 from .measure import eager_bytes, measure, plain_bytes, timed
 from .op_sac import TORCHTITAN_OP
 
@@ -53,11 +53,9 @@ DEFAULT_BUDGETS: tuple[float | None, ...] = (None, LEAST, 0.1, 0.2, 0.3, 0.5)
 
 @dataclass(frozen=True)
 class Candidate:
-    """One measured configuration."""
+    """One measured configuration: its actions (keep set, budget, policy) and figures."""
 
-    keep: frozenset[str]
-    budget: float | None
-    policy: RegionPolicy
+    actions: Actions
     saved_bytes: int
     recompute_flops: int
     pareto: bool = False  # no other candidate has <= bytes and <= FLOPs, one of them strictly
@@ -69,6 +67,18 @@ class Candidate:
     # column-parallel projections read, gathered in a region under sequence parallelism);
     # planning.parallel
     tp_split: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def keep(self) -> frozenset[str]:
+        return cast("frozenset[str]", self.actions.keep)  # (a measured set: never ALL_REGIONS)
+
+    @property
+    def budget(self) -> float | None:
+        return self.actions.budget
+
+    @property
+    def policy(self) -> RegionPolicy:
+        return self.actions.policy
 
     @property
     def label(self) -> str:
@@ -271,7 +281,7 @@ def plan(
             device: CUDA too).
     """
     budgets, policies = _checked(module, memory, budgets, policies, estimator, inner)
-    from ..compiler.backend import make_sac_backend
+    from ..compiler.backend import backend_for
 
     first = _first(module, example_args, example_kwargs)
     none = "none"
@@ -285,8 +295,8 @@ def plan(
     for policy, keep, budget in itertools.product(policies, sets, budgets):
         if policy is not policies[0] and not keep:
             continue  # a policy only decides inside kept regions: keep={} is the same for all
-        backend = make_sac_backend(set(keep), policy=policy, budget=budget, inner="aot_eager")
-        configs[(frozenset(keep), budget, policy)] = backend
+        actions = Actions(frozenset(keep), policy, budget)
+        configs[actions] = backend_for(actions, "aot_eager")
     found = _candidates(module, example_args, example_kwargs, configs, first.figures[none], eager)
     found = _mark_pareto(found)
     base_time = None
@@ -306,12 +316,7 @@ def plan(
         no_checkpoint_traffic=base_traffic,
         no_checkpoint_tp=(base_tp[0], base_tp[1], base_tp[2]),
         op_sac=_candidate(
-            first.figures[TORCHTITAN_OP],
-            first.figures[none],
-            frozenset(),
-            None,
-            SAVE_COSTLY,
-            first.eager.get(TORCHTITAN_OP),
+            first.figures[TORCHTITAN_OP], first.figures[none], Actions(), first.eager.get(TORCHTITAN_OP)
         ),
     )
     return _choose(target, table)
@@ -320,13 +325,13 @@ def plan(
 def _first(module: nn.Module, example_args: tuple, example_kwargs: dict) -> Any:
     """The first trace's partitions: no checkpoint (``"none"``), every region kept (which
     reads the regions) and torchtitan's per-op SAC (``TORCHTITAN_OP``)."""
-    from ..compiler.backend import baseline_backend, make_sac_backend
+    from ..compiler.backend import backend_for, baseline_backend
     from ..keep import ALL_REGIONS
     from .op_sac import TorchtitanOpSac
 
     configs = {
         "none": baseline_backend("aot_eager"),
-        frozenset({"every region"}): make_sac_backend(ALL_REGIONS, inner="aot_eager"),
+        frozenset({"every region"}): backend_for(Actions(ALL_REGIONS), "aot_eager"),
         TORCHTITAN_OP: TorchtitanOpSac(),
     }
     return measure(module, example_args, example_kwargs, configs)
@@ -344,29 +349,25 @@ def _candidates(
     figures ``base``; ``eager`` also measures what the eager engine holds without a budget."""
     figures = measure(module, example_args, example_kwargs, configs).figures
     found = []
-    for keep, budget, policy in configs:
+    for actions in configs:
         held = None
-        if eager and budget is None:
-            held = eager_bytes(module, example_args, example_kwargs, keep, policy)
-        found.append(_candidate(figures[(keep, budget, policy)], base, keep, budget, policy, held))
+        if eager and actions.budget is None:
+            held = eager_bytes(module, example_args, example_kwargs, actions)
+        found.append(_candidate(figures[actions], base, actions, held))
     return found
 
 
 def _candidate(
     figures: Sequence[int],
     base: Sequence[int],
-    keep: frozenset[str],
-    budget: float | None,
-    policy: RegionPolicy,
+    actions: Actions,
     held: int | None = None,
 ) -> Candidate:
     """A candidate from its :class:`~sac_compile.planning.measure.PartitionEach` figures,
     recompute counted over the no-checkpoint figures ``base``."""
     saved, flops, transient, _, traffic, _, *split = figures
     return Candidate(
-        keep,
-        budget,
-        policy,
+        actions,
         saved,
         max(flops - base[1], 0),
         eager_bytes=held,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..policy import RegionPolicy
+from ..scope_text import Actions
 
 __all__ = ["PartitionEach", "eager_bytes", "measure", "plain_bytes", "timed"]
 
@@ -124,14 +124,14 @@ def plain_bytes(module: nn.Module, args, kwargs) -> int:
     return _held(module, module, args, kwargs)
 
 
-def eager_bytes(module: nn.Module, args, kwargs, keep: frozenset[str], policy: RegionPolicy) -> int:
+def eager_bytes(module: nn.Module, args, kwargs, actions: Actions) -> int:
     """Bytes held for the backward once the eager engine's forward of ``module`` returned
     (:func:`~sac_compile.inspection.measure.autograd_saved_bytes`: autograd's saves, the
     checkpoint's inputs and the engine's cache; parameters and buffers excluded)."""
     from ..eager import checkpoint_with_regions
 
     def checkpointed(*a, **kw):
-        return checkpoint_with_regions(module, *a, keep=keep, policy=policy, **kw)
+        return checkpoint_with_regions(module, *a, keep=actions.keep, policy=actions.policy, **kw)
 
     return _held(module, checkpointed, args, kwargs)
 
@@ -159,7 +159,7 @@ def timed(
     """``found`` with ``step_time`` set on one candidate per distinct Pareto point (bytes,
     FLOPs; the first of each in ``order``, a sort key), and the no-checkpoint step time: each
     compiled afresh with ``inner``, run once, then timed over ``iters`` interleaved rounds."""
-    from ..compiler.backend import baseline_backend, make_sac_backend
+    from ..compiler.backend import backend_for, baseline_backend
     from ..inspection.capture import fresh_compile
     from ..inspection.flops import scalar_loss
     from ..inspection.timing import interleaved_medians
@@ -183,7 +183,7 @@ def timed(
             "none": step(stack.enter_context(fresh_compile(module, baseline_backend(inner))))
         }
         for key, c in points.items():
-            backend = make_sac_backend(c.keep, policy=c.policy, budget=c.budget, inner=inner)
+            backend = backend_for(c.actions, inner)
             steps[key] = step(stack.enter_context(fresh_compile(module, backend)))
         for run in steps.values():
             run()  # compile, outside the timed rounds

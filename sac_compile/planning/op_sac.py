@@ -86,9 +86,10 @@ class TorchtitanOpSac:
 
     def new_pass(self, context: Any, publish: Any) -> Any:
         from ..passes.tag_regions import tag_regions
+        from ..scope_text import Actions
 
         def run(graph: fx.Graph) -> None:
-            rec = tag_regions(graph, frozenset(), context=context)
+            rec = tag_regions(graph, Actions(), context=context)
             tag_torchtitan_op(graph, dict(rec.node_regions))
             publish(rec)
 

@@ -20,6 +20,7 @@ from ..eager import EagerSession
 from ..keep import KeepSet, normalize_keep
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
+from ..scope_text import Actions
 
 __all__ = ["Checkpointed", "LayerWrapper"]
 
@@ -59,7 +60,7 @@ class Checkpointed(LayerWrapper):
 
     def _run(self, *args, **kwargs):
         # one per forward and per recompute (self.keep is not None: forward runs _run only then)
-        self.session = EagerSession(cast("KeepSet", self.keep), self.policy)
+        self.session = EagerSession(Actions(cast("KeepSet", self.keep), self.policy))
         with ops.marker_sink(self.session):
             return self.layer(*args, **kwargs)
 
