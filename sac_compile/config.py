@@ -26,7 +26,7 @@ from ._compat.dynamo import unwrap_compiled
 from .declare import check_pattern, declare_regions, match_path, no_match_message
 from .keep import KeepSet, normalize_keep, validate_region_name
 from .policy import SAVE_COSTLY, validate_policy
-from .scope_text import validate_budget
+from .scope_text import Actions, validate_budget
 from .seam import apply_selective_checkpointing, is_container, normalize_compile
 
 __all__ = ["SacConfig"]
@@ -55,6 +55,8 @@ class SacConfig:
         policy: the region policy (:mod:`sac_compile.policy`); default ``SAVE_COSTLY``.
         budget: activation-memory fraction for PyTorch's knapsack after the kept
             values (compiled layers only; see ``apply_selective_checkpointing``).
+        offload: region names whose values go to host memory and come back for the
+            backward (compiled layers only; disjoint from every keep set).
     """
 
     layers: str | tuple[str, ...]
@@ -67,6 +69,7 @@ class SacConfig:
     strict: bool = False
     policy: Any = SAVE_COSTLY
     budget: float | None = None
+    offload: Collection[str] = frozenset()
     _compile_options: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +105,9 @@ class SacConfig:
             object.__setattr__(self, "compile", self._compile_options)
         object.__setattr__(self, "policy", validate_policy(self.policy))
         object.__setattr__(self, "budget", validate_budget(self.budget))
+        for keep in (self.keep, *dict(self.stack_keep).values()):  # (each layer's actions)
+            actions = Actions.of(keep, self.policy, self.budget, self.offload)
+        object.__setattr__(self, "offload", actions.offload)
         for attr in ("preserve_rng_state", "strict"):
             if not isinstance(getattr(self, attr), bool):
                 raise TypeError(f"SacConfig.{attr} must be a bool, got {getattr(self, attr)!r}")
@@ -147,6 +153,7 @@ class SacConfig:
                 compile=compile_arg,
                 policy=self.policy,
                 budget=self.budget,
+                offload=self.offload,
             )
         if self.strict:
             diagnostics.make_strict(root)

@@ -53,20 +53,21 @@ def region_context_fn(
     *,
     policy: object = SAVE_COSTLY,
     budget: float | None = None,
+    offload: object = (),
     preserve_rng_state: bool = True,
     early_stop: bool = True,
 ) -> functools.partial:
     """A ``context_fn`` for a non-reentrant ``torch.utils.checkpoint`` keeping the regions
     in ``keep`` as ``policy`` decides (see the module docstring).
 
-    ``keep``, ``policy`` and ``budget`` mean what they mean for
-    :func:`~sac_compile.apply_selective_checkpointing` (``budget`` only under
-    ``torch.compile``: the eager engine raises). ``preserve_rng_state`` and ``early_stop``
+    ``keep``, ``policy``, ``budget`` and ``offload`` mean what they mean for
+    :func:`~sac_compile.apply_selective_checkpointing` (``budget`` and ``offload`` only
+    under ``torch.compile``: the eager engine raises). ``preserve_rng_state`` and ``early_stop``
     must be the values the checkpoint itself is called with (both default ``True``, as
     the checkpoint's): the engine replays random ops and stops its recompute as the
     checkpoint does.
     """
-    actions = Actions.of(keep, policy, budget)
+    actions = Actions.of(keep, policy, budget, offload)
     for name, value in (("preserve_rng_state", preserve_rng_state), ("early_stop", early_stop)):
         if not isinstance(value, bool):
             raise TypeError(f"region_context_fn: {name} must be a bool, got {value!r}")
@@ -85,6 +86,7 @@ def _region_contexts(
     module = innermost_module()  # the module whose method called the checkpoint
     who = type(module).__name__ if module is not None else "a checkpoint"
     actions.refuse_budget_eagerly(f"{who}'s region_context_fn", "Compile the model")
+    actions.refuse_offload_eagerly(f"{who}'s region_context_fn", "Compile the model")
     on_forward = None
     if module is not None and not diagnosed.engine_done(module, keep):
         on_forward = functools.partial(diagnosed.check_engine_call, module, keep)

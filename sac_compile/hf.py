@@ -215,6 +215,7 @@ def checkpointing_kwargs(
     keep: Any = (),
     *,
     policy: Any = SAVE_COSTLY,
+    offload: Any = (),
     preserve_rng_state: bool = True,
     early_stop: bool = True,
 ) -> dict[str, Any]:
@@ -254,7 +255,7 @@ def checkpointing_kwargs(
     declare_regions(unwrap_compiled(model), merged(read))
     _trace_kernelized_forwards(model)
     context_fn = region_context_fn(
-        keep_all, policy=policy, preserve_rng_state=preserve_rng_state, early_stop=early_stop
+        keep_all, policy=policy, offload=offload, preserve_rng_state=preserve_rng_state, early_stop=early_stop
     )
     return {
         "use_reentrant": False,

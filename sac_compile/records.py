@@ -28,7 +28,8 @@ class RegionStats:
 
     name: str
     entered: int = 0
-    kept: bool = False
+    kept: bool = False  # (kept on the device or offloaded: its costly values saved)
+    offloaded: bool = False  # a scope offloads it (offload=)
     saved_nodes: int = 0  # forward nodes tagged MUST_SAVE while this region was open
     recompute_nodes: int = 0  # forward nodes tagged MUST_RECOMPUTE while it was open
 
@@ -44,6 +45,7 @@ class ScopeInfo:
     policy: str = "save_costly"  # sac_compile.policy.policy_key of the scope's region policy
     budget: float | None = None
     nodes: int = 0
+    offload: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -84,6 +86,9 @@ class GraphRecord:
     node_scope: dict[str, int] = field(default_factory=dict)
     # node name -> "MUST_SAVE" / "MUST_RECOMPUTE" / ... as tagged by the pass
     node_policy: dict[str, str] = field(default_factory=dict)
+    # forward nodes a scope's offload= sends to host memory (PyTorch's offload pass reads
+    # their ``should_offload``; it leaves views, getitems and non-contiguous values alone)
+    node_offload: set[str] = field(default_factory=set)
     # the activation_memory_budget handed to the partitioner for this graph (scopes' budget=)
     budget: float | None = None
     # the distinct budgets of the graph's scopes when they disagree (the smallest is used)

@@ -54,9 +54,9 @@ from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
 from .eager.routing import routed_compiled_methods
-from .keep import ALL_REGIONS, format_keep
+from .keep import ALL_REGIONS
 from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, exporting, seam_scope_args
-from .policy import SAVE_COSTLY, policy_key, validate_policy
+from .policy import SAVE_COSTLY, validate_policy
 from .records import SEAM_PREFIX, user_class_name
 from .scope_text import Actions
 
@@ -98,6 +98,7 @@ def apply_selective_checkpointing(
     compile: bool | Mapping[str, Any] = False,
     policy: object = SAVE_COSTLY,
     budget: float | None = None,
+    offload: object = (),
 ) -> nn.Module:
     """Checkpoint ``module`` keeping the regions in ``keep``; returns ``module`` itself.
 
@@ -112,6 +113,9 @@ def apply_selective_checkpointing(
         budget: fraction of the layer's activation bytes for PyTorch's knapsack to
             fill after the kept values (compiled code only: with ``compile=True`` or
             under an outer ``torch.compile``; the eager engine raises).
+        offload: region names whose values are saved to host memory in the forward and
+            brought back for the backward (compiled code only, through PyTorch's
+            partitioner; a region named in ``keep`` too is a ``ValueError``).
         preserve_rng_state: replay the RNG in the recompute (eager modes).
         compile: ``True`` or a dict with any of ``fullgraph``, ``dynamic``, ``mode``,
             ``options`` (for ``torch.compile``) and ``inner``, ``inductor_config`` (for
@@ -129,7 +133,7 @@ def apply_selective_checkpointing(
             "`for layer in model.layers: apply_selective_checkpointing(layer, keep=...)`, or "
             "SacConfig(layers='layers.*', ...)"
         )
-    actions = Actions.of(keep, policy, budget)
+    actions = Actions.of(keep, policy, budget, offload)
     if not isinstance(preserve_rng_state, bool):
         raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
     options = normalize_compile(compile)
@@ -190,11 +194,7 @@ def remove_selective_checkpointing(module: nn.Module) -> nn.Module:
 
 
 def _described(config: SeamConfig) -> str:
-    a = config.actions
-    return (
-        f"keep={format_keep(a.keep)!r}, compile={config.compile_options}, policy={policy_key(a.policy)}, "
-        f"budget={a.budget}"
-    )
+    return f"{config.actions.arguments()}, compile={config.compile_options}"
 
 
 def _backend_and_compile_kwargs(config: SeamConfig) -> tuple[Any, dict[str, Any]]:
@@ -398,9 +398,9 @@ def _eager(
     if not torch.is_grad_enabled():
         return call(*args, **kwargs)
     actions = config.actions
-    actions.refuse_budget_eagerly(
-        type(self).__name__, "Pass compile=True to apply_selective_checkpointing (or compile the model)"
-    )
+    fix = "Pass compile=True to apply_selective_checkpointing (or compile the model)"
+    actions.refuse_budget_eagerly(type(self).__name__, fix)
+    actions.refuse_offload_eagerly(type(self).__name__, fix)
     if kwargs:
         # The layer's keyword arguments are bound here, not handed through the
         # checkpoint's **kwargs, where torch.utils.checkpoint would take `debug`,

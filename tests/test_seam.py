@@ -218,7 +218,9 @@ class TestIdentity:
         cls = type(block)
         assert sc.apply_selective_checkpointing(block, ["attn"]) is block
         assert type(block) is cls
-        with pytest.raises(ValueError, match="already wrapped .* keep='attn'.*would nest two checkpoints"):
+        with pytest.raises(
+            ValueError, match=r"already wrapped .* keep=\['attn'\].*would nest two checkpoints"
+        ):
             sc.apply_selective_checkpointing(block, {"mlp"})
 
     def test_bad_arguments(self):

@@ -165,6 +165,8 @@ def test_plugin_refuses_what_it_would_ignore():
         Config(debug=True).build()
     with pytest.raises(ValueError, match="keep='attn'"):
         Config(keep="attn").build()
+    with pytest.raises(ValueError, match=r"keep=\['attn'\] and offload=\['attn'\] both name"):
+        Config(keep=["attn"], offload=["attn"]).build()
     block = torch.nn.Module()
     block.attention, block.feed_forward = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     assert Config().build().regions_for(block) == {"attention": "attn", "feed_forward": "mlp"}

@@ -75,6 +75,9 @@ class SacCompileAC(ActivationCheckpointing):
         budget: float | None = None
         """Knapsack budget after the kept values (compiled blocks only)."""
 
+        offload: list[str] = field(default_factory=list)
+        """Region names whose saved values go to host memory (compiled blocks only)."""
+
         compile: bool = False
         """Compile each block here, with ``make_sac_backend(keep)`` (see the module docstring)."""
 
@@ -91,6 +94,10 @@ class SacCompileAC(ActivationCheckpointing):
         if isinstance(config.keep, str) and config.keep != "all":
             raise ValueError(f"SacCompileAC keep={config.keep!r}: a list of region names, [] or 'all'")
         self._keep = sc.ALL_REGIONS if config.keep == "all" else tuple(config.keep)
+        # keep, offload, policy and budget checked together now, as the seam checks them
+        sc.make_sac_backend(
+            self._keep, policy=_POLICIES[config.policy], budget=config.budget, offload=config.offload
+        )
 
     def regions_for(self, block: nn.Module) -> dict[str, str]:
         """The regions declared on ``block``: the configured ones, else the defaults it has."""
@@ -119,6 +126,7 @@ class SacCompileAC(ActivationCheckpointing):
             keep=self._keep,
             policy=_POLICIES[config.policy],
             budget=config.budget,
+            offload=config.offload,
             preserve_rng_state=config.preserve_rng_state,
             compile={"fullgraph": True} if config.compile else False,
         )

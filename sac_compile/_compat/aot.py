@@ -18,6 +18,8 @@ import torch
 from . import private
 
 __all__ = [
+    "OFFLOADED_PREFIX",
+    "SHOULD_OFFLOAD",
     "aot_autograd",
     "compute_intensive_ops",
     "copy_joint",
@@ -29,6 +31,8 @@ __all__ = [
     "make_boxed_func",
     "meta_rng_states",
     "min_cut_rematerialization_partition",
+    "offloaded_source",
+    "offloading",
     "partitioner_tag",
     "primal_index",
     "running_compiled_code",
@@ -71,6 +75,37 @@ def _saves_a_tuple(fw: torch.fx.GraphModule) -> bool:
     return any(isinstance(v, torch.fx.Node) and isinstance(v.meta.get("val"), (tuple, list)) for v in values)
 
 
+# Note [offload through PyTorch's pass]: AOTAutograd's partitioners end with an activation
+# offloading pass (torch/_functorch/_activation_offloading), run when
+# ``torch._functorch.config.enable_activation_offloading`` is set: a forward node whose
+# ``meta["should_offload"]`` is set and that the forward saves is copied to the CPU after its
+# last forward use (``prims.device_put``, named ``cpu_offload_<node>``) and brought back
+# before its first backward use. It leaves alone what it cannot move safely: views,
+# ``getitem``s (a multi-output op's pieces: the attention kernels' outputs), non-contiguous
+# values, model outputs and static inputs; those stay on the device. With
+# ``activation_offload_separate_stream`` (set on CUDA) the copies run on a side stream, the
+# forward's waits sunk and the backward's reloads prefetched.
+SHOULD_OFFLOAD = "should_offload"
+OFFLOADED_PREFIX = "cpu_offload_"
+
+
+def offloading(example_inputs: Any, on: bool = True) -> Any:
+    """The functorch config, scoped to one compile, under which the partitioner offloads the
+    forward nodes marked ``SHOULD_OFFLOAD`` (Note [offload through PyTorch's pass]); with CUDA
+    inputs with the side stream, the sunk waits and the prefetch."""
+    if not on:
+        return contextlib.nullcontext()
+    config = private("torch._functorch", "config")
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs):
+        return config.patch(
+            enable_activation_offloading=True,
+            activation_offload_separate_stream=True,
+            activation_offload_sink_wait=True,
+            activation_reload_prefetch=True,
+        )
+    return config.patch(enable_activation_offloading=True)
+
+
 def copy_joint(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of a joint graph module that a pass and the partitioner may mutate: new nodes,
     each ``node.meta`` copied shallowly (its fake tensors shared), the same submodules."""
@@ -89,7 +124,8 @@ def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:
     AOTAutograd's forward returns (mutated inputs, user outputs, intermediate
     bases, rng offsets, *saved values*); ``fw_metadata.num_forward`` counts the
     part before the saved values (torch/_functorch/_aot_autograd/schemas.py).
-    Read from the ``TracingContext`` while the forward compiler runs.
+    Read from the ``TracingContext`` while the forward compiler runs. A value offloaded to
+    the host is named as the forward node it copies (Note [offload through PyTorch's pass]).
     """
     ctx = private("torch._guards", "TracingContext").try_get()
     meta = getattr(ctx, "fw_metadata", None)
@@ -98,7 +134,12 @@ def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:
         return None
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     values = out.args[0] if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
-    return [v.name for v in values[num_forward:] if isinstance(v, torch.fx.Node)]
+    return [offloaded_source(v.name) for v in values[num_forward:] if isinstance(v, torch.fx.Node)]
+
+
+def offloaded_source(name: str) -> str:
+    """The forward node a saved value's ``name`` copies to the host, else ``name`` itself."""
+    return name[len(OFFLOADED_PREFIX) :] if name.startswith(OFFLOADED_PREFIX) else name
 
 
 # --- Naming conventions of AOTAutograd's graphs ----------------------------------------

@@ -35,7 +35,7 @@ from ..keep import ALL_REGIONS
 from ..marker_walk import MarkerKind
 from ..markers import marker_kind
 from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, running_regions, with_block_fallbacks
-from ..policy import SAVE_COSTLY, policy_key
+from ..policy import SAVE_COSTLY
 from ..scope_text import Actions
 from . import session
 from .session import CompileUnit
@@ -146,11 +146,7 @@ class SacBackend:
     def __repr__(self) -> str:
         if not self.checkpoint:
             return f"<{self.inner} without checkpointing>"
-        a = self.actions
-        keep = "ALL_REGIONS" if a.keep is ALL_REGIONS else sorted(cast("frozenset[str]", a.keep))
-        extra = "" if a.policy is SAVE_COSTLY else f", policy={policy_key(a.policy)}"
-        extra += "" if a.budget is None else f", budget={a.budget:g}"
-        return f"make_sac_backend(keep={keep}{extra}, inner={self.inner!r})"
+        return f"make_sac_backend({self.actions.arguments()}, inner={self.inner!r})"
 
     def tagging_pass(self, context: Enclosing = NO_CONTEXT) -> TagRegionsPass:
         """The (cached) :class:`~sac_compile.passes.tag_regions.TagRegionsPass` for graphs
@@ -200,7 +196,8 @@ class SacBackend:
         if pass_ is not None:
             session.advise(self, gm, example_inputs, unit)  # the planner's, at log level INFO
         trace_watch.claim_trace()  # this graph is ours: its markers are not "no-pass"
-        with session.compiling(unit):
+        # (offload= from the backend or scope markers: the pass marks, the partitioner moves)
+        with session.compiling(unit), aot.offloading(example_inputs, pass_ is not None):
             if self.inner == "inductor":
                 compiled = self._compile_inductor(gm, example_inputs, pass_, unit, capturing, patches)
             else:
@@ -371,6 +368,7 @@ def make_sac_backend(
     budget: float | None = None,
     inner: str = "inductor",
     inductor_config: Mapping[str, Any] | None = None,
+    offload: object = (),
 ) -> SacBackend:
     """Return the (memoised) backend keeping the regions named in ``keep``.
 
@@ -388,11 +386,13 @@ def make_sac_backend(
         inner: ``"inductor"`` (default) or ``"aot_eager"`` (no codegen).
         inductor_config: extra ``torch._inductor.config`` entries, scoped to this
             backend's compiles (only with ``inner="inductor"``).
+        offload: region names whose saved values go to host memory in the forward and
+            come back for the backward (disjoint from ``keep``).
 
     The same arguments return the same object, so every layer compiled with it
     shares Dynamo's cache entries instead of recompiling per backend object.
     """
-    return backend_for(Actions.of(keep, policy, budget), inner, inductor_config)
+    return backend_for(Actions.of(keep, policy, budget, offload), inner, inductor_config)
 
 
 def backend_for(

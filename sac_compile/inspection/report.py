@@ -8,6 +8,7 @@ that the backward graph computes again.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ class SavedValue:
     shape: tuple[int, ...] | None
     dtype: str
     nbytes: int  # bytes of its storage, counted once per storage (0 for a repeat)
+    # saved to host memory (a scope's offload=): ``name`` is the forward node it copies
+    offloaded: bool = False
 
     @property
     def is_input(self) -> bool:
@@ -58,7 +61,13 @@ class GraphPartition:
 
     @property
     def activation_bytes(self) -> int:
-        return sum(v.nbytes for v in self.saved if not v.is_input)
+        """Saved non-input values held on the device (not offloaded)."""
+        return sum(v.nbytes for v in self.saved if not v.is_input and not v.offloaded)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Saved values offloaded to host memory."""
+        return sum(v.nbytes for v in self.saved if v.offloaded)
 
     @property
     def input_bytes(self) -> int:
@@ -83,8 +92,13 @@ class PartitionReport:
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes of saved non-input values (each storage once per graph)."""
+        """Bytes of saved non-input values held on the device (each storage once per graph)."""
         return sum(g.activation_bytes for g in self.graphs)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of saved values offloaded to host memory (a scope's ``offload=``)."""
+        return sum(g.offloaded_bytes for g in self.graphs)
 
     @property
     def input_bytes(self) -> int:
@@ -109,9 +123,19 @@ class PartitionReport:
         return names
 
     def bytes_by_region(self) -> dict[str, int]:
+        """Saved bytes held on the device, by region (offloaded values not among them)."""
         out: dict[str, int] = defaultdict(int)
         for v in self.saved:
-            out[v.region] += v.nbytes
+            if not v.offloaded:
+                out[v.region] += v.nbytes
+        return dict(out)
+
+    def offloaded_bytes_by_region(self) -> dict[str, int]:
+        """Saved bytes offloaded to host memory, by region."""
+        out: dict[str, int] = defaultdict(int)
+        for v in self.saved:
+            if v.offloaded:
+                out[v.region] += v.nbytes
         return dict(out)
 
     def format(self, *, inputs: bool = False) -> str:
@@ -131,7 +155,8 @@ class PartitionReport:
                     continue
                 shape = "?" if v.shape is None else "[" + ", ".join(map(str, v.shape)) + "]"
                 scope = "-" if v.scope is None else f"#{ordinal.get(v.scope, v.scope)}"
-                rows.append((v.name, v.op, v.region, scope, shape, v.dtype, str(v.nbytes)))
+                nbytes = f"{v.nbytes} (host)" if v.offloaded else str(v.nbytes)
+                rows.append((v.name, v.op, v.region, scope, shape, v.dtype, nbytes))
             if len(rows) > 1:
                 lines.extend(_table(rows))
             else:
@@ -149,7 +174,8 @@ class PartitionReport:
                 lines.append("recomputed: nothing")
             n_act = sum(1 for v in g.saved if not v.is_input)
             n_rec = sum(len(v) for v in g.recomputed.values())
-            lines.append(f"total: {n_act} activations, {g.activation_bytes} B; {n_rec} ops recomputed")
+            host = f" ({g.offloaded_bytes} B more on the host)" if g.offloaded_bytes else ""
+            lines.append(f"total: {n_act} activations, {g.activation_bytes} B{host}; {n_rec} ops recomputed")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -178,11 +204,15 @@ def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
         return head + ": no tagging pass"
     if not rec.is_training:
         return head + ": inference (markers stripped)"
-    scopes = ", ".join(f"#{ordinal[s.ac_graph_id]} {s.source} keep={_keep_text(s.keep)}" for s in rec.scopes)
+    scopes = ", ".join(
+        f"#{ordinal[s.ac_graph_id]} {s.source} keep={_keep_text(s.keep)}"
+        + (f" offload={_keep_text(s.offload)}" if s.offload else "")
+        for s in rec.scopes
+    )
     if rec.outside_every_scope:
         scopes = "none: outside every wrapped layer, not checkpointed"
     regions = ", ".join(
-        f"{r.name}({'kept' if r.kept else 'recomputed'})"
+        f"{r.name}({'offloaded' if r.offloaded else 'kept' if r.kept else 'recomputed'})"
         for r in sorted(rec.regions.values(), key=lambda r: r.name)
     )
     extra = ""
@@ -256,8 +286,9 @@ def build_partition(index: int, unit: CompileUnit) -> GraphPartition | None:
         for name, val in bw["placeholders"]:
             if aot.is_tangent(name):
                 continue
-            base = root(name)
-            regions = regions_of(name)
+            source = aot.offloaded_source(name)  # (a value offloaded: the node it copies)
+            base = root(source)
+            regions = regions_of(source)
             if base in fw_inputs:
                 region = PARAM if param_input(base, unit.input_is_param) else INPUT
             elif aot.is_rng_state_output(name):
@@ -266,10 +297,11 @@ def build_partition(index: int, unit: CompileUnit) -> GraphPartition | None:
                 region = "+".join(regions) if regions else NO_REGION
             scope = None
             if record is not None:
-                scope = record.node_scope.get(name, record.node_scope.get(base))
-            op = INPUT if name in fw_inputs else fw_ops.get(name, "?")
+                scope = record.node_scope.get(source, record.node_scope.get(base))
+            op = INPUT if source in fw_inputs else fw_ops.get(source, "?")
             key = _storage_key(val, base)
-            saved.append(_saved_value(name, op, region, scope, val, count=key not in seen))
+            value = _saved_value(source, op, region, scope, val, count=key not in seen)
+            saved.append(dataclasses.replace(value, offloaded=source != name))
             seen.add(key)
         for name, op, _ in bw["calls"]:
             if name in fw_ops:

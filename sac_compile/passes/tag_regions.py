@@ -253,8 +253,9 @@ class _Scopes:
         self.of_checkpoint: dict[int, _Scope] = {}
 
     def new(self, source: str, actions: Actions, marker_id: int | None) -> _Scope:
+        a = actions
         info = records.ScopeInfo(
-            self.next_id, source, actions.keep, policy_key(actions.policy), actions.budget
+            self.next_id, source, a.keep, policy_key(a.policy), a.budget, offload=a.offload
         )
         self.rec.scopes.append(info)
         self.next_id += 1
@@ -384,7 +385,7 @@ def _tag_node(
         return
     if scope.actions.budget is not None:
         tally.budgets.add(scope.actions.budget)
-        if not saves(decision) and not any(r in scope.actions.keep for r in open_names):
+        if not saves(decision) and not any(r in scope.actions.saving for r in open_names):
             # PyTorch's knapsack chooses among everything outside the kept regions (inside
             # them the policy's decisions stand: a cheap kept op is still recomputed)
             rec.node_policy[n.name] = "BUDGET"
@@ -397,9 +398,13 @@ def _tag_node(
     n.meta["ac_graph_id"] = scope.ac_graph_id
     n.meta[_TAGGED] = True
     rec.node_policy[n.name] = decision.name
+    if saves(decision) and scope.actions.offloads(open_names):
+        n.meta[aot.SHOULD_OFFLOAD] = True
+        rec.node_offload.add(n.name)
     for name in open_names:
         stats = rec.regions[name]
-        stats.kept = stats.kept or name in scope.actions.keep
+        stats.kept = stats.kept or name in scope.actions.saving
+        stats.offloaded = stats.offloaded or name in scope.actions.offload
         if saves(decision):
             stats.saved_nodes += 1
         else:
@@ -432,4 +437,4 @@ def _decide(n: fx.Node, open_names: tuple[str, ...], scope: _Scope) -> Checkpoin
         return None  # the partitioner saves an effectful op's outputs: it must run once
     if op_types.is_view_op(target):
         return CheckpointPolicy.MUST_RECOMPUTE
-    return checked_decision(scope.actions.policy, target, open_names, scope.actions.keep)
+    return checked_decision(scope.actions.policy, target, open_names, scope.actions.saving)
