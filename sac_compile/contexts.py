@@ -82,11 +82,10 @@ def _region_contexts(
         forward, recompute = selective_checkpoint_contexts(_prefer_recompute)
         return _ScopeMarked(forward, scope), recompute
     actions = Actions.from_text(scope)
-    keep = actions.keep
+    keep = actions.saving
     module = innermost_module()  # the module whose method called the checkpoint
     who = type(module).__name__ if module is not None else "a checkpoint"
     actions.refuse_budget_eagerly(f"{who}'s region_context_fn", "Compile the model")
-    actions.refuse_offload_eagerly(f"{who}'s region_context_fn", "Compile the model")
     on_forward = None
     if module is not None and not diagnosed.engine_done(module, keep):
         on_forward = functools.partial(diagnosed.check_engine_call, module, keep)

@@ -113,16 +113,6 @@ class Actions:
         """Whether a saved value computed with ``regions`` open goes to host memory."""
         return any(r in self.offload for r in regions) and not any(r in self.keep for r in regions)
 
-    def refuse_offload_eagerly(self, who: str, fix: str) -> None:
-        """Raise where a scope with ``offload=`` runs in the eager engine, which does not
-        offload yet (compiled code offloads through PyTorch's partitioner)."""
-        if self.offload:
-            raise ValueError(
-                f"{who}: offload={sorted(self.offload)} runs in the eager engine, which does not offload "
-                f"yet (offload= applies to compiled code in this release). {fix}, or keep those regions "
-                "(keep=) instead of offloading them"
-            )
-
     def without_budget(self) -> Actions:
         return Actions(self.keep, self.policy, None, self.offload)
 

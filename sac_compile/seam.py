@@ -400,26 +400,26 @@ def _eager(
     actions = config.actions
     fix = "Pass compile=True to apply_selective_checkpointing (or compile the model)"
     actions.refuse_budget_eagerly(type(self).__name__, fix)
-    actions.refuse_offload_eagerly(type(self).__name__, fix)
     if kwargs:
         # The layer's keyword arguments are bound here, not handed through the
         # checkpoint's **kwargs, where torch.utils.checkpoint would take `debug`,
         # `early_stop`, `determinism_check` or `context_fn` for its own (and we `keep`,
         # `policy`). A non-reentrant checkpoint needs no tensor among its arguments.
         call = functools.partial(call, **kwargs)
-    if actions.keep is not ALL_REGIONS and not actions.keep:
+    if actions.saving is not ALL_REGIONS and not actions.saving:
         return checkpoint(call, *args, use_reentrant=False, preserve_rng_state=config.preserve_rng_state)
     engine_kwargs: dict[str, Any] = {
         "keep": actions.keep,
         "policy": actions.policy,
+        "offload": actions.offload,
         "preserve_rng_state": config.preserve_rng_state,
         "where": _where(self, args, kwargs),
     }
-    if diagnosed.engine_done(self, actions.keep):
+    if diagnosed.engine_done(self, actions.saving):
         return checkpoint_with_regions(call, *args, **engine_kwargs)
     stats: list = []
     out = checkpoint_with_regions(call, *args, **engine_kwargs, stats_out=stats)
-    diagnosed.check_engine_call(self, actions.keep, stats[0])
+    diagnosed.check_engine_call(self, actions.saving, stats[0])
     return out
 
 

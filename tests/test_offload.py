@@ -1,7 +1,7 @@
 """offload=: a region's saved values sent to host memory in the forward and brought back for
 the backward, compiled (through PyTorch's partitioner offload pass). On this CPU the copies
 are host to host: the tests check the graphs (offload and reload on exactly the region's
-saved values), the reports and the gradients; the eager engine refuses offload= for now."""
+saved values), the reports and the gradients; the eager engine copies its cache to the host."""
 
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ def test_offload_through_hf_config_for_on_a_transformers_model():
 
 
 def test_offload_is_checked_at_every_entry_point():
-    """A region both kept and offloaded, offload= as a string, and the eager engine asked to
-    offload are clear errors before any work (red before: offload= was an unknown argument)."""
+    """A region both kept and offloaded, and offload= as a string, are clear errors before any
+    work (red before: offload= was an unknown argument)."""
     both = r"both name \['attn'\]: a region's values are kept on the device or offloaded"
     with pytest.raises(ValueError, match=both):
         sc.apply_selective_checkpointing(_block(), keep={"attn"}, offload={"attn"})
@@ -112,8 +112,33 @@ def test_offload_is_checked_at_every_entry_point():
         sc.make_sac_backend(sc.ALL_REGIONS, offload={"mlp"})
     with pytest.raises(TypeError, match=r"offload must be a collection of region names, got 'mlp'"):
         sc.make_sac_backend({"attn"}, offload="mlp")
-    block = sc.apply_selective_checkpointing(_block(), keep={"attn"}, offload={"mlp"})
-    with pytest.raises(
-        ValueError, match=r"offload=\['mlp'\] runs in the eager engine, which does not offload yet"
-    ):
-        block(torch.randn(*X_SHAPE, requires_grad=True))
+
+
+def test_the_eager_engine_offloads_an_offloaded_regions_cached_values():
+    """Eager, keep={"attn"}, offload={"mlp"}: the values the engine caches for the mlp (the
+    ones keeping it caches) are held on the host, none on the device; gradients bit-identical
+    to no checkpoint's; through the seam too (red before: the engine refused offload=)."""
+    from sac_compile.eager import checkpoint_with_regions
+
+    def run(**actions):
+        block = _block()
+        x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        stats: list = []
+        checkpoint_with_regions(block, x, stats_out=stats, **actions).sum().backward()
+        return stats[0], [p.grad for p in block.parameters()] + [x.grad]
+
+    kept, _ = run(keep={"attn", "mlp"})
+    offloaded, grads = run(keep={"attn"}, offload={"mlp"})
+    assert kept.held_by_region["mlp"] > 0
+    assert dict(offloaded.offloaded_by_region) == {"mlp": kept.held_by_region["mlp"]}
+    assert "mlp" not in offloaded.held_by_region
+    assert offloaded.held_by_region["attn"] == kept.held_by_region["attn"]
+    block = _block()
+    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    block(x).sum().backward()
+    for got, want in zip(grads, [p.grad for p in block.parameters()] + [x.grad], strict=True):
+        assert torch.equal(got, want)
+    seam = sc.apply_selective_checkpointing(_block(), keep={"attn"}, offload={"mlp"})
+    x.grad = None
+    seam(x).sum().backward()
+    assert torch.equal(x.grad, grads[-1])

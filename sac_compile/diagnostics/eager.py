@@ -66,7 +66,12 @@ def check_engine_call(module: nn.Module, keep: KeepSet, stats: Any) -> None:
 
 def _first_call(keep: KeepSet, stats: Any, where: str) -> list[Diagnosis]:
     found = []
-    held = {name for key in stats.held_by_region for name in key.split("+")}
+    held = {
+        name
+        for by in (stats.held_by_region, stats.offloaded_by_region)
+        for key in by
+        for name in key.split("+")
+    }
     for name in sorted(stats.regions_entered):
         if _kept(keep, name) and name not in held:
             found.append(messages.kept_nothing(name, where, messages.EAGER_HOLDS_NOTHING))

@@ -297,6 +297,7 @@ def engine_contexts(
     ``(name, hint)`` of the checkpointed function (a layer), for recompute errors."""
     state = EngineState(preserve_rng_state)
     state.where = where
+    state.offloads = actions.offloads if actions.offload else None
     bodies = Bodies(state)
     forward = _Pass(state, bodies, actions, True, early_stop, on_forward)
     return state, forward, _Recomputes(lambda: _Pass(state, bodies, actions, False, early_stop))
@@ -307,6 +308,7 @@ def checkpoint_with_regions(
     *args: Any,
     keep: object,
     policy: object = SAVE_COSTLY,
+    offload: object = (),
     preserve_rng_state: bool = True,
     early_stop: bool = True,
     stats_out: list[EngineStats] | None = None,
@@ -318,7 +320,7 @@ def checkpoint_with_regions(
     keyword arguments of ``torch.utils.checkpoint.checkpoint`` (``debug``,
     ``determinism_check``) go to it, as under plain checkpointing; the rest go to ``fn``.
     ``where``: ``(name, hint)`` of the checkpointed function, for recompute errors."""
-    actions = Actions.of(keep, policy)
+    actions = Actions.of(keep, policy, offload=offload)
     state, forward, recompute = engine_contexts(actions, preserve_rng_state, early_stop, where=where)
     out = checkpoint(
         fn,

@@ -43,7 +43,7 @@ from .op_facts import (
     written_args,
 )
 from .session import SESSION
-from .state import EngineState, Entry
+from .state import EngineState, Entry, HostCopy
 
 # PyTorch's SAC ignores these (detach, prim.device, FunctionalTensor's metadata ops: run a
 # different number of times in the forward and the recompute); the markers are ours.
@@ -360,6 +360,8 @@ class WatchMode(_EngineMode):
 
 
 def _serve_leaf(leaf: Any, st: EngineState) -> Any:
+    if isinstance(leaf, HostCopy):
+        return leaf.back()
     if isinstance(leaf, _VersionWrapper):
         val = leaf.get_val(False)
         return detach_helper(val) if isinstance(val, torch.Tensor) else val

@@ -58,12 +58,12 @@ class EagerSession:
         forward: bool = True,
     ) -> None:
         self.actions = actions
-        keep, policy = actions.keep, actions.policy
+        keep, policy = actions.saving, actions.policy  # (an offloaded region's values are cached too)
         self.keep = keep  # (read for every region marker: one attribute, not two)
         self.spans = spans
         # Under SAVE_ALL a kept declared module with no kept region open around it runs
         # with no mode in the forward and is not run in the recompute (eager/bodies.py)
-        self.bodies = bodies if policy is SAVE_ALL else None
+        self.bodies = bodies if policy is SAVE_ALL and not actions.offload else None
         # compiled methods of the layer are kept whole under every policy (call_compiled)
         self.compiled_bodies = bodies
         self.compiled_call: Any = None  # (the code of) the compiled method running now

@@ -15,7 +15,7 @@ from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
 from .op_facts import Geometry, StorageSet, flat_leaves, map_leaves, storage_of, untyped_storage_of
 
-__all__ = ["EngineStats"]
+__all__ = ["EngineStats", "HostCopy"]
 
 
 class Entry:
@@ -64,8 +64,11 @@ class EngineStats:
     # collective this call ran, in order
     collectives: list[tuple[tuple[str, ...], str, bool]] = field(default_factory=list)
     mutated_recomputes: int = 0
-    held_bytes: int = 0  # bytes of cached values held after the forward
+    held_bytes: int = 0  # bytes of cached values held after the forward (on the device)
     held_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # cached values of offloaded regions, copied to host memory at the end of the forward
+    offloaded_bytes: int = 0
+    offloaded_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     regions_entered: Counter = field(default_factory=Counter)
     unbalanced: list = field(default_factory=list)  # (region, "enter without exit" | "exit without enter")
     # ops the engine's dispatch modes intercepted, by (pass, where): pass "forward" or
@@ -116,6 +119,8 @@ class EngineState:
         self.where = ("", "")  # (name, hint) of the checkpointed function, for recompute errors
         self.recompute_hooks = 1  # saved-tensor hook pairs the recompute pushed: the checkpoint's, ours
         self.write_targets = StorageSet()  # written by served writes (outside tensors)
+        # (regions open) -> whether an op's cached value goes to host memory (Actions.offloads)
+        self.offloads: Any = None
         # (recompute) served writes into outside tensors still ahead:
         # storage -> [(the write, the byte span it writes there)]
         self.pending_writes: dict[int, list[tuple[Entry, tuple[int, int]]]] = {}
@@ -333,15 +338,22 @@ class EngineState:
                 e.dropped = True
                 self.stats.dropped_ops += 1
                 continue
+            host = self.offloads is not None and self.offloads(e.regions)
             for t in _cached_tensors(e.value):
                 s = storage_of(t)
                 # a view of an input or parameter costs no memory of its own
                 if s not in seen and s in self.produced:
                     seen.add(s)
-                    nbytes = untyped_storage_of(t).nbytes()
-                    self.stats.held_bytes += nbytes
+                    nbytes = t.numel() * t.element_size() if host else untyped_storage_of(t).nbytes()
                     key = "+".join(e.regions) or NO_REGION
-                    self.stats.held_by_region[key] += nbytes
+                    if host:
+                        self.stats.offloaded_bytes += nbytes
+                        self.stats.offloaded_by_region[key] += nbytes
+                    else:
+                        self.stats.held_bytes += nbytes
+                        self.stats.held_by_region[key] += nbytes
+            if host:  # its device memory goes once nothing else holds it (the checkpoint does not)
+                e.value = map_leaves(_to_host, e.value)
         self._release_forward_refs()
 
     def _release_forward_refs(self) -> None:
@@ -357,6 +369,29 @@ class EngineState:
         self.produced = StorageSet()
         self.saved_storages = StorageSet()
         self.random_derived = StorageSet()
+
+
+class HostCopy:
+    """A cached value of an offloaded region, in host memory (pinned when it came from CUDA);
+    ``back()`` is the tensor on its device again, for the recompute."""
+
+    __slots__ = ("device", "val")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.device = t.device
+        if t.is_cuda:
+            self.val = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        else:
+            self.val = t.detach().clone()  # (on a CPU the host is the device: a copy all the same)
+
+    def back(self) -> torch.Tensor:
+        return self.val.to(self.device, non_blocking=True)
+
+
+def _to_host(leaf: Any) -> Any:
+    if isinstance(leaf, _VersionWrapper) and isinstance(leaf.val, torch.Tensor):
+        return HostCopy(leaf.get_val(False))  # (a value written since it was cached raises)
+    return leaf
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
