@@ -68,6 +68,9 @@ def logits(out):
     return getattr(out, "logits", out)
 
 
+FEED_FORWARD = {"llama": "mlp", "qwen3moe": "experts", "demo": "experts"}  # (each model's region)
+
+
 def configurations(args, planned):
     """name -> function wrapping a fresh model's layers (each layer compiled on its own)."""
 
@@ -80,10 +83,12 @@ def configurations(args, planned):
 
         return apply
 
-    def seam(keep, budget=None, policy=sc.SAVE_COSTLY):
+    def seam(keep, budget=None, policy=sc.SAVE_COSTLY, offload=()):
         def apply(model, layers):
             options = {"inner": args.inner}
-            cfg = sc.SacConfig(layers=layers, keep=keep, compile=options, budget=budget, policy=policy)
+            cfg = sc.SacConfig(
+                layers=layers, keep=keep, compile=options, budget=budget, policy=policy, offload=offload
+            )
             return cfg.apply(model)
 
         return apply
@@ -94,6 +99,8 @@ def configurations(args, planned):
         "budget 0.3": compiled(BudgetBackend(0.3, args.inner)),
         "budget 0.5": compiled(BudgetBackend(0.5, args.inner)),
         "keep every region": seam(sc.ALL_REGIONS),
+        # the feed-forward's values to the host instead of recomputed (measured; not yet planned)
+        f"keep attn, offload {FEED_FORWARD[args.model]}": seam({"attn"}, offload={FEED_FORWARD[args.model]}),
     }
     for fraction, p in planned.items():
         out[f"plan {fraction:g}: {p.chosen.label}"] = seam(p.keep, p.budget, p.policy)

@@ -142,3 +142,17 @@ def test_the_eager_engine_offloads_an_offloaded_regions_cached_values():
     x.grad = None
     seam(x).sum().backward()
     assert torch.equal(x.grad, grads[-1])
+
+
+def test_autograd_saved_bytes_counts_one_device_when_asked():
+    """``device=``: only the storages on that device (a CPU's host and device are one: all of
+    them on "cpu", none on "cuda")."""
+    from sac_compile.inspection import autograd_saved_bytes
+
+    block = sc.apply_selective_checkpointing(_block(), keep={"attn"}, offload={"mlp"})
+    x = torch.randn(*X_SHAPE, requires_grad=True)
+    params = list(block.parameters())
+    every = autograd_saved_bytes(block, x, exclude=params)
+    assert every > 0
+    assert autograd_saved_bytes(block, x, exclude=params, device="cpu", warmup=False) == every
+    assert autograd_saved_bytes(block, x, exclude=params, device="cuda", warmup=False) == 0

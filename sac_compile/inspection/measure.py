@@ -19,8 +19,8 @@ from ..op_classes import communicates
 __all__ = ["autograd_saved_bytes", "collectives_run"]
 
 
-def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int] | None:
-    """``(address, weak reference, bytes)`` of the storage holding ``t``'s bytes (a tensor
+def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int, str] | None:
+    """``(address, weak reference, bytes, device)`` of the storage holding ``t``'s bytes (a tensor
     subclass's, a DTensor's: its inner tensor's, Note [tensor subclasses in the eager engine]
     in sac_compile/_compat/checkpoint.py)."""
     try:
@@ -29,10 +29,10 @@ def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int] | None:
         return None
     if s.device.type == "meta":
         return None  # a fake tensor of a trace
-    return storage_id(s), StorageWeakRef(s), s.nbytes()
+    return storage_id(s), StorageWeakRef(s), s.nbytes(), str(s.device)
 
 
-def _live_storages() -> dict[int, tuple[StorageWeakRef, int]]:
+def _live_storages() -> dict[int, tuple[StorageWeakRef, int, str]]:
     """Every storage a Python tensor object that the collector tracks (not frozen) references now."""
     gc.collect()
     found = {}
@@ -43,7 +43,13 @@ def _live_storages() -> dict[int, tuple[StorageWeakRef, int]]:
     return found
 
 
-def autograd_saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Any = (), warmup: bool = True) -> int:
+def _on(device: torch.device, where: torch.device) -> bool:
+    return where.type == device.type and device.index in (None, where.index)
+
+
+def autograd_saved_bytes(
+    fn: Callable[..., Any], *args: Any, exclude: Any = (), warmup: bool = True, device: Any = None
+) -> int:
     """Bytes of the distinct storages held for the backward once ``fn(*args)`` has returned.
 
     Counted whatever runs ``fn`` (unwrapped, compiled, or checkpointed by the eager
@@ -60,6 +66,9 @@ def autograd_saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Any = (), 
     accumulate accordingly. Agrees with ``torch.profiler``'s memory events within 1%
     (``tests/test_hf_families.py``). A heap frozen with ``gc.freeze()`` is unfrozen (every
     tensor must be seen) and left so: freeze it again after the call if you want it frozen.
+    ``device`` (``"cuda:0"``, a ``torch.device``): count only the storages on it -- a region's
+    offloaded values are on the host (``"cpu"``), the rest on the device. On a CPU the host is
+    the device: ``device="cpu"`` counts both.
     """
     exclude = list(exclude)
     if warmup:
@@ -69,7 +78,7 @@ def autograd_saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Any = (), 
     # so that the first sighting sees every tensor (it walks the collector's generations only)
     gc.unfreeze()
     before = _live_storages()
-    packed: dict[int, tuple[StorageWeakRef, int, weakref.ref]] = {}
+    packed: dict[int, tuple[StorageWeakRef, int, str, weakref.ref]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = _storage(t)
@@ -101,10 +110,15 @@ def autograd_saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Any = (), 
     # meanwhile (FSDP's resharding: the unsharded parameters a compiled graph saves are
     # resized to 0 after the layer's forward and gathered again for its backward) holds nothing.
     # (Where the Python object is gone, autograd holds the tensor alone: its size when packed.)
-    for c, (ref, n, saved) in packed.items():
+    for c, (ref, n, where, saved) in packed.items():
         t = saved()
-        made[c] = (ref, s[2] if t is not None and (s := _storage(t)) is not None else n)
-    held = {c: n for c, (ref, n) in made.items() if c not in skip and not ref.expired()}
+        made[c] = (ref, s[2] if t is not None and (s := _storage(t)) is not None else n, where)
+    on = None if device is None else torch.device(device)
+    held = {
+        c: n
+        for c, (ref, n, where) in made.items()
+        if c not in skip and not ref.expired() and (on is None or _on(on, torch.device(where)))
+    }
     out.sum().backward()
     return sum(held.values())
 
