@@ -69,6 +69,9 @@ def _check(figures: dict) -> None:
         assert held["sac keep attn"] < held["sac keep attn+mlp"] < held["no checkpoint"], held
     if "torchtitan selective" in held:
         assert held["sac keep attn"] < held["torchtitan selective"], held
+    if "sac keep attn (offload mlp)" in held:  # the plugin's offload reached the engine: the mlp's
+        # values are held (on the host; on a CPU that is the same memory), as keeping them holds
+        assert held["sac keep attn (offload mlp)"] == held["sac keep attn+mlp"], held
 
 
 @default_torch_only
@@ -112,6 +115,8 @@ def test_plugin_trains_with_torchtitans_trainer_compiled(tmp_path):
     # own compile, the FlexAttention way, stays on Inductor); test_integrations compiles a
     # transformers model through the named backend with Inductor
     configs += ",sac keep attn (seam compiles)"
+    # offload through the plugin's JSON, compiled (its bytes: keep attn+mlp's, the host being this CPU)
+    configs += ",sac keep attn+mlp,sac keep attn (offload mlp)"
     # past Dynamo's recompile limit of 8: 9 blocks (compare.py raises it to 64 for its several
     # trainers, so a graph per block would show as 9 graphs); short sequences (CI time: 32+
     # layers are tests/test_depth.py's)

@@ -55,6 +55,8 @@ CONFIGS = {
     "sac keep attn": ["--override.imports", SAC + '={"keep": ["attn"]}'],
     "sac keep mlp": ["--override.imports", SAC + '={"keep": ["mlp"]}'],
     "sac keep attn+mlp": ["--override.imports", SAC + '={"keep": ["attn", "mlp"]}'],
+    # the MLP's values to host memory instead (on a CPU the host is the device: attn+mlp's bytes)
+    "sac keep attn (offload mlp)": ["--override.imports", SAC + '={"keep": ["attn"], "offload": ["mlp"]}'],
     # MoE models (--model deepseek_v3, deepseek_v3_mtp, qwen3_moe): the routed experts
     "sac keep experts": ["--override.imports", SAC + '={"keep": ["experts"]}'],
     "sac keep attn+experts": ["--override.imports", SAC + '={"keep": ["attn", "experts"]}'],
@@ -66,7 +68,7 @@ SEAM_COMPILES = "sac keep attn (seam compiles)"
 #: --inner aot_eager: the name the override's blocks compile with (registered by main: sac-compile's
 #: backend reading each block's keep set, AOTAutograd without Inductor's code generation)
 AOT_EAGER_BACKEND = "sac_compile_aot_eager"
-DENSE_ONLY = {"sac keep mlp", "sac keep attn+mlp"}
+DENSE_ONLY = {"sac keep mlp", "sac keep attn+mlp", "sac keep attn (offload mlp)"}
 MOE_ONLY = {"sac keep experts", "sac keep attn+experts"}
 
 
