@@ -56,7 +56,7 @@ class SacConfig:
         budget: activation-memory fraction for PyTorch's knapsack after the kept
             values (compiled layers only; see ``apply_selective_checkpointing``).
         offload: region names whose values go to host memory and come back for the
-            backward (compiled layers only; disjoint from every keep set).
+            backward (compiled and eager; disjoint from every keep set).
     """
 
     layers: str | tuple[str, ...]

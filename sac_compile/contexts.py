@@ -61,8 +61,8 @@ def region_context_fn(
     in ``keep`` as ``policy`` decides (see the module docstring).
 
     ``keep``, ``policy``, ``budget`` and ``offload`` mean what they mean for
-    :func:`~sac_compile.apply_selective_checkpointing` (``budget`` and ``offload`` only
-    under ``torch.compile``: the eager engine raises). ``preserve_rng_state`` and ``early_stop``
+    :func:`~sac_compile.apply_selective_checkpointing` (``budget`` only under
+    ``torch.compile``: the eager engine raises). ``preserve_rng_state`` and ``early_stop``
     must be the values the checkpoint itself is called with (both default ``True``, as
     the checkpoint's): the engine replays random ops and stops its recompute as the
     checkpoint does.

@@ -56,10 +56,9 @@ class Actions:
     text: str = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        text = format_scope(format_keep(self.keep), self.policy, self.budget)
-        if self.offload:
-            text += f";offload={format_keep(self.offload)}"
-        object.__setattr__(self, "text", text)
+        object.__setattr__(
+            self, "text", format_scope(format_keep(self.keep), self.policy, self.budget, self.offload)
+        )
 
     @classmethod
     def of(
@@ -98,7 +97,7 @@ class Actions:
             parse_keep(keep_text),
             policy,
             validate_budget(budget),
-            frozenset(filter(None, offload.split(","))),
+            cast("frozenset[str]", parse_keep(offload)),  # (never "*": of() refuses ALL_REGIONS)
         )
 
     @property
@@ -137,14 +136,19 @@ class Actions:
             )
 
 
-def format_scope(keep_text: str, policy: RegionPolicy, budget: float | None) -> str:
-    """Scope-marker text: the keep set, then ``;policy=...`` / ``;budget=...`` when not default."""
+def format_scope(
+    keep_text: str, policy: RegionPolicy, budget: float | None, offload: frozenset[str] = frozenset()
+) -> str:
+    """Scope-marker text: the keep set, then ``;policy=...`` / ``;budget=...`` /
+    ``;offload=...`` when not default."""
     parts = [keep_text]
     key = policy_key(policy)
     if key != "save_costly":
         parts.append(f"policy={key}")
     if budget is not None:
         parts.append(f"budget={budget!r}")
+    if offload:
+        parts.append(f"offload={format_keep(offload)}")
     return ";".join(parts)
 
 

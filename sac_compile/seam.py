@@ -114,8 +114,8 @@ def apply_selective_checkpointing(
             fill after the kept values (compiled code only: with ``compile=True`` or
             under an outer ``torch.compile``; the eager engine raises).
         offload: region names whose values are saved to host memory in the forward and
-            brought back for the backward (compiled code only, through PyTorch's
-            partitioner; a region named in ``keep`` too is a ``ValueError``).
+            brought back for the backward (compiled: PyTorch's partitioner offload pass;
+            eager: the engine's cache; a region named in ``keep`` too is a ``ValueError``).
         preserve_rng_state: replay the RNG in the recompute (eager modes).
         compile: ``True`` or a dict with any of ``fullgraph``, ``dynamic``, ``mode``,
             ``options`` (for ``torch.compile``) and ``inner``, ``inductor_config`` (for

@@ -76,7 +76,7 @@ class SacCompileAC(ActivationCheckpointing):
         """Knapsack budget after the kept values (compiled blocks only)."""
 
         offload: list[str] = field(default_factory=list)
-        """Region names whose saved values go to host memory (compiled blocks only)."""
+        """Region names whose saved values go to host memory and come back for the backward."""
 
         compile: bool = False
         """Compile each block here, with ``make_sac_backend(keep)`` (see the module docstring)."""
