@@ -96,6 +96,7 @@ bench: install
 	-$(PY) benchmarks/peers.py  # beside torch_remat; exits 1 when a verdict is not met
 	$(PY) benchmarks/saved_memory.py
 	$(PY) benchmarks/offload_bytes.py
+	$(PY) benchmarks/offload_plan.py
 	-$(PY) benchmarks/compile_time.py  # exits 1 when ours is over 3% above PyTorch SAC compiling the same kernels
 	$(PY) benchmarks/eager_vs_compiled.py
 	$(PY) benchmarks/hf_moe_keep_sets.py

@@ -115,6 +115,11 @@ def _report(plan: Any, seconds: float) -> dict[str, Any]:
         **_step(plan.step),
         "gpus_per_node": t.gpus_per_node,
         "network": t.network,
+        "offload": t.offload,
+        "host_memory": t.host_memory,
+        "host_link": t.host.name if t.offload else None,
+        "offload_bytes": plan.host_bytes,
+        "transfer_seconds": plan.transfer_seconds,
         "planning_seconds": round(seconds, 1),
         "groups": [
             {
@@ -123,6 +128,8 @@ def _report(plan: Any, seconds: float) -> dict[str, Any]:
                 "count": len(g.paths),
                 "keep": sorted(g.plan.keep),
                 "budget": g.plan.budget,
+                "offload": sorted(g.plan.chosen.offload),
+                "offload_bytes": g.plan.chosen.offloaded_bytes,
                 "saved_bytes": g.plan.saved_bytes,
                 "recompute_flops": g.plan.recompute_flops,
             }
@@ -194,9 +201,28 @@ def _parser() -> argparse.ArgumentParser:
         default=400.0,
         help="network bandwidth per GPU between nodes, Gb/s (default 400)",
     )
+    _offload_arguments(parser)
     parser.add_argument("--eager", action="store_true", help="plan for the eager engine (keep sets only)")
     parser.add_argument("--json", default=None, help="write the plan as JSON to this path")
     return parser
+
+
+def _offload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="a region may also be offloaded to host memory (needs --host-memory)",
+    )
+    parser.add_argument(
+        "--host-memory",
+        default=None,
+        help="with --offload: host memory per GPU, e.g. '256GB' (a DGX H100: 2TB / 8)",
+    )
+    parser.add_argument(
+        "--link",
+        default=None,
+        help="with --offload: the GPU's link to host memory, pcie4, pcie5 or c2c (default: the device's)",
+    )
 
 
 def plan_command(argv: list[str]) -> int:
@@ -205,7 +231,7 @@ def plan_command(argv: list[str]) -> int:
     import warnings
 
     from . import hf
-    from .planning.devices import Target, parse_memory
+    from .planning.devices import parse_memory
 
     if args.memory is not None:
         try:
@@ -214,32 +240,13 @@ def plan_command(argv: list[str]) -> int:
             raise SystemExit(f"sac_compile plan: --memory: {e}") from None
     if args.json:
         _check_writable(args.json)
+    _check_offload(args)
     ac = None if args.ac is None else _parse_ac(args.ac)
 
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
     start = time.perf_counter()
-    try:
-        target = Target(
-            args.device,
-            memory=args.memory,
-            fsdp=args.fsdp,
-            tp=args.tp,
-            ep=args.ep,
-            sequence_parallel=not args.no_sequence_parallel,
-            loss_parallel=not args.no_loss_parallel,
-            loss=args.loss,
-            batch=args.batch,
-            seq=args.seq,
-            cp=args.cp,
-            pp=args.pp,
-            pp_schedule=args.pp_schedule,
-            microbatch_size=args.microbatch_size,
-            gpus_per_node=args.gpus_per_node,
-            network=args.network_gbps * 1e9 / 8,
-        )
-    except ValueError as e:
-        raise SystemExit(f"sac_compile plan: {e}") from None
+    target = _target(args)
     model = _model(args.config)
     # What the imports and the meta model made lives until the process ends: frozen out of
     # the garbage collector's full collections, which planning (Dynamo, AOTAutograd, one
@@ -278,6 +285,50 @@ def plan_command(argv: list[str]) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0 if fits else 1
+
+
+def _target(args: argparse.Namespace) -> Any:
+    """The command's :class:`~sac_compile.planning.devices.Target`; a bad value exits naming it."""
+    from .planning.devices import Target
+
+    try:
+        return Target(
+            args.device,
+            memory=args.memory,
+            fsdp=args.fsdp,
+            tp=args.tp,
+            ep=args.ep,
+            sequence_parallel=not args.no_sequence_parallel,
+            loss_parallel=not args.no_loss_parallel,
+            loss=args.loss,
+            batch=args.batch,
+            seq=args.seq,
+            cp=args.cp,
+            pp=args.pp,
+            pp_schedule=args.pp_schedule,
+            microbatch_size=args.microbatch_size,
+            gpus_per_node=args.gpus_per_node,
+            network=args.network_gbps * 1e9 / 8,
+            offload=args.offload,
+            host_memory=args.host_memory,
+            host_link=args.link,
+        )
+    except ValueError as e:
+        raise SystemExit(f"sac_compile plan: {e}") from None
+
+
+def _check_offload(args: argparse.Namespace) -> None:
+    """``--host-memory`` and ``--link`` act with ``--offload`` only, which needs the first."""
+    for flag, value in (("--host-memory", args.host_memory), ("--link", args.link)):
+        if value is not None and not args.offload:
+            raise SystemExit(
+                f"sac_compile plan: {flag} {value} does nothing without --offload (add --offload)"
+            )
+    if args.offload and args.host_memory is None:
+        raise SystemExit(
+            "sac_compile plan: --offload needs --host-memory, the host memory per GPU for offloaded values "
+            "(e.g. --host-memory 256GB: a DGX H100's 2 TB over its 8 GPUs)"
+        )
 
 
 def _parse_ac(spec: str) -> tuple[Any, float | None]:

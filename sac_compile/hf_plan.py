@@ -61,9 +61,15 @@ def plan_for_device(
                 f"compile=True (this one is on {where.type}, compile={compile}); for {target.device.name} from "  # type: ignore[union-attr]
                 "another machine the step is estimated (planning.step_time; estimator='flops', the default)"
             )
+    if options.get("offload") and not target.offload:
+        raise ValueError(
+            "plan_for(offload=True, device=...): a device plan offloads within the host memory of its target: "
+            "pass device=Target(..., offload=True, host_memory='256GB') instead"
+        )
     if not compile:
         options.setdefault("budgets", (None,))
     options.setdefault("eager", not compile and not meta)
+    options["offload"] = target.offload
     planned, params, sizes, inputs = _measure(model, read, target, inputs, options)
     return choose(planned.groups, params, sizes, target, compile=compile, layers=planned.layers)
 

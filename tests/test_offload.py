@@ -6,6 +6,7 @@ saved values), the reports and the gradients; the eager engine copies its cache 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -156,3 +157,260 @@ def test_autograd_saved_bytes_counts_one_device_when_asked():
     assert every > 0
     assert autograd_saved_bytes(block, x, exclude=params, device="cpu", warmup=False) == every
     assert autograd_saved_bytes(block, x, exclude=params, device="cuda", warmup=False) == 0
+
+
+# --- the planner: keep, offload or recompute, per region -------------------------------
+
+
+def _offload_table():
+    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    return x, sc.plan(_block(), x, memory=1.0, budgets=(None,), offload=True)
+
+
+def test_plan_measures_every_keep_and_offload_pair_as_a_real_compile_and_the_eager_engine_hold_it():
+    """plan(offload=True) measures keep A, offload B - A for every two nested keep sets:
+    every disjoint pair over the block's two regions. Each offloading candidate's figures are
+    what that configuration's own compile saves on the device and sends to the host, and
+    (eager) what the engine holds on the device and copies to the host; its copies, read off
+    the partitioned graphs, move exactly what it offloads."""
+    from sac_compile.eager import checkpoint_with_regions
+    from sac_compile.inspection import autograd_saved_bytes
+
+    x, table = _offload_table()
+    pairs = {(c.keep, c.offload) for c in table.candidates if c.offload}
+    f = frozenset
+    want = {(f(), f({"attn"})), (f(), f({"mlp"})), (f(), f({"attn", "mlp"}))}
+    want |= {(f({"attn"}), f({"mlp"})), (f({"mlp"}), f({"attn"}))}
+    assert pairs == want
+    plain = sc.plan(_block(), x, memory=1.0, budgets=(None,), eager=False)
+    assert not any(c.offload for c in plain.candidates)  # offload=False: as before
+    c = next(c for c in table.candidates if c.keep == {"attn"} and c.offload == {"mlp"})
+    report, _, _ = _report({"attn"}, offload={"mlp"})
+    assert c.saved_bytes == report.activation_bytes + report.input_bytes
+    assert c.offloaded_bytes == report.offloaded_bytes > 0
+    assert sum(b for g in c.copies for b, _, _ in g.forward) == c.offloaded_bytes
+    assert sum(b for g in c.copies for b, _, _ in g.backward) == c.offloaded_bytes
+    # the mlp's values are made mid-forward (down_proj runs after) and used first in the backward
+    ((_, after, _),) = c.copies[0].forward
+    assert after > 0
+    # eager: what the engine holds on the device and what it copies to the host
+    block = _block()
+    stats: list = []
+
+    def run(t):
+        return checkpoint_with_regions(block, t, keep={"attn"}, offload={"mlp"}, stats_out=stats)
+
+    held = autograd_saved_bytes(run, x, exclude=list(block.parameters()))
+    assert c.eager_offloaded_bytes == stats[-1].offloaded_bytes > 0
+    assert c.eager_bytes == held - stats[-1].offloaded_bytes  # (on a CPU the host is the device)
+
+
+def test_a_plan_allowed_to_offload_never_recomputes_more_at_any_memory():
+    """For every memory between the least reachable and the no-checkpoint bytes: the plan
+    with offloading candidates recomputes no more than without them, offloads only where that
+    saves recompute, and at some memory recomputes strictly less."""
+    _, table = _offload_table()
+    plain = dataclasses.replace(table, candidates=tuple(c for c in table.candidates if not c.offload))
+    least = min(c.saved_bytes for c in plain.candidates)
+    better = 0
+    for memory in range(
+        least, table.no_checkpoint_bytes + 1, max((table.no_checkpoint_bytes - least) // 40, 1)
+    ):
+        with_offload, without = table.select(memory), plain.select(memory)
+        assert with_offload.recompute_flops <= without.recompute_flops, memory
+        if with_offload.chosen.offload:
+            assert with_offload.recompute_flops < without.recompute_flops, memory
+        better += with_offload.recompute_flops < without.recompute_flops
+    assert better > 0
+
+
+@pytest.fixture(scope="module")
+def device_plan():
+    """A 4-layer Llama (hidden 1024) on the meta device planned for an H100 that may offload
+    to host memory over NVLink-C2C, measured once."""
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sac_compile import hf
+    from sac_compile.planning.devices import Target
+
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).train()
+    target = Target("h100-80gb", batch=1, seq=4096, offload=True, host_memory="1TB", host_link="c2c")
+    return hf.plan_for(model, None, device=target, budgets=(None,))
+
+
+def _choose(plan, **target):
+    from sac_compile.planning.device_plan import choose
+
+    try:
+        return choose(
+            plan.measured,
+            plan.params,
+            plan.sizes,
+            plan.target.replace(**target),
+            compile=True,
+            layers=plan.layers,
+        )
+    except ValueError:
+        return None
+
+
+def _memories(plan):
+    """Device memories from below full recompute's reserved peak to above no checkpoint's."""
+    full = _choose(plan, memory=1 << 50, offload=False, host_memory=None, host_link=None)
+    low, high = int(full.reserved_bytes * 0.8), int(full.reserved_bytes * 1.2)
+    return [int(m / 0.95) for m in range(low, high, (high - low) // 60)]
+
+
+@pytest.mark.slow
+def test_a_device_plan_allowed_to_offload_recomputes_no_more_and_is_no_slower(device_plan):
+    """At every device memory: the plan that may offload recomputes no more and predicts no
+    slower a step than the plan that may not; where it offloads, it recomputes strictly less,
+    its offloaded values fit host memory, and the copies are in the step (a term, and every
+    copy's seconds)."""
+    offloaded = 0
+    for memory in _memories(device_plan):
+        moved, plain = (
+            _choose(device_plan, memory=memory),
+            _choose(device_plan, memory=memory, offload=False, host_memory=None, host_link=None),
+        )
+        if plain is None:
+            continue
+        assert moved is not None and moved.fits, memory
+        assert moved.recompute_flops <= plain.recompute_flops and moved.step_seconds <= plain.step_seconds
+        if any(g.plan.chosen.offload for g in moved.groups):
+            offloaded += 1
+            assert moved.recompute_flops < plain.recompute_flops, memory
+            assert 0 < moved.host_bytes <= moved.target.host_memory
+            assert moved.step.transfer > 0 and moved.transfer_seconds == moved.step.transfer
+            assert "offload" in moved.step.terms() and "offloaded:" in moved.format()
+            per_layer = sum(g.plan.chosen.offloaded_bytes * len(g.paths) for g in moved.groups)
+            assert moved.host_bytes == per_layer  # (one microbatch, no tp: every layer's values)
+        else:
+            assert moved.host_bytes == 0
+    assert offloaded > 0
+
+
+@pytest.mark.slow
+def test_the_host_link_and_host_memory_decide_what_is_offloaded(device_plan):
+    """A slower link exposes more of the copies, so offloads no more than a faster one (it
+    recomputes at least as much); host memory smaller than what a plan would offload rules it
+    out; a plan never offloads beyond its host memory."""
+    from sac_compile.planning.host import HOST_LINKS
+
+    assert HOST_LINKS["pcie4"].bandwidth < HOST_LINKS["pcie5"].bandwidth < HOST_LINKS["c2c"].bandwidth
+    slower_recomputes_more = 0
+    for memory in _memories(device_plan):
+        by_link = {
+            link: _choose(device_plan, memory=memory, host_link=link) for link in ("c2c", "pcie5", "pcie4")
+        }
+        if None in by_link.values():
+            continue
+        flops = [p.recompute_flops for p in by_link.values()]
+        assert flops == sorted(flops), (memory, flops)
+        slower_recomputes_more += flops[0] < flops[-1]
+        c2c = by_link["c2c"]
+        if c2c.host_bytes:
+            tight = _choose(device_plan, memory=memory, host_memory=c2c.host_bytes - 1)
+            assert tight is None or tight.host_bytes < c2c.host_bytes
+    assert slower_recomputes_more > 0
+
+
+def test_the_copies_hide_behind_the_compute_around_them_in_their_own_graph():
+    """``transfer``: a copy to the host starts after its value's last forward use and is
+    hidden by the forward compute after it; a copy back is awaited at the value's first
+    backward use; eager, every copy is exposed."""
+    from sac_compile.planning.candidates import Candidate, Copies
+    from sac_compile.planning.devices import Target
+    from sac_compile.planning.host import HOST_EFFICIENCY
+    from sac_compile.planning.offload import transfer
+    from sac_compile.scope_text import Actions
+
+    target = Target("h100-80gb", offload=True, host_memory="1TB", host_link="pcie5")
+    d = target.device
+    one = 63e9 * HOST_EFFICIENCY  # bytes/s one way
+    nbytes = 10**8
+    copy_s = nbytes / one
+    second = int(d.bf16_flops * d.efficiency)  # a second of compute, in FLOPs
+
+    def c(forward, backward):
+        actions = Actions(frozenset(), offload=frozenset({"mlp"}))
+        return Candidate(actions, 0, 0, offloaded_bytes=nbytes, copies=(Copies(forward, backward),))
+
+    # nothing after it in the forward, its first use at the backward's start: all exposed
+    assert transfer(c(((nbytes, 0, 0),), ((nbytes, 0, 0),)), target, True) == pytest.approx(
+        (2 * copy_s, 2 * copy_s)
+    )
+    # a second of compute around each: hidden
+    hidden = c(((nbytes, second, 0),), ((nbytes, second, 0),))
+    assert transfer(hidden, target, True) == pytest.approx((2 * copy_s, 0.0))
+    # half the copy's time after it in the forward: half of it exposed
+    half = c(((nbytes, int(second * copy_s / 2), 0),), ((nbytes, second, 0),))
+    assert transfer(half, target, True)[1] == pytest.approx(copy_s / 2, rel=1e-3)
+    # two copies queue on one stream: the second waits for the first
+    two = c(((nbytes // 2, second, 0), (nbytes // 2, 0, 0)), ())
+    assert transfer(two, target, True)[1] == pytest.approx(copy_s / 2, rel=1e-3)
+    # eager: every copy exposed, on the compute stream
+    assert transfer(hidden, target, False) == pytest.approx((2 * copy_s, 2 * copy_s))
+
+
+@pytest.mark.slow
+def test_the_plan_command_reports_what_it_offloads_and_refuses_offload_flags_alone(tmp_path, device_plan):
+    """The command's JSON names each group's offloaded regions and bytes, the host bytes and
+    the copies' seconds; ``--host-memory`` / ``--link`` without ``--offload``, ``--offload``
+    without host memory and an unknown link are refused before any work."""
+    import json
+
+    from sac_compile.__main__ import _report, main
+
+    memory = next(m for m in _memories(device_plan) if (p := _choose(device_plan, memory=m)) and p.host_bytes)
+    plan = _choose(device_plan, memory=memory)
+    report = json.loads(json.dumps(_report(plan, 1.0)))
+    (group,) = report["groups"]
+    assert group["offload"] == sorted(plan.groups[0].plan.chosen.offload) != []
+    assert group["offload_bytes"] == plan.groups[0].plan.chosen.offloaded_bytes > 0
+    assert report["offload_bytes"] == plan.host_bytes == group["count"] * group["offload_bytes"]
+    assert report["transfer_seconds"] == plan.step.transfer > 0 and "offload" in report["step_terms"]
+    assert report["host_link"] == "c2c" and report["host_memory"] == 10**12
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}))
+    base = ["plan", str(path), "--seq", "64", "--device", "h100-80gb"]
+    with pytest.raises(SystemExit, match=r"--host-memory 1TB does nothing without --offload"):
+        main([*base, "--host-memory", "1TB"])
+    with pytest.raises(SystemExit, match=r"--link c2c does nothing without --offload"):
+        main([*base, "--link", "c2c"])
+    with pytest.raises(SystemExit, match=r"--offload needs --host-memory"):
+        main([*base, "--offload"])
+    with pytest.raises(SystemExit, match=r"host_link='nvlink'\): one of pcie4, pcie5, c2c"):
+        main([*base, "--offload", "--host-memory", "1TB", "--link", "nvlink"])
+    with pytest.raises(SystemExit, match=r"memory='lots'"):
+        main([*base, "--offload", "--host-memory", "lots"])
+
+
+def test_a_model_plan_that_offloads_applies_its_offload_set():
+    """plan_model(offload=True) on a model whose forward takes no extra keyword (red before:
+    ``offload`` went to the model's forward as an example keyword argument); the plan's
+    offload set reaches every layer it applies to."""
+    from sac_compile.planning import plan_model
+    from sac_compile.testing.models import Stack
+
+    torch.manual_seed(0)
+    model = Stack(n=2)
+    x = torch.randn(*X_SHAPE, requires_grad=True)
+    mp = plan_model(model, x, layers="layers.*", memory=0.3, budgets=(None,), eager=False, offload=True)
+    (group,) = mp.groups
+    assert group.plan.chosen.offload and group.plan.chosen.offloaded_bytes > 0
+    mp.apply(model)
+    report = sc.inspection.capture_partition(model, x, backend=sc.make_sac_backend(inner="aot_eager"))
+    assert set(report.offloaded_bytes_by_region()) == set(group.plan.chosen.offload)
+    assert report.offloaded_bytes == 2 * group.plan.chosen.offloaded_bytes

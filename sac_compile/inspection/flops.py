@@ -22,6 +22,7 @@ __all__ = [
     "costly_flops",
     "graph_costly_flops",
     "graph_traffic",
+    "node_cost",
     "saved_bytes_and_backward_flops",
     "scalar_loss",
     "val_bytes",
@@ -94,37 +95,35 @@ def graph_costly_flops(gm: torch.fx.GraphModule) -> int:
     """The :func:`costly_flops` of every call in a partitioned graph, read off the fake
     tensors in ``node.meta["val"]`` without running it (what :class:`CountFlops` counts when
     the graph runs under ``aot_eager``: the ops of an AOTAutograd graph are what dispatches)."""
-
-    def val(a: Any) -> Any:
-        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
-
-    total = 0
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        total += _call_flops(
-            n.target, tree_map(val, n.args), tree_map(val, dict(n.kwargs)), n.meta.get("val")
-        )
-    return total
+    return sum(node_cost(n)[0] for n in gm.graph.nodes)
 
 
 def graph_traffic(gm: torch.fx.GraphModule) -> int:
     """The bytes the graph's other ops (every call that is not :func:`costly_flops`'s: the
     memory-bound ones) read and write, each run on its own (unfused: what eager code moves,
     an upper bound on what a fusing compiler moves), read off ``node.meta["val"]``. Views,
-    aliases and ``getitem`` move nothing."""
-    total = 0
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, (OpOverload, HigherOrderOperator)):
-            continue
-        if is_view_op(n.target):
-            continue
-        args = tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, n.args)
-        kwargs = tree_map(lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a, dict(n.kwargs))
-        if _call_flops(n.target, args, kwargs, n.meta.get("val")):
-            continue
-        total += sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes) + val_bytes(n.meta.get("val"))
-    return total
+    aliases and ``getitem`` move nothing; a copy to or from host memory (an offloaded value's
+    ``device_put``) crosses the host link, not the device's memory (planning.offload)."""
+    return sum(node_cost(n)[1] for n in gm.graph.nodes)
+
+
+def node_cost(n: torch.fx.Node) -> tuple[int, int]:
+    """One node's ``(costly FLOPs, memory-bound bytes)``: :func:`graph_costly_flops`' and
+    :func:`graph_traffic`'s share of it."""
+    if n.op != "call_function":
+        return 0, 0
+
+    def val(a: Any) -> Any:
+        return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+    flops = _call_flops(n.target, tree_map(val, n.args), tree_map(val, dict(n.kwargs)), n.meta.get("val"))
+    if flops:
+        return flops, 0
+    if not isinstance(n.target, (OpOverload, HigherOrderOperator)) or is_view_op(n.target):
+        return 0, 0
+    if n.target is torch.ops.prims.device_put.default:
+        return 0, 0
+    return 0, sum(val_bytes(a.meta.get("val")) for a in n.all_input_nodes) + val_bytes(n.meta.get("val"))
 
 
 def val_bytes(val: Any) -> int:

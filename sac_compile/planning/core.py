@@ -24,71 +24,38 @@ when nothing fits, a ``ValueError`` names the smallest reachable bytes.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch.nn as nn
 
-from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, validate_policy
+from ..policy import SAVE_COSTLY, RegionPolicy, validate_policy
 from ..scope_text import Actions, validate_budget
+from .candidates import MAX_EXHAUSTIVE_REGIONS, Candidate, configurations, flops_order, keep_sets, mark_pareto
 from .measure import eager_bytes, measure, plain_bytes, timed
 from .op_sac import TORCHTITAN_OP
 
 if TYPE_CHECKING:
     from ..config import SacConfig
 
-__all__ = ["DEFAULT_BUDGETS", "LEAST", "MAX_EXHAUSTIVE_REGIONS", "Candidate", "Plan", "plan"]
+__all__ = [
+    "DEFAULT_BUDGETS",
+    "LEAST",
+    "MAX_EXHAUSTIVE_REGIONS",
+    "Candidate",
+    "Plan",
+    "flops_order",
+    "keep_sets",
+    "plan",
+]
 
-#: Up to this many regions every keep set is a candidate (2**n of them).
-MAX_EXHAUSTIVE_REGIONS = 4
 #: The smallest budget: the knapsack saves nothing it may recompute, so a keep set with it
 #: holds the least a plan keeping those regions can (PyTorch's budget 0 ignores the tags).
 LEAST = 1e-6
 #: Knapsack budgets tried beside each keep set (``None``: the keep set alone). Above 0.5 the
 #: knapsack's choices were dominated by keeping every region on every model measured.
 DEFAULT_BUDGETS: tuple[float | None, ...] = (None, LEAST, 0.1, 0.2, 0.3, 0.5)
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One measured configuration: its actions (keep set, budget, policy) and figures."""
-
-    actions: Actions
-    saved_bytes: int
-    recompute_flops: int
-    pareto: bool = False  # no other candidate has <= bytes and <= FLOPs, one of them strictly
-    eager_bytes: int | None = None  # what the eager engine holds for the backward (no budget only)
-    step_time: float | None = None  # median forward+backward seconds (estimator="time", Pareto points)
-    transient_bytes: int = 0  # what its backward graph allocates beyond its inputs, at its peak
-    recompute_traffic: int = 0  # bytes its backward's memory-bound ops move beyond no checkpoint's
-    # saved_bytes split for tensor parallelism: (split tp ways, the stream's values that
-    # column-parallel projections read, gathered in a region under sequence parallelism);
-    # planning.parallel
-    tp_split: tuple[int, int, int] = (0, 0, 0)
-
-    @property
-    def keep(self) -> frozenset[str]:
-        return cast("frozenset[str]", self.actions.keep)  # (a measured set: never ALL_REGIONS)
-
-    @property
-    def budget(self) -> float | None:
-        return self.actions.budget
-
-    @property
-    def policy(self) -> RegionPolicy:
-        return self.actions.policy
-
-    @property
-    def label(self) -> str:
-        keep = "+".join(sorted(self.keep)) or "{} (full)"
-        parts = [f"keep {keep}"]
-        if self.budget is not None:
-            parts.append(f"budget {self.budget:g}")
-        if self.policy is not SAVE_COSTLY:
-            parts.append(_policy_name(self.policy))
-        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -218,6 +185,7 @@ class Plan:
             compile=compile_,
             policy=self.policy,
             budget=self.budget,
+            offload=self.chosen.offload,
             **options,
         )
 
@@ -261,6 +229,7 @@ def plan(
     estimator: str = "flops",
     inner: str = "inductor",
     iters: int = 9,
+    offload: bool = False,
     **example_kwargs: Any,
 ) -> Plan:
     """Measure candidates on ``module(*example_args, **example_kwargs)`` and choose one.
@@ -279,26 +248,29 @@ def plan(
             baseline with ``inner`` (``"inductor"``, or ``"aot_eager"``) and minimises their
             median forward+backward time over ``iters`` interleaved rounds (on the module's
             device: CUDA too).
+        offload: also measure offloading regions to host memory: for every two measured keep
+            sets ``A`` inside ``B``, keep ``A`` and offload ``B - A`` (no budget, the first
+            policy; :mod:`~sac_compile.planning.candidates`). ``saved_bytes`` counts the
+            device, ``offloaded_bytes`` the host. The choice counts no transfer (the least
+            recompute, then the fewest bytes offloaded): the device planner
+            (``hf.plan_for(device=Target(offload=True, ...))``) prices it on a host link.
     """
     budgets, policies = _checked(module, memory, budgets, policies, estimator, inner)
+    if not isinstance(offload, bool):
+        raise TypeError(f"plan(offload={offload!r}): True (also measure offloading regions) or False")
     from ..compiler.backend import backend_for
 
     first = _first(module, example_args, example_kwargs)
     none = "none"
-    base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic, *base_tp = (
+    base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic, *base_tp, _ = (
         first.figures[none]
     )
     regions = first.regions
     target = _target(memory, base_bytes)
-    sets, search = keep_sets(regions)
-    configs = {}
-    for policy, keep, budget in itertools.product(policies, sets, budgets):
-        if policy is not policies[0] and not keep:
-            continue  # a policy only decides inside kept regions: keep={} is the same for all
-        actions = Actions(frozenset(keep), policy, budget)
-        configs[actions] = backend_for(actions, "aot_eager")
+    actions, search = configurations(regions, budgets, policies, offload)
+    configs = {a: backend_for(a, "aot_eager") for a in actions}
     found = _candidates(module, example_args, example_kwargs, configs, first.figures[none], eager)
-    found = _mark_pareto(found)
+    found = mark_pareto(found)
     base_time = None
     if estimator == "time":
         found, base_time = timed(
@@ -347,13 +319,25 @@ def _candidates(
 ) -> list[Candidate]:
     """One ``Candidate`` per ``configs`` entry, its recompute counted over the no-checkpoint
     figures ``base``; ``eager`` also measures what the eager engine holds without a budget."""
-    figures = measure(module, example_args, example_kwargs, configs).figures
+    measured = measure(module, example_args, example_kwargs, configs)
+    figures = measured.figures
+    held: dict[Actions, int | None] = {}
+    for actions in configs:
+        if eager and actions.budget is None and not actions.offload:
+            held[actions] = eager_bytes(module, example_args, example_kwargs, actions)
     found = []
     for actions in configs:
-        held = None
-        if eager and actions.budget is None:
-            held = eager_bytes(module, example_args, example_kwargs, actions)
-        found.append(_candidate(figures[actions], base, actions, held))
+        if not actions.offload:
+            found.append(_candidate(figures[actions], base, actions, held.get(actions)))
+            continue
+        # the eager engine holds on the device what keeping the same regions holds, and
+        # sends the host what keeping the offloaded ones too adds
+        on_device = held.get(Actions(actions.keep, actions.policy))
+        every = held.get(Actions(actions.saving, actions.policy))
+        c = _candidate(figures[actions], base, actions, on_device)
+        host = None if on_device is None or every is None else max(every - on_device, 0)
+        copies = tuple(measured.copies.get(actions, ()))
+        found.append(dataclasses.replace(c, eager_offloaded_bytes=host, copies=copies))
     return found
 
 
@@ -365,7 +349,7 @@ def _candidate(
 ) -> Candidate:
     """A candidate from its :class:`~sac_compile.planning.measure.PartitionEach` figures,
     recompute counted over the no-checkpoint figures ``base``."""
-    saved, flops, transient, _, traffic, _, *split = figures
+    saved, flops, transient, _, traffic, _, *split, offloaded = figures
     return Candidate(
         actions,
         saved,
@@ -374,6 +358,7 @@ def _candidate(
         transient_bytes=transient,
         recompute_traffic=max(traffic - base[4], 0),
         tp_split=(split[0], split[1], split[2]),
+        offloaded_bytes=offloaded,
     )
 
 
@@ -398,10 +383,6 @@ def _choose(target: int, table: Plan) -> Plan:
     return dataclasses.replace(table, memory=target, chosen=chosen)
 
 
-def flops_order(c: Candidate) -> tuple:
-    return (c.recompute_flops, c.saved_bytes, c.budget is not None, len(c.keep))
-
-
 def _target(memory: Any, base_bytes: int) -> int:
     if isinstance(memory, bool) or not isinstance(memory, (int, float)):
         raise TypeError(
@@ -416,31 +397,3 @@ def _target(memory: Any, base_bytes: int) -> int:
     if memory < 0:
         raise ValueError(f"plan(memory={memory!r}): bytes must be >= 0")
     return memory
-
-
-def keep_sets(regions: Sequence[str]) -> tuple[list[tuple[str, ...]], str]:
-    if len(regions) <= MAX_EXHAUSTIVE_REGIONS:
-        sets = [c for n in range(len(regions) + 1) for c in itertools.combinations(regions, n)]
-        return sets, "exhaustive"
-    every = tuple(regions)
-    sets = [(), every, *((r,) for r in regions), *(tuple(x for x in regions if x != r) for r in regions)]
-    return sets, f"{len(regions)} regions: none, each alone, all, all but each"
-
-
-def _mark_pareto(found: list[Candidate]) -> list[Candidate]:
-    out = []
-    for c in found:
-        dominated = any(
-            o.saved_bytes <= c.saved_bytes
-            and o.recompute_flops <= c.recompute_flops
-            and (o.saved_bytes < c.saved_bytes or o.recompute_flops < c.recompute_flops)
-            for o in found
-        )
-        out.append(dataclasses.replace(c, pareto=not dominated))
-    return out
-
-
-def _policy_name(policy: RegionPolicy) -> str:
-    if policy is SAVE_ALL:
-        return "SAVE_ALL"
-    return getattr(policy, "__name__", repr(policy))

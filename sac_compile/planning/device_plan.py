@@ -8,6 +8,13 @@ sequence whose predicted peak (:func:`~sac_compile.planning.peak.step_peak`) fit
 is the choice. The sequence does not depend on the memory, and recompute never decreases
 along it, so a larger memory never gives more recompute. When no point fits, the
 ``ValueError`` names the smallest predicted peak, its largest term and what shrinks it.
+
+With ``Target.offload`` a second walk runs over frontiers that hold the offloading candidates
+too, each costing its recompute plus the copies to the host and back that its layer's compute
+does not hide (:mod:`.offload`, counted as the FLOPs the device runs meanwhile); a point fits
+when its offloaded values fit ``Target.host_memory`` too. The cheaper of the two walks' plans
+is the choice: as a cost is never below the recompute, a plan allowed to offload never
+recomputes more than the one that may not, at the same device memory.
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ from typing import Any, cast
 
 from .core import Candidate, Plan
 from .devices import Target
+from .figures import configured, figures_of, held, layer_figures, no_checkpoint_figures
 from .model import LayerGroup, ModelPlan
-from .parallel import per_rank_bytes
-from .peak import LayerFigures, ModelSizes, Peak, step_peak
+from .offload import host_bytes, offloaded_per_rank, transfer
+from .peak import ModelSizes, Peak, step_peak
 from .step_time import StepTime, step_time
 
 __all__ = ["DevicePlan", "choose", "configured", "figures_of", "layer_figures", "no_checkpoint_figures"]
@@ -51,6 +59,7 @@ class DevicePlan(ModelPlan):
     measured: tuple[LayerGroup, ...] = ()  # every kind of layer's whole candidate table
     params: tuple[tuple[int, int], ...] = ()
     sizes: ModelSizes | None = None
+    host_bytes: int = 0  # host memory per GPU the offloaded regions take (planning.offload)
 
     def select(self, memory: Any) -> DevicePlan:
         """The same measurements, chosen for another device ``memory`` (nothing measured
@@ -86,7 +95,16 @@ class DevicePlan(ModelPlan):
 
     @property
     def fits(self) -> bool:
-        return self.peak is not None and self.target is not None and self.peak.reserved <= self.target.usable
+        """The predicted reserved peak within the target's usable memory, and what the plan
+        offloads within its host memory."""
+        if self.peak is None or self.target is None:
+            return False
+        return self.peak.reserved <= self.target.usable and self.host_bytes <= (self.target.host_memory or 0)  # type: ignore[operator]
+
+    @property
+    def transfer_seconds(self) -> float:
+        """Seconds a step copies offloaded values to the host and back (hidden or not)."""
+        return self.step.transfer if self.step else 0.0
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -106,6 +124,11 @@ class DevicePlan(ModelPlan):
             for term, value in self.peak.breakdown.items():
                 if value:
                     lines.append(f"    {term:<20}{value / scale:>10.2f} {unit}")
+            if self.host_bytes:
+                lines.append(
+                    f"    offloaded: {self.host_bytes / scale:.2f} {unit} a GPU in host memory (of "
+                    f"{t.host_memory / scale:.0f} {unit}) over {t.host.name}"  # type: ignore[operator]
+                )
             if self.step is not None:
                 lines.append(_step_line(self.step, self.step_measured))
         return "\n".join(lines)
@@ -127,69 +150,18 @@ class DevicePlan(ModelPlan):
             for g, params, c in zip(self.measured, self.params, chosen)
         ]
         layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(self.measured, chosen, self.params)]
-        return step_peak(self.sizes, figures, self.target), step_time(layers, self.sizes, self.target)
-
-
-def configured(
-    groups: Sequence[LayerGroup], keep: Any, budget: float | None = None
-) -> list[Candidate | None]:
-    """Per kind of layer, the measured candidate of one configuration: ``keep=None`` no
-    checkpoint (``None``), ``"torchtitan-op"`` torchtitan's per-op SAC, else the keep set
-    (``()`` full recompute, ``ALL_REGIONS`` or ``"all"`` every region; each kind keeps the
-    regions of it it has) with ``budget``. A region no layer has, or a budget not measured,
-    is a ``ValueError``."""
-    from ..keep import ALL_REGIONS, normalize_keep
-    from .op_sac import TORCHTITAN_OP
-
-    if keep is None:
-        return [None] * len(groups)
-    if isinstance(keep, str) and keep == TORCHTITAN_OP:
-        missing = [g.kind for g in groups if g.plan.op_sac is None]
-        if missing:
-            raise ValueError(f"torchtitan's per-op SAC was not measured for {', '.join(missing)}")
-        return [g.plan.op_sac for g in groups]
-    known = {r for g in groups for r in g.plan.regions}
-    named = normalize_keep(keep)
-    if named is not ALL_REGIONS and (unknown := set(cast("frozenset[str]", named)) - known):
-        raise ValueError(
-            f"keep={sorted(unknown)}: no layer has such a region (the layers' regions: {sorted(known)})"
-        )
-    out: list[Candidate | None] = []
-    for g in groups:
-        table = g.plan
-        regions = frozenset(table.regions)
-        kept = regions if named is ALL_REGIONS else cast("frozenset[str]", named) & regions
-        same_keep = [c for c in table.candidates if c.keep == kept]
-        found = [c for c in same_keep if c.budget == budget]  # (the first policy measured)
-        if not found:
-            budgets = sorted({c.budget for c in same_keep if c.budget is not None})
-            raise ValueError(
-                f"keep={sorted(kept)}, budget={budget!r} was not measured for {g.kind}: "
-                + (
-                    f"its budgets: {budgets} (or None: the keep set alone)"
-                    if same_keep
-                    else "not among its keep sets"
-                )
-            )
-        out.append(found[0])
-    return out
-
-
-def layer_figures(
-    c: Candidate | None, table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool
-) -> LayerFigures:
-    """:func:`figures_of` for a candidate, :func:`no_checkpoint_figures` for ``None``."""
-    if c is None:
-        return no_checkpoint_figures(table, params, count, target, compile=compile)
-    return figures_of(c, table, params, count, target, compile=compile)
+        step = step_time(layers, self.sizes, self.target, compile=self.compile)
+        return step_peak(self.sizes, figures, self.target), step
 
 
 def _step_line(step: StepTime, measured: bool) -> str:
     how = "layers measured on the device, the head estimated" if measured else "estimated"
     comms = ", ".join(f"{k} {v:.3f}" for k, v in step.terms().items() if k != "compute" and v)
+    moved = f"; offload copies {step.transfer:.3f} s, {step.offload:.3f} exposed" if step.transfer else ""
     return (
         f"  step: {step.seconds:.3f} s {how} (compute {step.compute:.3f}"
         + (f", exposed communication: {comms}" if comms else "")
+        + moved
         + f"); {step.tokens_per_second:,.0f} tokens/s per GPU, MFU {step.mfu:.1%}"
     )
 
@@ -209,75 +181,91 @@ def _tp_layout(t: Target) -> str:
     return f" ({' and '.join(parts)} parallel)" if parts else " (no sequence or loss parallel)"
 
 
-def figures_of(
-    c: Candidate, table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool
-) -> LayerFigures:
-    """One kind of layer's figures for :func:`step_peak` with candidate ``c``, per device of
-    ``target``: compiled, what its partition saves and its backward graph's transient; eager,
-    what the eager engine holds (when measured) and the recompute's restoring what the layer
-    holds unchecked. Under tensor parallelism a rank's share (:mod:`.parallel`: the
-    partition's saved values split by kind; the eager figures and the transients scaled
-    alike). ``params``: one layer's (parameters, of them the routed experts')."""
-    share = _share(c.saved_bytes, c.tp_split, target)
-    if compile:
-        return LayerFigures(
-            count, params[0], int(c.saved_bytes * share), c.transient_bytes // target.tp, params[1]
-        )
-    plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * _share(
-        table.no_checkpoint_bytes, table.no_checkpoint_tp, target
-    )
-    saved = (c.eager_bytes if c.eager_bytes is not None else c.saved_bytes) * share
-    transient = max(plain - saved, 0) + table.no_checkpoint_transient / target.tp
-    return LayerFigures(count, params[0], int(saved), int(transient), params[1])
+def _cost(c: Candidate, target: Target, compile: bool) -> float:
+    """What a candidate costs per traced unit: its measured step time (``estimator="time"``),
+    else its recomputed FLOPs; plus, offloading, the copies its compute does not hide
+    (:mod:`.offload`), as seconds, or as the FLOPs the device runs meanwhile at its
+    efficiency. Never below the recompute: a plan allowed to offload recomputes no more."""
+    base = c.step_time if c.step_time is not None else c.recompute_flops
+    if not c.offload:
+        return base
+    _, exposed = transfer(c, target, compile)
+    if c.step_time is not None:
+        return base + exposed
+    device = target.device
+    return base + exposed * device.bf16_flops * device.efficiency * target.tp  # type: ignore[union-attr]
 
 
-def no_checkpoint_figures(
-    table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool = False
-) -> LayerFigures:
-    """One kind of layer's figures without a checkpoint, per device of ``target``: what the
-    compiled layer saves (``compile``), else what autograd holds eagerly where measured."""
-    plain = (
-        table.no_checkpoint_bytes if compile else table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
-    )
-    share = _share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target)
-    return LayerFigures(
-        count, params[0], int(plain * share), table.no_checkpoint_transient // target.tp, params[1]
-    )
-
-
-def _share(total: int, split: tuple[int, int, int], target: Target) -> float:
-    """The fraction of a layer's saved bytes one tensor-parallel rank holds."""
-    if target.tp == 1 or total == 0:
-        return 1.0
-    return per_rank_bytes(total, split, target.tp, target.sequence_parallel) / total
-
-
-def _cost(c: Candidate) -> float:
-    """What a candidate costs: its measured step time (``estimator="time"``), else its
-    recomputed FLOPs."""
-    return c.step_time if c.step_time is not None else c.recompute_flops
-
-
-def _held(c: Candidate, target: Target, compile: bool) -> int:
-    """What a layer with candidate ``c`` holds per device of ``target`` (as :func:`figures_of`
-    counts it): under tensor parallelism a rank's share; eager, the engine's bytes."""
-    held = c.saved_bytes if compile or c.eager_bytes is None else c.eager_bytes
-    return int(held * _share(c.saved_bytes, c.tp_split, target))
-
-
-def _frontier(table: Plan, compile: bool, target: Target) -> list[Candidate]:
-    """The candidates on the (bytes per device, cost) frontier, the cheapest first: cost is the
-    measured step time where the table was timed (``estimator="time"``: its timed points), else
-    the recomputed FLOPs."""
-    pool = [c for c in table.candidates if compile or c.budget is None]
+def _frontier(table: Plan, compile: bool, target: Target, offload: bool) -> list[tuple[Candidate, float]]:
+    """The candidates on the (bytes per device, cost) frontier with their costs
+    (:func:`_cost`), the cheapest first; ``offload``: offloading ones among them. Where the
+    table was timed (``estimator="time"``) its timed points only."""
+    pool = [c for c in table.candidates if (compile or c.budget is None) and (offload or not c.offload)]
     if table.estimator == "time":
         pool = [c for c in pool if c.step_time is not None]
-    held = {c: _held(c, target, compile) for c in pool}
-    front: list[Candidate] = []
-    for c in sorted(pool, key=lambda c: (_cost(c), held[c], c.budget is not None, len(c.keep))):
-        if not front or held[c] < held[front[-1]]:
-            front.append(c)
+    bytes_of = {c: held(c, target, compile) for c in pool}
+    cost = {c: _cost(c, target, compile) for c in pool}
+    front: list[tuple[Candidate, float]] = []
+    for c in sorted(
+        pool, key=lambda c: (cost[c], bytes_of[c], c.budget is not None, len(c.offload), len(c.keep))
+    ):
+        if not front or bytes_of[c] < bytes_of[front[-1][0]]:
+            front.append((c, cost[c]))
     return front
+
+
+@dataclass
+class _Walk:
+    """One walk along the kinds' frontiers (:func:`choose`): where it stopped."""
+
+    fronts: list[list[tuple[Candidate, float]]]
+    state: list[int] | None  # the first point that fits; None: none did
+    peak: Peak | None
+    smallest: Peak  # the smallest predicted peak passed
+    cost: float = 0.0  # the stopping point's cost, summed over the layers
+    host: int = 0  # host memory per GPU it offloads
+
+
+def _walk(
+    groups: Sequence[LayerGroup],
+    params: Sequence[tuple[int, int]],
+    sizes: ModelSizes,
+    target: Target,
+    compile: bool,
+    offload: bool,
+) -> _Walk:
+    """From every kind at its cheapest frontier point, move the kind whose next point frees
+    the most bytes (times its layers) per cost (times its layers), until the predicted peak
+    fits the device and what is offloaded fits the host."""
+    fronts = [_frontier(g.plan, compile, target, offload) for g in groups]
+    state = [0] * len(groups)
+    smallest: Peak | None = None
+    while True:
+        chosen = [f[i][0] for f, i in zip(fronts, state)]
+        figures = [
+            figures_of(c, g.plan, p, len(g.paths), target, compile=compile)
+            for c, g, p in zip(chosen, groups, params)
+        ]
+        peak = step_peak(sizes, figures, target)
+        if smallest is None or peak.reserved < smallest.reserved:
+            smallest = peak
+        host = host_bytes(
+            [(len(g.paths), offloaded_per_rank(c, target, compile)) for c, g in zip(chosen, groups)], target
+        )
+        if peak.reserved <= target.usable and host <= (target.host_memory or 0):  # type: ignore[operator]
+            cost = sum(f[i][1] * len(g.paths) for f, i, g in zip(fronts, state, groups))
+            return _Walk(fronts, state, peak, smallest, cost, host)
+        moves = []
+        for k, (front, i, g) in enumerate(zip(fronts, state, groups)):
+            if i + 1 < len(front):
+                freed = (held(front[i][0], target, compile) - held(front[i + 1][0], target, compile)) * len(
+                    g.paths
+                )
+                cost = (front[i + 1][1] - front[i][1]) * len(g.paths)
+                moves.append((freed / max(cost, 1e-12 if front[i][0].step_time is not None else 1), k))
+        if not moves:
+            return _Walk(fronts, None, None, smallest)
+        state[max(moves)[1]] += 1
 
 
 def choose(
@@ -289,50 +277,46 @@ def choose(
     compile: bool,
     layers: Any,
 ) -> DevicePlan:
-    """The least-recompute plan per kind of layer whose predicted step peak fits ``target``."""
-    fronts = [_frontier(g.plan, compile, target) for g in groups]
-    state = [0] * len(groups)
+    """The least-recompute plan per kind of layer whose predicted step peak fits ``target``.
+    With ``target.offload``, the walk that may offload where its cost (the recompute plus the
+    copies compute does not hide) is below the plain plan's recompute and its predicted step
+    is no slower: so never more recompute, never a slower step, than not offloading."""
+    walk = _walk(groups, params, sizes, target, compile, offload=False)
+    chosen = None if walk.state is None else _planned(walk, groups, params, sizes, target, compile, layers)
+    if target.offload:
+        moved = _walk(groups, params, sizes, target, compile, offload=True)
+        if moved.state is not None and (chosen is None or moved.cost < walk.cost):
+            offloading = _planned(moved, groups, params, sizes, target, compile, layers)
+            if chosen is None or cast(float, offloading.step_seconds) <= cast(float, chosen.step_seconds):
+                chosen = offloading
+        if chosen is None and moved.smallest.reserved < walk.smallest.reserved:
+            walk = moved
+    if chosen is not None:
+        return chosen
+    term = walk.smallest.largest()
+    host = f"; offloading within {(target.host_memory or 0) / 2**30:.0f} GiB of host memory"  # type: ignore[operator]
+    raise ValueError(
+        f"no plan fits {target.device.name} with {target.usable / 2**30:.3f} GiB usable "  # type: ignore[union-attr]
+        f"({target.memory / 2**30:.2f} GiB less {target.headroom:.0%} headroom{host if target.offload else ''}): the smallest predicted "  # type: ignore[operator]
+        f"peak is {walk.smallest.bytes / 2**30:.3f} GiB (every layer at its least memory), its largest term {term} "
+        f"({walk.smallest.breakdown[term] / 2**30:.2f} GiB): {_FIX[term]}"
+    )
 
-    def peak_of(state: list[int]) -> Peak:
-        figures = [
-            figures_of(f[i], g.plan, p, len(g.paths), target, compile=compile)
-            for f, i, g, p in zip(fronts, state, groups, params)
-        ]
-        return step_peak(sizes, figures, target)
 
-    best: tuple[list[int], Peak] | None = None
-    smallest: Peak | None = None
-    while True:
-        peak = peak_of(state)
-        if smallest is None or peak.reserved < smallest.reserved:
-            smallest = peak
-        if peak.reserved <= target.usable:
-            best = (list(state), peak)
-            break
-        moves = []
-        for k, (front, i, g) in enumerate(zip(fronts, state, groups)):
-            if i + 1 < len(front):
-                freed = (_held(front[i], target, compile) - _held(front[i + 1], target, compile)) * len(
-                    g.paths
-                )
-                cost = (_cost(front[i + 1]) - _cost(front[i])) * len(g.paths)
-                moves.append((freed / max(cost, 1e-12 if front[i].step_time is not None else 1), k))
-        if not moves:
-            break
-        state[max(moves)[1]] += 1
-    if best is None:
-        assert smallest is not None
-        term = smallest.largest()
-        raise ValueError(
-            f"no plan fits {target.device.name} with {target.usable / 2**30:.3f} GiB usable "  # type: ignore[union-attr]
-            f"({target.memory / 2**30:.2f} GiB less {target.headroom:.0%} headroom): the smallest predicted peak is "  # type: ignore[operator]
-            f"{smallest.bytes / 2**30:.3f} GiB (every layer at its least memory), its largest term {term} "
-            f"({smallest.breakdown[term] / 2**30:.2f} GiB): {_FIX[term]}"
-        )
-    chosen, peak = best
+def _planned(
+    walk: _Walk,
+    groups: Sequence[LayerGroup],
+    params: Sequence[tuple[int, int]],
+    sizes: ModelSizes,
+    target: Target,
+    compile: bool,
+    layers: Any,
+) -> DevicePlan:
+    """The :class:`DevicePlan` where ``walk`` stopped, its step predicted."""
+    assert walk.state is not None
     out = tuple(
-        dataclasses.replace(g, plan=dataclasses.replace(g.plan, chosen=f[i], memory=f[i].saved_bytes))
-        for g, f, i in zip(groups, fronts, chosen)
+        dataclasses.replace(g, plan=dataclasses.replace(g.plan, chosen=f[i][0], memory=f[i][0].saved_bytes))
+        for g, f, i in zip(groups, walk.fronts, walk.state)
     )
     timed = all(g.plan.chosen.step_time is not None for g in out)
     # measured on the device: the layers' forward + backward, the head's estimate
@@ -342,16 +326,18 @@ def choose(
         sizes,
         target,
         measured=measured,
+        compile=compile,
     )
     return DevicePlan(
         layers,
         out,
         target=target,
-        peak=peak,
+        peak=walk.peak,
         step=step,
         compile=compile,
         measured=tuple(groups),
         params=tuple(params),
         sizes=sizes,
         step_measured=timed,
+        host_bytes=walk.host,
     )

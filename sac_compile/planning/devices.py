@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from .host import HOST_LINKS, HostLink, check_target
+
 __all__ = ["DEVICES", "LOSSES", "Device", "Target", "device", "parse_loss", "parse_memory", "present"]
 
 
@@ -41,6 +43,7 @@ class Device:
     # whole compiled training step reaches, from a published run (efficiency_source)
     efficiency: float = 1.0
     efficiency_source: str = "none: the roofline itself"
+    host_link: str = "pcie5"  # its link to the host's memory (planning.host.HOST_LINKS)
 
 
 GB = 10**9
@@ -102,6 +105,7 @@ DEVICES: dict[str, Device] = {
             2.039e12,
             "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS, NVLink 600 GB/s",
             link=300e9,
+            host_link="pcie4",
             efficiency=0.52,
             efficiency_source="Narayanan et al. 2021 (Efficient Large-Scale Language Model Training on GPU "
             "Clusters Using Megatron-LM), Table 1: 163 TFLOP/s per A100 (52% of peak) at 3,072 GPUs, recompute "
@@ -317,6 +321,13 @@ class Target:
         gpus_per_node: GPUs joined by the device's link (:attr:`Device.link`); a collective
             whose group spans nodes runs over ``network``.
         network: bytes/s per GPU between nodes (default 400 Gb/s: one ConnectX-7 port a GPU).
+        offload: the plan may offload regions to host memory (:mod:`.offload`); needs
+            ``host_memory``.
+        host_memory: host memory per GPU for offloaded values (bytes or ``"256GB"``: a DGX
+            H100's 2 TB over its 8 GPUs).
+        host_link: the GPU's link to host memory, one of
+            :data:`~sac_compile.planning.host.HOST_LINKS` (default the device's:
+            ``"pcie5"``, the A100's ``"pcie4"``; ``"c2c"`` for GH200 / GB200).
     """
 
     device: Device | str = "h100-80gb"
@@ -340,11 +351,17 @@ class Target:
     microbatch_size: int = 1
     gpus_per_node: int = 8
     network: float = 400e9 / 8
+    offload: bool = False
+    host_memory: int | str | None = None
+    host_link: str | None = None
 
     def __post_init__(self) -> None:
         dev = device(self.device)
         object.__setattr__(self, "device", dev)
         object.__setattr__(self, "memory", dev.memory if self.memory is None else parse_memory(self.memory))
+        check_target(self, dev.cuda, dev.name)
+        if self.host_memory is not None:
+            object.__setattr__(self, "host_memory", parse_memory(self.host_memory))
         for name in ("fsdp", "tp", "ep", "cp", "pp", "batch", "seq", "microbatch_size", "gpus_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -393,6 +410,11 @@ class Target:
         """``(batch, seq)`` one layer is measured at: one microbatch of one rank's share of the
         sequence."""
         return (self.microbatch_size if self.pp > 1 else self.batch), self.seq // self.cp
+
+    @property
+    def host(self) -> HostLink:
+        """The :class:`~sac_compile.planning.host.HostLink` offloaded values cross."""
+        return HOST_LINKS[self.host_link or self.device.host_link]  # type: ignore[union-attr]
 
     @property
     def usable(self) -> int:

@@ -35,9 +35,11 @@ class PartitionEach:
         self.configs = configs
         # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in
         # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
-        # and their tensor-parallel split (planning.parallel.tensor_parallel_split)
-        self.figures: dict[Any, list[int]] = {key: [0] * 9 for key in configs}
+        # their tensor-parallel split (planning.parallel.tensor_parallel_split), and the
+        # bytes saved to host memory (a configuration's offloaded regions)
+        self.figures: dict[Any, list[int]] = {key: [0] * 10 for key in configs}
         self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
+        self.copies: dict[Any, list[Any]] = {}  # per offloading configuration: each graph's Copies
         self.regions: list[str] = []
         self.scopes: list[int] = []  # per graph: the checkpoint scopes of the first configuration
 
@@ -47,6 +49,7 @@ class PartitionEach:
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
+        from .offload import graph_copies
         from .parallel import tensor_parallel_split
         from .peak import graph_transient
 
@@ -62,17 +65,22 @@ class PartitionEach:
                 # the records stay here: not in the compile session, the history or the trace
                 pass_ = backend.new_pass(unit.context, one.records.append) if backend.checkpoint else None
                 tagged = aot.copy_joint(joint)
-                fw, bw = backend.partition(
-                    tagged,
-                    joint_inputs,
-                    pass_=pass_,
-                    untagged=lambda: aot.copy_joint(joint),
-                    **kwargs,
-                )
+                actions = getattr(backend, "actions", None)
+                with aot.offloading(example_inputs, bool(actions and actions.offload)):
+                    fw, bw = backend.partition(
+                        tagged,
+                        joint_inputs,
+                        pass_=pass_,
+                        untagged=lambda: aot.copy_joint(joint),
+                        **kwargs,
+                    )
                 one.graphs = {"forward": backends.snapshot(fw), "backward": backends.snapshot(bw)}
                 part = build_partition(0, one)
                 assert part is not None  # (it has a forward graph)
                 self.figures[key][0] += part.activation_bytes + part.input_bytes
+                self.figures[key][9] += part.offloaded_bytes
+                if part.offloaded_bytes:
+                    self.copies.setdefault(key, []).append(graph_copies(fw, bw))
                 self.figures[key][1] += graph_costly_flops(bw)
                 self.figures[key][2] = max(self.figures[key][2], graph_transient(bw))
                 self.figures[key][3] += graph_costly_flops(fw)

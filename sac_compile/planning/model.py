@@ -91,6 +91,7 @@ class ModelPlan:
                     keep=g.plan.keep,
                     policy=g.plan.policy,
                     budget=g.plan.budget,
+                    offload=g.plan.chosen.offload,
                     compile=compile_,
                     **options,
                 )
@@ -107,6 +108,7 @@ def plan_model(
     policies: Sequence[RegionPolicy] = (SAVE_COSTLY,),
     eager: bool = True,
     progress: Any = None,
+    offload: bool = False,
     **example_kwargs: Any,
 ) -> ModelPlan:
     """Plan every kind of layer matching ``layers`` within ``memory`` per layer.
@@ -119,7 +121,7 @@ def plan_model(
             example forward.
         memory: per layer: bytes (``int``) or a fraction of that layer's no-checkpoint bytes.
         regions: ``{module path pattern: region name}`` declared on ``model`` first.
-        budgets, policies, eager: as in :func:`~sac_compile.planning.plan`.
+        budgets, policies, eager, offload: as in :func:`~sac_compile.planning.plan`.
         progress: called as ``progress(done, total, kind)`` before each kind of layer is
             measured and once at the end (``done == total``).
     """
@@ -161,7 +163,14 @@ def plan_model(
             progress(i, len(groups), f"{kinds[key]} x{len(paths)}")
         args, kwargs = calls[paths[0]]
         chosen = plan(
-            modules[paths[0]], *args, memory=memory, budgets=budgets, policies=policies, eager=eager, **kwargs
+            modules[paths[0]],
+            *args,
+            memory=memory,
+            budgets=budgets,
+            policies=policies,
+            eager=eager,
+            offload=offload,
+            **kwargs,
         )
         out.append(LayerGroup(kinds[key], tuple(paths), chosen))
     if progress is not None:

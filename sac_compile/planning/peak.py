@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._compat.aot import offloaded_source
 from .._compat.ops import is_view_op
 from ..inspection.flops import val_bytes
 from .devices import OPTIMIZER_STATES, PP_SCHEDULES, Target, parse_loss
@@ -328,8 +329,10 @@ def graph_transient(gm: torch.fx.GraphModule) -> int:
     """The most bytes a backward graph allocates beyond its inputs while it runs: each op's
     outputs (views and aliases allocate nothing; a view keeps its base alive) live from the op
     to their last use, inputs (saved values, incoming gradients) freed after theirs, outputs
-    (the gradients it returns) live to the end. Returns ``max(live) - inputs``: what the
-    backward of a layer adds on top of what the layer held, at its peak."""
+    (the gradients it returns) live to the end. A saved value offloaded to the host takes
+    no device memory until it is brought back, which allocates it. Returns
+    ``max(live) - inputs``: what the backward of a layer adds on top of what the layer held
+    on the device, at its peak."""
     nodes = list(gm.graph.nodes)
     base: dict[torch.fx.Node, torch.fx.Node] = {}
     size: dict[torch.fx.Node, int] = {}
@@ -341,6 +344,8 @@ def graph_transient(gm: torch.fx.GraphModule) -> int:
             and isinstance(n.args[0], torch.fx.Node)
         ):
             base[n] = base.get(n.args[0], n.args[0])
+        elif n.op == "placeholder" and offloaded_source(n.name) != n.name:
+            size[n] = 0  # (on the host)
         elif n.op in ("placeholder", "call_function"):
             size[n] = val_bytes(n.meta.get("val"))
     last: dict[torch.fx.Node, int] = {}

@@ -21,6 +21,9 @@ One model for every configuration (:func:`step_time`):
   overlapped (async TP would hide part).
 * **EP**: per MoE layer the tokens' dispatch and combine all-to-all (``top_k`` copies of the
   stream), forward and backward; not overlapped.
+* **offload**: an offloaded region's values copied to host memory and back over the host link
+  (:mod:`~sac_compile.planning.offload`): compiled, what the layer's own forward / backward
+  does not hide; eager, every copy. ``transfer`` is every copy, hidden or not.
 
 A collective runs over the node's GPU link (:attr:`Device.link`) when its group fits in a
 node (``Target.gpus_per_node``; the mesh is torchtitan's, ``tp`` innermost), else over the
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 from .core import Candidate, Plan
 from .devices import PP_SCHEDULES, Target, parse_loss
+from .offload import transfer
 from .peak import ModelSizes, dtype_bytes
 
 __all__ = ["LINK_EFFICIENCY", "StepTime", "step_time"]
@@ -60,6 +64,8 @@ class StepTime:
     peak_flops: float
     cp: float = 0.0  # ring attention's passes not hidden behind attention
     bubble: float = 0.0  # the pipeline's fill and drain
+    offload: float = 0.0  # copies to and from host memory not hidden behind compute
+    transfer: float = 0.0  # every copy to and from host memory (hidden or not: not a term)
 
     @property
     def seconds(self) -> float:
@@ -82,6 +88,7 @@ class StepTime:
             "ep": self.ep,
             "cp": self.cp,
             "bubble": self.bubble,
+            "offload": self.offload,
         }
 
 
@@ -103,6 +110,8 @@ class _Sum:
     tp: float = 0.0
     ep: float = 0.0
     cp: float = 0.0
+    offload: float = 0.0
+    transfer: float = 0.0
 
 
 def step_time(
@@ -111,12 +120,14 @@ def step_time(
     target: Target,
     *,
     measured: float | None = None,
+    compile: bool = True,
 ) -> StepTime:
     """The step of ``target`` with, per kind of layer, its count, plan table, candidate (None:
     no checkpoint) and one layer's (parameters, of them routed experts'). ``measured``: the
     layers' forward + backward seconds measured on the device itself (the head estimated).
     Layer figures are per traced unit (one microbatch, one rank's share of the sequence): a
-    rank runs ``1 / pp`` of the layers for each of ``target.microbatches``."""
+    rank runs ``1 / pp`` of the layers for each of ``target.microbatches``. ``compile``: the
+    layers compiled (offload copies overlap compute: :mod:`.offload`) or eager."""
     device = target.device
     rate, efficiency = device.bf16_flops, device.efficiency  # type: ignore[union-attr]
     runs = target.microbatches / target.pp  # traced units of every layer a rank runs a step
@@ -124,7 +135,7 @@ def step_time(
     head = (head_flops / rate + sizes.head_traffic / device.bandwidth) / efficiency / target.tp  # type: ignore[union-attr]
     total = _Sum(compute=head * runs, model=sizes.head_flops * runs)
     for count, table, c, params in layers:
-        _layer(total, count * runs, table, c, params, sizes, target)
+        _layer(total, count * runs, table, c, params, sizes, target, compile)
     if measured is not None:  # (the device's own figure replaces the layers' estimate)
         total.compute = head * runs + measured * target.microbatches / target.pp
     fsdp = total.fsdp
@@ -144,6 +155,8 @@ def step_time(
         peak_flops=rate,
         cp=total.cp,
         bubble=bubble,
+        offload=total.offload,
+        transfer=total.transfer,
     )
 
 
@@ -155,20 +168,19 @@ def _layer(
     params: tuple[int, int],
     sizes: ModelSizes,
     target: Target,
+    compile: bool,
 ) -> None:
-    """Add one kind of layer's terms, run ``units`` times (layers x traced units) a step."""
-    device = target.device
-    rate, bandwidth, efficiency = device.bf16_flops, device.bandwidth, device.efficiency  # type: ignore[union-attr]
+    """Add one kind of layer's terms, run ``units`` times (layers x traced units) a step:
+    offloaded, its copies to the host and back (:func:`~sac_compile.planning.offload.transfer`)."""
     tp, cp, ep, shard = target.tp, target.cp, target.ep, target.fsdp * target.cp
     recompute = c.recompute_flops if c else 0
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
-    # context parallelism: each rank attends to the whole sequence, cp times the traced attention
     ring = (cp - 1) * sizes.attention_flops
-    forward = (table.forward_flops + ring) / rate + table.forward_traffic / bandwidth
-    backward = (table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring) / rate
-    backward += (table.no_checkpoint_traffic + (c.recompute_traffic if c else 0)) / bandwidth
-    forward, backward = forward / efficiency / tp, backward / efficiency / tp
+    forward, backward = _layer_seconds(table, c, sizes, target)
     total.compute += units * (forward + backward)
+    copying, exposed = transfer(c, target, compile)
+    total.transfer += units * copying
+    total.offload += units * exposed
     total.model += units * (table.forward_flops + table.no_checkpoint_flops + 3.5 * ring)
     param_b = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
     reduce_b = dtype_bytes(target.reduce_dtype)  # type: ignore[arg-type]
@@ -191,8 +203,27 @@ def _layer(
         total.ep += units * (2 + redo) * moved / _link(target, ep, tp)
     if cp > 1:  # keys and values around the ring (and their gradients back), beside the attention
         passes = (cp - 1) * sizes.kv_bytes / tp * (1 + 2 + redo) / _link(target, cp, tp)
-        hidden = 4.5 * ring / rate / efficiency / tp
+        device = target.device
+        hidden = 4.5 * ring / device.bf16_flops / device.efficiency / tp  # type: ignore[union-attr]
         total.cp += units * max(passes - hidden, 0.0)
+
+
+def _layer_seconds(
+    table: Plan, c: Candidate | None, sizes: ModelSizes, target: Target
+) -> tuple[float, float]:
+    """One layer's forward and backward compute seconds per traced unit on a rank of
+    ``target`` with candidate ``c`` (None: no checkpoint): the roofline of its FLOPs and
+    memory-bound bytes over the device's efficiency, split ``tp`` ways."""
+    device = target.device
+    rate, bandwidth, efficiency = device.bf16_flops, device.bandwidth, device.efficiency  # type: ignore[union-attr]
+    recompute = c.recompute_flops if c else 0
+    redo = recompute / table.forward_flops if table.forward_flops else 0.0
+    # context parallelism: each rank attends to the whole sequence, cp times the traced attention
+    ring = (target.cp - 1) * sizes.attention_flops
+    forward = (table.forward_flops + ring) / rate + table.forward_traffic / bandwidth
+    backward = (table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring) / rate
+    backward += (table.no_checkpoint_traffic + (c.recompute_traffic if c else 0)) / bandwidth
+    return forward / efficiency / target.tp, backward / efficiency / target.tp
 
 
 def _ring(elements: float, ranks: int, bandwidth: float) -> float:

@@ -1,0 +1,121 @@
+"""One kind of layer's figures for a step's peak (:func:`figures_of`): what a candidate holds
+per device of a target, under tensor parallelism a rank's share, compiled or eager; and the
+measured candidate of one configuration per kind of layer (:func:`configured`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from .candidates import Candidate
+from .core import Plan
+from .devices import Target
+from .model import LayerGroup
+from .parallel import per_rank_bytes
+from .peak import LayerFigures
+
+__all__ = ["configured", "figures_of", "held", "layer_figures", "no_checkpoint_figures"]
+
+
+def configured(
+    groups: Sequence[LayerGroup], keep: Any, budget: float | None = None
+) -> list[Candidate | None]:
+    """Per kind of layer, the measured candidate of one configuration: ``keep=None`` no
+    checkpoint (``None``), ``"torchtitan-op"`` torchtitan's per-op SAC, else the keep set
+    (``()`` full recompute, ``ALL_REGIONS`` or ``"all"`` every region; each kind keeps the
+    regions of it it has) with ``budget``. A region no layer has, or a budget not measured,
+    is a ``ValueError``."""
+    from ..keep import ALL_REGIONS, normalize_keep
+    from .op_sac import TORCHTITAN_OP
+
+    if keep is None:
+        return [None] * len(groups)
+    if isinstance(keep, str) and keep == TORCHTITAN_OP:
+        missing = [g.kind for g in groups if g.plan.op_sac is None]
+        if missing:
+            raise ValueError(f"torchtitan's per-op SAC was not measured for {', '.join(missing)}")
+        return [g.plan.op_sac for g in groups]
+    known = {r for g in groups for r in g.plan.regions}
+    named = normalize_keep(keep)
+    if named is not ALL_REGIONS and (unknown := set(cast("frozenset[str]", named)) - known):
+        raise ValueError(
+            f"keep={sorted(unknown)}: no layer has such a region (the layers' regions: {sorted(known)})"
+        )
+    out: list[Candidate | None] = []
+    for g in groups:
+        table = g.plan
+        regions = frozenset(table.regions)
+        kept = regions if named is ALL_REGIONS else cast("frozenset[str]", named) & regions
+        same_keep = [c for c in table.candidates if c.keep == kept and not c.offload]
+        found = [c for c in same_keep if c.budget == budget]  # (the first policy measured)
+        if not found:
+            budgets = sorted({c.budget for c in same_keep if c.budget is not None})
+            raise ValueError(
+                f"keep={sorted(kept)}, budget={budget!r} was not measured for {g.kind}: "
+                + (
+                    f"its budgets: {budgets} (or None: the keep set alone)"
+                    if same_keep
+                    else "not among its keep sets"
+                )
+            )
+        out.append(found[0])
+    return out
+
+
+def layer_figures(
+    c: Candidate | None, table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool
+) -> LayerFigures:
+    """:func:`figures_of` for a candidate, :func:`no_checkpoint_figures` for ``None``."""
+    if c is None:
+        return no_checkpoint_figures(table, params, count, target, compile=compile)
+    return figures_of(c, table, params, count, target, compile=compile)
+
+
+def figures_of(
+    c: Candidate, table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool
+) -> LayerFigures:
+    """One kind of layer's figures for :func:`step_peak` with candidate ``c``, per device of
+    ``target``: compiled, what its partition saves and its backward graph's transient; eager,
+    what the eager engine holds (when measured) and the recompute's restoring what the layer
+    holds unchecked. Under tensor parallelism a rank's share (:mod:`.parallel`: the
+    partition's saved values split by kind; the eager figures and the transients scaled
+    alike). ``params``: one layer's (parameters, of them the routed experts')."""
+    share = _share(c.saved_bytes, c.tp_split, target)
+    if compile:
+        return LayerFigures(
+            count, params[0], int(c.saved_bytes * share), c.transient_bytes // target.tp, params[1]
+        )
+    plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * _share(
+        table.no_checkpoint_bytes, table.no_checkpoint_tp, target
+    )
+    saved = (c.eager_bytes if c.eager_bytes is not None else c.saved_bytes) * share
+    transient = max(plain - saved, 0) + table.no_checkpoint_transient / target.tp
+    return LayerFigures(count, params[0], int(saved), int(transient), params[1])
+
+
+def no_checkpoint_figures(
+    table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool = False
+) -> LayerFigures:
+    """One kind of layer's figures without a checkpoint, per device of ``target``: what the
+    compiled layer saves (``compile``), else what autograd holds eagerly where measured."""
+    plain = (
+        table.no_checkpoint_bytes if compile else table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
+    )
+    share = _share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target)
+    return LayerFigures(
+        count, params[0], int(plain * share), table.no_checkpoint_transient // target.tp, params[1]
+    )
+
+
+def _share(total: int, split: tuple[int, int, int], target: Target) -> float:
+    """The fraction of a layer's saved bytes one tensor-parallel rank holds."""
+    if target.tp == 1 or total == 0:
+        return 1.0
+    return per_rank_bytes(total, split, target.tp, target.sequence_parallel) / total
+
+
+def held(c: Candidate, target: Target, compile: bool) -> int:
+    """What a layer with candidate ``c`` holds per device of ``target`` (as :func:`figures_of`
+    counts it): under tensor parallelism a rank's share; eager, the engine's bytes."""
+    on_device = c.saved_bytes if compile or c.eager_bytes is None else c.eager_bytes
+    return int(on_device * _share(c.saved_bytes, c.tp_split, target))

@@ -1,0 +1,117 @@
+"""Offload on a device: what crosses the host link (:mod:`.host`), what the layer's compute
+hides, and what host memory holds.
+
+A region's offloaded values cross the host link once in the forward (device to host) and once
+in the backward (host to device); PCIe and NVLink-C2C carry both directions at once, so each
+copy is counted at the link's one-way bandwidth, at :data:`HOST_EFFICIENCY` of it.
+
+* **Compiled** (PyTorch's partitioner pass, on CUDA with its side stream), read off the
+  partitioned graphs (:func:`graph_copies`): a value's copy to the host starts after its last
+  use in the forward graph, the copies run one after another on the side stream, and the graph
+  waits for them at its end (the pass's sunk waits): what of the copies outlasts the compute
+  after each start is exposed. In the backward graph the copies back are prefetched to its start
+  at the earliest (PyTorch's ``reorder_for_prefetch`` moves them no further), one after
+  another, each awaited at the value's first use: a copy not done by the compute before that
+  use stalls the graph. The pass works inside one graph, so a layer's copies hide behind its
+  own compute only: the last region of a layer (its MLP) has little forward after it and little
+  backward before it.
+* **Eager** (the engine copies its cache at the end of the layer's forward, and back before
+  the recompute, on the compute stream): every copy is exposed.
+
+Host memory holds, per GPU, every offloaded layer's values of every microbatch in flight (the
+first pipeline stage's, the most); a plan that offloads fits only when they fit
+``Target.host_memory``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .candidates import Copies
+from .host import HOST_EFFICIENCY
+
+if TYPE_CHECKING:
+    from .candidates import Candidate
+    from .devices import Target
+
+__all__ = ["graph_copies", "host_bytes", "offloaded_per_rank", "transfer"]
+
+
+def graph_copies(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> Copies:
+    """The copies PyTorch's offload pass put in a partitioned forward and backward graph
+    (Note [offload through PyTorch's pass] in ``_compat/aot.py``), in graph order."""
+    from .._compat.aot import offloaded_source
+    from ..inspection.flops import node_cost, val_bytes
+
+    def copies(gm: torch.fx.GraphModule, after: bool) -> list[tuple[int, int, int]]:
+        nodes = list(gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        costs = [node_cost(n) for n in nodes]
+        out = []
+        for i, n in enumerate(nodes):
+            if after and n.op == "call_function" and offloaded_source(n.name) != n.name:
+                rest = costs[i + 1 :]
+            elif not after and n.op == "placeholder" and offloaded_source(n.name) != n.name:
+                users = [index[u] for r in n.users for u in r.users] or [len(nodes)]
+                rest = costs[: min(users)]  # (the copy back's users: the value's first use)
+            else:
+                continue
+            out.append((val_bytes(n.meta.get("val")), sum(f for f, _ in rest), sum(t for _, t in rest)))
+        return out
+
+    return Copies(tuple(copies(fw, True)), tuple(copies(bw, False)))
+
+
+def offloaded_per_rank(c: Candidate | None, target: Target, compile: bool) -> float:
+    """The bytes one layer with candidate ``c`` sends to the host per traced unit, per rank:
+    compiled, its partition's offloaded values; eager, what the engine copies (as measured,
+    else the partition's). Split ``tp`` ways (an offloaded region's values lie between the
+    projections tensor parallelism splits)."""
+    if c is None or not c.offload:
+        return 0.0
+    moved = c.offloaded_bytes if compile or c.eager_offloaded_bytes is None else c.eager_offloaded_bytes
+    return moved / target.tp
+
+
+def transfer(c: Candidate | None, target: Target, compile: bool) -> tuple[float, float]:
+    """``(copying, exposed)`` seconds of one layer's offload with candidate ``c`` per traced
+    unit on a rank of ``target``: every copy to the host and back, and what compute does not
+    hide (the module docstring). Eager, every copy is exposed."""
+    moved = offloaded_per_rank(c, target, compile)
+    if not moved or c is None:
+        return 0.0, 0.0
+    link = target.host.bandwidth * HOST_EFFICIENCY
+    if not compile:
+        return 2 * moved / link, 2 * moved / link
+    device = target.device
+
+    def copy(nbytes: int) -> float:
+        return nbytes / target.tp / link
+
+    def seconds(flops: int, traffic: int) -> float:
+        roofline = flops / device.bf16_flops + traffic / device.bandwidth  # type: ignore[union-attr]
+        return roofline / device.efficiency / target.tp  # type: ignore[union-attr]
+
+    exposed = 0.0
+    for graph in c.copies:
+        end = float("-inf")  # the side stream's, in seconds before the forward graph's end
+        for nbytes, flops, traffic in graph.forward:
+            end = max(end, -seconds(flops, traffic)) + copy(nbytes)
+        exposed += max(end, 0.0)
+        done, stall = 0.0, 0.0  # copies back, from the backward graph's start
+        for nbytes, flops, traffic in sorted(graph.backward, key=lambda b: seconds(b[1], b[2])):
+            done += copy(nbytes)
+            stall = max(stall, done - seconds(flops, traffic))
+        exposed += stall
+    return 2 * moved / link, exposed
+
+
+def host_bytes(layers: list[tuple[int, float]], target: Target) -> int:
+    """Host memory per GPU for ``layers`` (count, bytes one layer offloads per traced unit
+    per rank): with pipeline parallelism the first stage's ``1 / pp`` of them, times the
+    microbatches it holds at once."""
+    from .peak import in_flight
+
+    return int(sum(count * moved for count, moved in layers) / target.pp * in_flight(target, 0))
