@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import os
 import statistics
 import sys
 import time
@@ -216,6 +217,9 @@ def predicted_beside_measured(args, ids) -> list[str]:
 
     cuda = args.device.startswith("cuda")
     dtype = args.dtype
+    # on a GPU the plan may offload to this host's memory (its share a GPU; a CPU's host is
+    # the device: no offload there)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(torch.cuda.device_count(), 1)
     target = Target(
         present() if cuda else "cpu",
         batch=args.batch,
@@ -223,6 +227,8 @@ def predicted_beside_measured(args, ids) -> list[str]:
         param_dtype=dtype,
         master_dtype=dtype,  # the model is trained in its dtype: no float32 master copy
         reduce_dtype=dtype,
+        offload=cuda,
+        host_memory=host if cuda else None,
     )
     start = time.perf_counter()
     figures = hf.step_figures(build(args)[0], target, inputs={"input_ids": ids})
@@ -244,6 +250,14 @@ def predicted_beside_measured(args, ids) -> list[str]:
         ),
         "plan_for(memory)": (plan, plan.peak, plan.step_seconds),
     }
+    if cuda:  # offloading the feed-forward, kept attention: the copies on PyTorch's side stream
+        ff = {FEED_FORWARD[args.model]}
+        offloaded = figures.peak({"attn"}, compile=True, offload=ff)
+        rows[f"keep attn, offload {FEED_FORWARD[args.model]}"] = (
+            ("offload", ff),
+            offloaded,
+            figures.seconds({"attn"}, offload=ff),
+        )
     steps, measured = {}, {}
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
         for name, (keep, _, _) in rows.items():
@@ -253,6 +267,8 @@ def predicted_beside_measured(args, ids) -> list[str]:
                 configurations(args, {})["no checkpoint"](model, layers)
             elif hasattr(keep, "apply"):
                 keep.apply(model, compile=options)
+            elif isinstance(keep, tuple) and keep[:1] == ("offload",):
+                sc.SacConfig(layers=layers, keep={"attn"}, offload=keep[1], compile=options).apply(model)
             else:
                 sc.SacConfig(layers=layers, keep=keep, compile=options).apply(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=cuda)

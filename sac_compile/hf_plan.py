@@ -265,39 +265,40 @@ class StepFigures:
     ]  # per group: one layer's parameters, of them the routed experts'
     sizes: Any  # planning.peak.ModelSizes
 
-    def peak(self, keep: Any = None, *, compile: bool = False) -> Peak:
+    def peak(self, keep: Any = None, *, compile: bool = False, offload: Any = ()) -> Peak:
         """The predicted peak with every layer keeping ``keep`` (None: no checkpoint;
-        ``"torchtitan-op"``: torchtitan's per-op SAC), under the eager engine or
-        (``compile``) compiled."""
-        return max(self.stages(keep, compile=compile), key=lambda p: p.reserved)
+        ``"torchtitan-op"``: torchtitan's per-op SAC) and offloading ``offload`` (measured
+        with ``Target(offload=True)``), under the eager engine or (``compile``) compiled."""
+        return max(self.stages(keep, compile=compile, offload=offload), key=lambda p: p.reserved)
 
-    def stages(self, keep: Any = None, *, compile: bool = False) -> list[Peak]:
+    def stages(self, keep: Any = None, *, compile: bool = False, offload: Any = ()) -> list[Peak]:
         """:meth:`peak` per rank it may fall on (with pipeline parallelism the first stage's
         and the last's: :func:`sac_compile.planning.peak.stage_peaks`)."""
-        from .planning.device_plan import configured, layer_figures
+        from .planning.figures import configured, layer_figures
         from .planning.peak import stage_peaks
 
         groups = self.plan.groups
         layers = [
             layer_figures(c, g.plan, params, len(g.paths), self.target, compile=compile)
-            for g, params, c in zip(groups, self.layer_params, configured(groups, keep))
+            for g, params, c in zip(groups, self.layer_params, configured(groups, keep, offload=offload))
         ]
         return stage_peaks(self.sizes, layers, self.target)
 
-    def seconds(self, keep: Any = None) -> float:
+    def seconds(self, keep: Any = None, *, compile: bool = True, offload: Any = ()) -> float:
         """The step's time on the target, estimated (:func:`sac_compile.planning.step_time.step_time`),
-        every layer keeping ``keep``."""
-        return self.step(keep).seconds
+        every layer keeping ``keep`` and offloading ``offload``."""
+        return self.step(keep, compile=compile, offload=offload).seconds
 
-    def step(self, keep: Any = None) -> StepTime:
-        """The step's predicted time by term, tokens/s and MFU, every layer keeping ``keep``."""
-        from .planning.device_plan import configured
+    def step(self, keep: Any = None, *, compile: bool = True, offload: Any = ()) -> StepTime:
+        """The step's predicted time by term, tokens/s and MFU, every layer keeping ``keep``
+        and offloading ``offload`` (compiled, or eager: every copy exposed)."""
+        from .planning.figures import configured
         from .planning.step_time import step_time
 
         groups = self.plan.groups
-        chosen = configured(groups, keep)
+        chosen = configured(groups, keep, offload=offload)
         layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(groups, chosen, self.layer_params)]
-        return step_time(layers, self.sizes, self.target)
+        return step_time(layers, self.sizes, self.target, compile=compile)
 
 
 def step_figures(
@@ -329,6 +330,6 @@ def step_figures(
     read = read_stacks(model, include or ())
     report_unchecked(model, include, "nor does this prediction: include={include!r} counts them too")
     meta = any(p.is_meta for p in unwrap_compiled(model).parameters())
-    options = {"budgets": (None,), "eager": not meta}
+    options = {"budgets": (None,), "eager": not meta, "offload": target.offload}
     planned, params, sizes, _ = _measure(model, read, target, inputs, options)
     return StepFigures(target, planned, params, sizes)

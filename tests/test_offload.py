@@ -224,15 +224,10 @@ def test_a_plan_allowed_to_offload_never_recomputes_more_at_any_memory():
     assert better > 0
 
 
-@pytest.fixture(scope="module")
-def device_plan():
-    """A 4-layer Llama (hidden 1024) on the meta device planned for an H100 that may offload
-    to host memory over NVLink-C2C, measured once."""
+def _meta_llama():
+    """A 4-layer Llama (hidden 1024) on the meta device."""
     pytest.importorskip("transformers")
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from sac_compile import hf
-    from sac_compile.planning.devices import Target
 
     cfg = LlamaConfig(
         vocab_size=4096,
@@ -244,9 +239,44 @@ def device_plan():
         use_cache=False,
     )
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).train()
-    target = Target("h100-80gb", batch=1, seq=4096, offload=True, host_memory="1TB", host_link="c2c")
-    return hf.plan_for(model, None, device=target, budgets=(None,))
+        return LlamaForCausalLM(cfg).train()
+
+
+def _offload_target(**more):
+    from sac_compile.planning.devices import Target
+
+    return Target("h100-80gb", batch=1, seq=4096, offload=True, host_memory="1TB", host_link="c2c", **more)
+
+
+@pytest.fixture(scope="module")
+def device_plan():
+    """The meta Llama planned for an H100 that may offload to host memory over NVLink-C2C,
+    measured once."""
+    from sac_compile import hf
+
+    return hf.plan_for(_meta_llama(), None, device=_offload_target(), budgets=(None,))
+
+
+@pytest.mark.slow
+def test_step_figures_predict_a_configuration_that_offloads():
+    """``StepFigures.peak`` / ``.step`` with ``offload=``: keep attn, offload mlp holds less
+    on the device than keeping both and copies what it offloads; unmeasured (a target that
+    does not offload) is a clear error."""
+    from sac_compile import hf
+
+    figures = hf.step_figures(_meta_llama(), _offload_target())
+    both = figures.peak({"attn", "mlp"}, compile=True)
+    moved = figures.peak({"attn"}, compile=True, offload={"mlp"})
+    assert moved.breakdown["activations"] < both.breakdown["activations"]
+    step = figures.step({"attn"}, offload={"mlp"})
+    assert step.transfer > 0 and figures.step({"attn", "mlp"}).transfer == 0
+    with pytest.raises(ValueError, match=r"\['nope'\]: no layer has such a region"):
+        figures.peak({"attn"}, offload={"nope"})
+    plain = hf.step_figures(
+        _meta_llama(), _offload_target().replace(offload=False, host_memory=None, host_link=None)
+    )
+    with pytest.raises(ValueError, match=r"keep=\['attn'\], offload=\['mlp'\], budget=None was not measured"):
+        plain.peak({"attn"}, offload={"mlp"})
 
 
 def _choose(plan, **target):
@@ -414,3 +444,38 @@ def test_a_model_plan_that_offloads_applies_its_offload_set():
     report = sc.inspection.capture_partition(model, x, backend=sc.make_sac_backend(inner="aot_eager"))
     assert set(report.offloaded_bytes_by_region()) == set(group.plan.chosen.offload)
     assert report.offloaded_bytes == 2 * group.plan.chosen.offloaded_bytes
+
+
+def test_with_cuda_inputs_a_copy_starts_where_pytorchs_pass_issues_it():
+    """PyTorch's pass with CUDA inputs issues the copy at ``async_cpu_offload_<value>`` and
+    awaits it at ``cpu_offload_<value>``, sunk to the graph's end (its
+    ``offload_activation_fw_async`` / ``activation_offload_sink_wait_async``): the compute
+    after the issue hides it, not the nothing after the wait. (A graph written by hand: the
+    pass needs CUDA to run.)"""
+    import torch.fx as fx
+
+    from sac_compile.planning.offload import graph_copies
+
+    aten = torch.ops.aten
+    a = torch.randn(64, 64)
+
+    def graph(async_: bool) -> fx.GraphModule:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        x.meta["val"] = a
+        first = g.call_function(aten.mm.default, (x, x))
+        first.meta["val"] = a
+        nodes = [g.call_function(aten.clone.default, (first,), name="async_cpu_offload_mm")] if async_ else []
+        second = g.call_function(aten.mm.default, (first, x))
+        second.meta["val"] = a
+        nodes.append(g.call_function(aten.clone.default, (first,), name="cpu_offload_mm"))
+        for n in nodes:
+            n.meta["val"] = a
+        g.output((second, nodes[-1]))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    bw = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    (issued,) = graph_copies(graph(True), bw).forward
+    assert issued[:2] == (a.nbytes, 2 * 64**3)  # the second matmul runs after the copy is issued
+    (waited,) = graph_copies(graph(False), bw).forward
+    assert waited == (a.nbytes, 0, 0)  # (synchronous: the copy where the pass puts it)

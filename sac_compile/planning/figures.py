@@ -18,13 +18,14 @@ __all__ = ["configured", "figures_of", "held", "layer_figures", "no_checkpoint_f
 
 
 def configured(
-    groups: Sequence[LayerGroup], keep: Any, budget: float | None = None
+    groups: Sequence[LayerGroup], keep: Any, budget: float | None = None, offload: Any = ()
 ) -> list[Candidate | None]:
     """Per kind of layer, the measured candidate of one configuration: ``keep=None`` no
     checkpoint (``None``), ``"torchtitan-op"`` torchtitan's per-op SAC, else the keep set
     (``()`` full recompute, ``ALL_REGIONS`` or ``"all"`` every region; each kind keeps the
-    regions of it it has) with ``budget``. A region no layer has, or a budget not measured,
-    is a ``ValueError``."""
+    regions of it it has) with ``budget``, offloading ``offload`` (measured where the plan
+    offloads: ``Target(offload=True)``). A region no layer has, or a configuration not
+    measured, is a ``ValueError``."""
     from ..keep import ALL_REGIONS, normalize_keep
     from .op_sac import TORCHTITAN_OP
 
@@ -37,21 +38,24 @@ def configured(
         return [g.plan.op_sac for g in groups]
     known = {r for g in groups for r in g.plan.regions}
     named = normalize_keep(keep)
-    if named is not ALL_REGIONS and (unknown := set(cast("frozenset[str]", named)) - known):
+    moved = frozenset(offload)
+    named_set = set() if named is ALL_REGIONS else set(cast("frozenset[str]", named))
+    if unknown := (named_set | moved) - known:
         raise ValueError(
-            f"keep={sorted(unknown)}: no layer has such a region (the layers' regions: {sorted(known)})"
+            f"{sorted(unknown)}: no layer has such a region (the layers' regions: {sorted(known)})"
         )
     out: list[Candidate | None] = []
     for g in groups:
         table = g.plan
         regions = frozenset(table.regions)
         kept = regions if named is ALL_REGIONS else cast("frozenset[str]", named) & regions
-        same_keep = [c for c in table.candidates if c.keep == kept and not c.offload]
+        same_keep = [c for c in table.candidates if c.keep == kept and c.offload == moved & regions]
         found = [c for c in same_keep if c.budget == budget]  # (the first policy measured)
         if not found:
             budgets = sorted({c.budget for c in same_keep if c.budget is not None})
+            offloaded = f", offload={sorted(moved & regions)}" if moved else ""
             raise ValueError(
-                f"keep={sorted(kept)}, budget={budget!r} was not measured for {g.kind}: "
+                f"keep={sorted(kept)}{offloaded}, budget={budget!r} was not measured for {g.kind}: "
                 + (
                     f"its budgets: {budgets} (or None: the keep set alone)"
                     if same_keep

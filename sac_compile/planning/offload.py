@@ -49,9 +49,15 @@ def graph_copies(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> Copies:
         nodes = list(gm.graph.nodes)
         index = {n: i for i, n in enumerate(nodes)}
         costs = [node_cost(n) for n in nodes]
-        out = []
+        out, started = [], set()
         for i, n in enumerate(nodes):
-            if after and n.op == "call_function" and offloaded_source(n.name) != n.name:
+            # (with CUDA inputs the copy starts at ``async_cpu_offload_<value>`` and is awaited
+            # at ``cpu_offload_<value>``, sunk to the graph's end: the start counts)
+            name = n.name.removeprefix("async_")
+            if after and n.op == "call_function" and offloaded_source(name) != name:
+                if name in started:
+                    continue
+                started.add(name)
                 rest = costs[i + 1 :]
             elif not after and n.op == "placeholder" and offloaded_source(n.name) != n.name:
                 users = [index[u] for r in n.users for u in r.users] or [len(nodes)]
