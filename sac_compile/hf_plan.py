@@ -274,14 +274,14 @@ class StepFigures:
     def stages(self, keep: Any = None, *, compile: bool = False, offload: Any = ()) -> list[Peak]:
         """:meth:`peak` per rank it may fall on (with pipeline parallelism the first stage's
         and the last's: :func:`sac_compile.planning.peak.stage_peaks`)."""
-        from .planning.figures import configured, layer_figures
+        from .planning.figures import configured, configured_figures
         from .planning.peak import stage_peaks
 
         groups = self.plan.groups
-        layers = [
-            layer_figures(c, g.plan, params, len(g.paths), self.target, compile=compile)
-            for g, params, c in zip(groups, self.layer_params, configured(groups, keep, offload=offload))
-        ]
+        chosen = configured(groups, keep, offload=offload)
+        layers = configured_figures(
+            groups, self.layer_params, chosen, self.sizes, self.target, compile=compile
+        )
         return stage_peaks(self.sizes, layers, self.target)
 
     def seconds(self, keep: Any = None, *, compile: bool = True, offload: Any = ()) -> float:

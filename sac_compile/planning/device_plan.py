@@ -26,7 +26,7 @@ from typing import Any, cast
 
 from .core import Candidate, Plan
 from .devices import Target
-from .figures import configured, figures_of, held, layer_figures, no_checkpoint_figures
+from .figures import configured, configured_figures, figures_of, held, layer_figures, no_checkpoint_figures
 from .model import LayerGroup, ModelPlan
 from .offload import host_bytes, offloaded_per_rank, transfer
 from .peak import ModelSizes, Peak, step_peak
@@ -145,10 +145,9 @@ class DevicePlan(ModelPlan):
         the same target."""
         assert self.target is not None and self.sizes is not None
         chosen = configured(self.measured, keep, budget)
-        figures = [
-            layer_figures(c, g.plan, params, len(g.paths), self.target, compile=self.compile)
-            for g, params, c in zip(self.measured, self.params, chosen)
-        ]
+        figures = configured_figures(
+            self.measured, self.params, chosen, self.sizes, self.target, compile=self.compile
+        )
         layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(self.measured, chosen, self.params)]
         step = step_time(layers, self.sizes, self.target, compile=self.compile)
         return step_peak(self.sizes, figures, self.target), step

@@ -4,6 +4,7 @@ measured candidate of one configuration per kind of layer (:func:`configured`)."
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -12,9 +13,16 @@ from .core import Plan
 from .devices import Target
 from .model import LayerGroup
 from .parallel import per_rank_bytes
-from .peak import LayerFigures
+from .peak import LayerFigures, ModelSizes, dtype_bytes
 
-__all__ = ["configured", "figures_of", "held", "layer_figures", "no_checkpoint_figures"]
+__all__ = [
+    "configured",
+    "configured_figures",
+    "figures_of",
+    "held",
+    "layer_figures",
+    "no_checkpoint_figures",
+]
 
 
 def configured(
@@ -63,6 +71,31 @@ def configured(
                 )
             )
         out.append(found[0])
+    return out
+
+
+def configured_figures(
+    groups: Sequence[LayerGroup],
+    params: Sequence[tuple[int, int]],
+    chosen: Sequence[Candidate | None],
+    sizes: ModelSizes,
+    target: Target,
+    *,
+    compile: bool,
+) -> list[LayerFigures]:
+    """Every kind of layer's figures with its candidate of one configuration (:func:`configured`).
+    torchtitan's per-op SAC saves the outputs of its expert-parallel all-to-alls
+    (``torchtitan/distributed/activation_checkpoint.py``'s communication ops: the tokens
+    dispatched to the experts and combined back), which a one-process trace does not have:
+    with ``ep > 1`` each MoE layer holds two ``tokens x top_k x hidden`` tensors more."""
+    out = []
+    for g, p, c in zip(groups, params, chosen):
+        figures = layer_figures(c, g.plan, p, len(g.paths), target, compile=compile)
+        if c is not None and c is g.plan.op_sac and target.ep > 1 and p[1]:
+            width = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
+            exchanged = 2 * sizes.tokens * sizes.top_k * sizes.hidden_size * width // target.tp
+            figures = dataclasses.replace(figures, saved_bytes=figures.saved_bytes + exchanged)
+        out.append(figures)
     return out
 
 
