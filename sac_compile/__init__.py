@@ -2,27 +2,10 @@
 
 Importing the package registers the ``sac_compile::*`` marker ops and nothing heavier:
 Dynamo, AOTAutograd and Inductor load on the first compile (``tests/test_architecture.py``
-checks it). Layout (imports point down this list; ``tests/test_architecture.py`` checks
-that too):
-
-* ``_compat`` - every private PyTorch API, one module per subsystem; what
-  we rely on of transformers' checkpointing conventions;
-* ``keep``, ``records``, ``op_classes``, ``policy``, ``scope_text``, ``marker_walk`` - keep
-  sets, the tagging pass's records, what an op is (costly, a collective), region policies, a
-  scope's actions and their marker text, the marker walk (shared by both engines);
-* ``diagnostics`` - reporting; everything below reports into it;
-* ``markers`` - the marker ops, ``region``, the stack context of a compile;
-* ``declare`` - regions declared by module path;
-* ``passes``, ``compiler`` - the tagging pass; the backends and their compile session;
-* ``eager`` - the eager engine;
-* ``seam``, ``config``, ``contexts`` - wrapping layers, whole-model configs, a
-  ``context_fn`` for ``torch.utils.checkpoint``;
-* ``inspection`` - partition reports, ``capture_partition``, measurements;
-* ``planning`` - the planner: one layer, every kind of layer of a model;
-* ``hf`` - transformers models.
-
-``sac_compile.testing`` (demo and test models, the rank runner, parity reports) is not
-imported by ``import sac_compile``.
+checks it). The package is layered, imports pointing down: the layers and what each holds
+are ``docs/architecture.md``'s table, which ``tests/test_architecture.py`` checks against the
+layering it enforces. ``sac_compile.testing`` (demo and test models, the rank runner, parity
+reports) is not imported by ``import sac_compile``.
 """
 
 from typing import TYPE_CHECKING, NoReturn

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("seam", "config", "contexts"),
     ("inspection",),
     ("planning",),
-    ("hf", "hf_layers", "hf_plan"),
+    ("hf", "hf_layers", "hf_plan"),  # (hf_layers, hf_plan: the old paths of hf.layers, hf.plan)
     ("__init__", "__main__"),
     ("testing",),
 ]
@@ -431,3 +432,52 @@ def test_no_function_is_past_80_lines():
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80
     ]
     assert not long, long
+
+
+_ENTRY = re.compile(r"`(\w+)(/?)`(?:\s*\(((?:`\w+`(?:,\s*)?)+)\))?")
+
+
+def _layer_table() -> dict[int, dict[str, set[str] | None]]:
+    """docs/architecture.md's layer table: per layer, each module listed and, for a package,
+    the submodules it lists."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows: dict[int, dict[str, set[str] | None]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].isdigit():
+            continue
+        rows[int(cells[0])] = {
+            m.group(1): set(re.findall(r"`(\w+)`", m.group(3) or "")) if m.group(2) else None
+            for m in _ENTRY.finditer(cells[1])
+        }
+    return rows
+
+
+def test_the_docs_layer_table_is_the_one_this_test_checks():
+    """docs/architecture.md's table lists LAYERS in order, each package with every module it
+    has (red before: the table put ``hf`` below ``planning`` and left out modules)."""
+    rows = _layer_table()
+    assert sorted(rows) == list(range(len(LAYERS))), sorted(rows)
+    for i, names in enumerate(LAYERS):
+        assert set(rows[i]) == set(names), (i, sorted(rows[i]), names)
+        for name, listed in rows[i].items():
+            if listed is None:
+                assert (PACKAGE / f"{name}.py").exists() or name == "__init__", name
+                continue
+            have = {p.stem for p in (PACKAGE / name).glob("*.py") if p.stem != "__init__"}
+            assert listed == have, (name, sorted(have - listed), sorted(listed - have))
+
+
+@pytest.mark.parametrize("old,new", [("hf_plan", "plan"), ("hf_layers", "layers")])
+def test_an_old_hf_module_path_imports_the_new_module_and_names_it(old, new):
+    """``sac_compile.hf_plan`` / ``hf_layers`` moved into the ``sac_compile.hf`` package: the
+    old path is the new module, with a ``FutureWarning`` naming it."""
+    import importlib
+    import warnings
+
+    sys.modules.pop(f"sac_compile.{old}", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moved = importlib.import_module(f"sac_compile.{old}")
+    assert moved is importlib.import_module(f"sac_compile.hf.{new}")
+    assert any(f"import sac_compile.hf.{new}" in str(w.message) for w in caught), caught

@@ -445,7 +445,7 @@ def test_the_plan_command_plans_every_stack_of_a_vision_language_config(tmp_path
     tower's blocks are planned beside the decoder's (red before: "no layer of
     'model.vision_tower.encoder.layers.*' ran"); a family whose forward reads tensor values
     (Qwen2.5-VL's image grid) is refused on the meta device, naming why."""
-    from sac_compile.hf_plan import _images
+    from sac_compile.hf.plan import _images
     from sac_compile.testing.hf_vision import IMAGE_TOKEN, TEXT, VISION
 
     gemma3 = dict(

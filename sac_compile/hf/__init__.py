@@ -22,11 +22,14 @@ from typing import TYPE_CHECKING, Any, cast, overload
 import torch
 import torch.nn as nn
 
-from ._compat.dynamo import forward_side_effects_under_checkpoint, unwrap_compiled
-from ._compat.transformers import kernelized_classes
-from .config import SacConfig
-from .declare import declare_regions
-from .hf_layers import (
+from .._compat.dynamo import forward_side_effects_under_checkpoint, unwrap_compiled
+from .._compat.transformers import kernelized_classes
+from ..config import SacConfig
+from ..declare import declare_regions
+from ..keep import ALL_REGIONS, normalize_keep
+from ..planning import ModelPlan, plan_model
+from ..policy import SAVE_COSTLY
+from .layers import (
     LAYERS,
     REGION_NAMES,
     decoder_layers,
@@ -38,14 +41,11 @@ from .hf_layers import (
     unchecked,
     vocab_size,
 )
-from .hf_plan import StepFigures, predict_peak, step_figures
-from .keep import ALL_REGIONS, normalize_keep
-from .planning import ModelPlan, plan_model
-from .policy import SAVE_COSTLY
+from .plan import StepFigures, predict_peak, step_figures
 
 if TYPE_CHECKING:
-    from .planning.device_plan import DevicePlan
-    from .planning.devices import Device, Target
+    from ..planning.device_plan import DevicePlan
+    from ..planning.devices import Device, Target
 
 __all__ = [
     "LAYERS",
@@ -204,7 +204,7 @@ def plan_for(
         return plan_model(
             model, layers=patterns, memory=memory, regions=merged(read), use_cache=False, **inputs, **options
         )
-    from .hf_plan import plan_for_device
+    from .plan import plan_for_device
 
     parallel = {"fsdp": fsdp, "tp": tp, "ep": ep, "loss": loss}
     return plan_for_device(model, memory, read, batch, seq, inputs, device, parallel, compile, options)
@@ -238,7 +238,7 @@ def checkpointing_kwargs(
     ``context_fn``, so a keep set per stack is made by declaring in each stack only the
     regions it keeps. A ``keep`` name no layer of ``model`` has is a ``ValueError``.
     """
-    from .contexts import region_context_fn
+    from ..contexts import region_context_fn
 
     read = read_stacks(model)
     report_unchecked(
