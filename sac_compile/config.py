@@ -25,9 +25,9 @@ from . import diagnostics
 from ._compat.dynamo import unwrap_compiled
 from .declare import check_pattern, declare_regions, match_path, no_match_message
 from .keep import KeepSet, normalize_keep, validate_region_name
-from .policy import SAVE_COSTLY, validate_policy
+from .policy import SAVE_COSTLY, RegionPolicy, validate_policy
 from .scope_text import Actions, validate_budget
-from .seam import apply_selective_checkpointing, is_container, normalize_compile
+from .seam import Compile, apply_selective_checkpointing, is_container, normalize_compile
 
 __all__ = ["SacConfig"]
 
@@ -64,10 +64,10 @@ class SacConfig:
     keep: KeepSet | Collection[str] = frozenset()
     regions: tuple[tuple[str, str], ...] | Mapping[str, str] = ()
     stack_keep: tuple[tuple[str, KeepSet], ...] | Mapping[str, Any] = ()
-    compile: Any = False
+    compile: Compile = False
     preserve_rng_state: bool = True
     strict: bool = False
-    policy: Any = SAVE_COSTLY
+    policy: RegionPolicy = SAVE_COSTLY
     budget: float | None = None
     offload: Collection[str] = frozenset()
     _compile_options: Any = field(default=None, init=False, repr=False, compare=False)

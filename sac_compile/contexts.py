@@ -41,7 +41,8 @@ from ._compat.checkpoint import (
 from ._compat.frames import innermost_module
 from .diagnostics import eager as diagnosed
 from .eager import engine_contexts
-from .policy import SAVE_COSTLY
+from .keep import Keep, Regions
+from .policy import SAVE_COSTLY, RegionPolicy
 from .records import user_class_name
 from .scope_text import Actions
 
@@ -49,11 +50,11 @@ __all__ = ["region_context_fn"]
 
 
 def region_context_fn(
-    keep: object = (),
+    keep: Keep = (),
     *,
-    policy: object = SAVE_COSTLY,
+    policy: RegionPolicy = SAVE_COSTLY,
     budget: float | None = None,
-    offload: object = (),
+    offload: Regions = (),
     preserve_rng_state: bool = True,
     early_stop: bool = True,
 ) -> functools.partial:

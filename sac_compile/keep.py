@@ -17,7 +17,9 @@ __all__ = [
     "NO_REGION",
     "PARAM",
     "RNG",
+    "Keep",
     "KeepSet",
+    "Regions",
     "normalize_keep",
     "validate_region_name",
 ]
@@ -62,6 +64,12 @@ class _AllRegions:
 ALL_REGIONS: Final = _AllRegions()
 
 KeepSet = frozenset[str] | _AllRegions
+
+#: What a ``keep=`` argument takes: region names (any iterable of str: a set, a tuple, ``()``
+#: for none) or :data:`ALL_REGIONS`. Normalized to a :data:`KeepSet` by :func:`normalize_keep`.
+Keep = Iterable[str] | _AllRegions
+#: What an ``offload=`` argument takes: region names (never ``ALL_REGIONS``).
+Regions = Iterable[str]
 
 
 def validate_region_name(name: object, *, what: str = "region name") -> str:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, SupportsIndex, cast
+from typing import Any, Literal, SupportsIndex, TypedDict, cast
 
 import torch
 import torch.nn as nn
@@ -54,9 +54,9 @@ from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
 from .eager.routing import routed_compiled_methods
-from .keep import ALL_REGIONS
+from .keep import ALL_REGIONS, Keep, Regions
 from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, exporting, seam_scope_args
-from .policy import SAVE_COSTLY, validate_policy
+from .policy import SAVE_COSTLY, RegionPolicy, validate_policy
 from .records import SEAM_PREFIX, user_class_name
 from .scope_text import Actions
 
@@ -72,6 +72,23 @@ __all__ = [
 # torch.compile's arguments; "mode" and "options" reach the backend, which forwards them to Inductor
 _COMPILE_KEYS = {"fullgraph", "dynamic", "mode", "options"}
 _BACKEND_KEYS = {"inner", "inductor_config"}
+
+
+class CompileOptions(TypedDict, total=False):
+    """A ``compile=`` dict: ``torch.compile``'s ``fullgraph``, ``dynamic``, ``mode``,
+    ``options``, and ``make_sac_backend``'s ``inner``, ``inductor_config``."""
+
+    fullgraph: bool
+    dynamic: bool | None
+    mode: str | None
+    options: Mapping[str, Any]
+    inner: Literal["inductor", "aot_eager"]
+    inductor_config: Mapping[str, Any]
+
+
+#: What a ``compile=`` argument takes: ``False`` (eager), ``True`` (compiled with the
+#: defaults) or :class:`CompileOptions`.
+Compile = bool | CompileOptions
 
 
 @dataclass(frozen=True)
@@ -92,13 +109,13 @@ def is_container(module: nn.Module) -> bool:
 
 def apply_selective_checkpointing(
     module: nn.Module,
-    keep: object = (),
+    keep: Keep = (),
     *,
     preserve_rng_state: bool = True,
-    compile: bool | Mapping[str, Any] = False,
-    policy: object = SAVE_COSTLY,
+    compile: Compile = False,
+    policy: RegionPolicy = SAVE_COSTLY,
     budget: float | None = None,
-    offload: object = (),
+    offload: Regions = (),
 ) -> nn.Module:
     """Checkpoint ``module`` keeping the regions in ``keep``; returns ``module`` itself.
 

@@ -481,3 +481,37 @@ def test_an_old_hf_module_path_imports_the_new_module_and_names_it(old, new):
         moved = importlib.import_module(f"sac_compile.{old}")
     assert moved is importlib.import_module(f"sac_compile.hf.{new}")
     assert any(f"import sac_compile.hf.{new}" in str(w.message) for w in caught), caught
+
+
+def test_public_parameters_are_typed_for_a_reader():
+    """``keep``, ``offload``, ``policy``, ``compile`` and ``memory`` on the public entry points
+    carry their types (``Keep``, ``Regions``, ``RegionPolicy``, ``Compile``, bytes / a
+    fraction / a unit string), not ``object`` or ``Any`` (red before)."""
+    import dataclasses
+    import inspect
+
+    import sac_compile as sc
+    from sac_compile import hf
+    from sac_compile.hf.plan import StepFigures
+
+    entry = [
+        sc.apply_selective_checkpointing,
+        sc.region_context_fn,
+        sc.make_sac_backend,
+        sc.plan,
+        hf.config_for,
+        hf.checkpointing_kwargs,
+        hf.plan_for,
+        StepFigures.peak,
+        StepFigures.step,
+    ]
+    named = {"keep", "offload", "policy", "compile", "memory"}
+    found = []
+    for f in entry:
+        for name, p in inspect.signature(f).parameters.items():
+            if name in named:
+                found.append((f.__qualname__, name, str(p.annotation)))
+    found += [("SacConfig", f.name, str(f.type)) for f in dataclasses.fields(sc.SacConfig) if f.name in named]
+    assert len(found) >= 20, found
+    untyped = [f for f in found if f[2] in ("object", "Any", "typing.Any", inspect.Parameter.empty)]
+    assert not untyped, untyped

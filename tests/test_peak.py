@@ -435,6 +435,10 @@ def test_plan_for_refuses_a_sequence_or_batch_that_is_not_positive():
         hf.plan_for(model, "40GiB", device="h100-80gb", loss="mse")
     with pytest.raises(ValueError, match=r"plan_for\(loss='chunked'\) without device="):
         hf.plan_for(model, 0.5, loss="chunked")
+    # a device's memory without a device (red before: refused only inside plan, after a forward)
+    for memory in ("40GiB", None):
+        with pytest.raises(TypeError, match=rf"plan_for\(memory={memory!r}\) without device="):
+            hf.plan_for(model, memory)
 
 
 @default_torch_only

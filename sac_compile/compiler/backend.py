@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 
@@ -31,11 +31,11 @@ from .._compat import aot, dynamo, frames, inductor
 from .._compat.ops import is_view_op, op_name
 from ..diagnostics import compiled as diagnosed
 from ..diagnostics import describe_module, side_file, trace_watch
-from ..keep import ALL_REGIONS
+from ..keep import ALL_REGIONS, Keep, Regions
 from ..marker_walk import MarkerKind
 from ..markers import marker_kind
 from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, running_regions, with_block_fallbacks
-from ..policy import SAVE_COSTLY
+from ..policy import SAVE_COSTLY, RegionPolicy
 from ..scope_text import Actions
 from . import session
 from .session import CompileUnit
@@ -362,13 +362,13 @@ _BACKENDS_LOCK = threading.Lock()
 
 
 def make_sac_backend(
-    keep: object = ALL_REGIONS,
+    keep: Keep = ALL_REGIONS,
     *,
-    policy: object = SAVE_COSTLY,
+    policy: RegionPolicy = SAVE_COSTLY,
     budget: float | None = None,
-    inner: str = "inductor",
+    inner: Literal["inductor", "aot_eager"] = "inductor",
     inductor_config: Mapping[str, Any] | None = None,
-    offload: object = (),
+    offload: Regions = (),
 ) -> SacBackend:
     """Return the (memoised) backend keeping the regions named in ``keep``.
 

@@ -16,13 +16,14 @@ import contextvars
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from .. import records
 from .._compat import logs
 from ..markers.context import NO_CONTEXT, Enclosing
 
 __all__ = [
+    "Advisor",
     "CompileUnit",
     "advise",
     "capture_units",
@@ -112,10 +113,17 @@ def publish(record: records.GraphRecord) -> None:
 
 # The planner's advice on a hand-picked keep set (sac_compile.planning.advice): set once by
 # the package's root module, which sits above both; consulted by every sac backend call.
-_advisor: Any = None
+class Advisor(Protocol):
+    """What the compile session consults before a sac backend compiles a training graph
+    (the planner's :func:`sac_compile.planning.advice.advise`)."""
+
+    def __call__(self, backend: Any, gm: Any, example_inputs: list[Any], unit: CompileUnit) -> None: ...
 
 
-def set_advisor(advisor: Any) -> None:
+_advisor: Advisor | None = None
+
+
+def set_advisor(advisor: Advisor | None) -> None:
     """``advisor(backend, gm, example_inputs, unit)`` is called before each training graph a
     sac backend compiles (outside :func:`capture_units` blocks); ``None`` turns it off."""
     global _advisor

@@ -26,9 +26,9 @@ from .._compat.dynamo import forward_side_effects_under_checkpoint, unwrap_compi
 from .._compat.transformers import kernelized_classes
 from ..config import SacConfig
 from ..declare import declare_regions
-from ..keep import ALL_REGIONS, normalize_keep
+from ..keep import ALL_REGIONS, Keep, Regions, normalize_keep
 from ..planning import ModelPlan, plan_model
-from ..policy import SAVE_COSTLY
+from ..policy import SAVE_COSTLY, RegionPolicy
 from .layers import (
     LAYERS,
     REGION_NAMES,
@@ -68,7 +68,7 @@ __all__ = [
 
 
 def config_for(
-    model: nn.Module, keep: Any = (), *, include: Iterable[str] | None = None, **options: Any
+    model: nn.Module, keep: Keep = (), *, include: Iterable[str] | None = None, **options: Any
 ) -> SacConfig:
     """A :class:`SacConfig` checkpointing every layer of every stack of ``model`` (:func:`stacks`)
     with its regions declared (:func:`regions_for`).
@@ -104,7 +104,7 @@ def config_for(
 @overload
 def plan_for(
     model: nn.Module,
-    memory: Any,
+    memory: int | float,
     *,
     batch: int = 2,
     seq: int = 128,
@@ -123,7 +123,7 @@ def plan_for(
 @overload
 def plan_for(
     model: nn.Module,
-    memory: Any,
+    memory: int | str | None,
     *,
     batch: int = 2,
     seq: int = 128,
@@ -141,13 +141,13 @@ def plan_for(
 
 def plan_for(
     model: nn.Module,
-    memory: Any,
+    memory: int | float | str | None,
     *,
     batch: int = 2,
     seq: int = 128,
     inputs: dict[str, Any] | None = None,
     include: Iterable[str] | None = None,
-    device: Any = None,
+    device: str | Device | Target | None = None,
     fsdp: int = 1,
     tp: int = 1,
     ep: int = 1,
@@ -178,16 +178,7 @@ def plan_for(
     (with ``device``): how the trainer's loss holds the logits,
     :data:`sac_compile.planning.devices.LOSSES` (default ``"transformers"``; a ``Target``
     passed as ``device`` carries its own)."""
-    for name, value in (("batch", batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"plan_for({name}={value!r}): a positive int ({'sequences' if name == 'batch' else 'tokens a sequence'} "
-                "per device)"
-            )
-    if loss is not None and device is None:
-        raise ValueError(
-            f"plan_for(loss={loss!r}) without device=: the loss is part of a device's step (pass device=...)"
-        )
+    _check_plan_for(memory, batch, seq, device, loss)
     read = read_stacks(model, include or ())
     report_unchecked(
         model,
@@ -202,7 +193,13 @@ def plan_for(
             )
             inputs = {"input_ids": ids}
         return plan_model(
-            model, layers=patterns, memory=memory, regions=merged(read), use_cache=False, **inputs, **options
+            model,
+            layers=patterns,
+            memory=cast("int | float", memory),  # (a str or None refused above)
+            regions=merged(read),
+            use_cache=False,
+            **inputs,
+            **options,
         )
     from .plan import plan_for_device
 
@@ -210,12 +207,32 @@ def plan_for(
     return plan_for_device(model, memory, read, batch, seq, inputs, device, parallel, compile, options)
 
 
+def _check_plan_for(memory: object, batch: object, seq: object, device: object, loss: object) -> None:
+    """``plan_for``'s arguments checked before any work."""
+    for name, value in (("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"plan_for({name}={value!r}): a positive int ({'sequences' if name == 'batch' else 'tokens a sequence'} "
+                "per device)"
+            )
+    if device is None and (memory is None or isinstance(memory, str)):
+        raise TypeError(
+            f"plan_for(memory={memory!r}) without device=: per layer, bytes (an int) or a fraction of each "
+            "layer's no-checkpoint bytes (a float); a device's memory ('80GB', None: the device's own) needs "
+            "device=..."
+        )
+    if loss is not None and device is None:
+        raise ValueError(
+            f"plan_for(loss={loss!r}) without device=: the loss is part of a device's step (pass device=...)"
+        )
+
+
 def checkpointing_kwargs(
     model: nn.Module,
-    keep: Any = (),
+    keep: Keep = (),
     *,
-    policy: Any = SAVE_COSTLY,
-    offload: Any = (),
+    policy: RegionPolicy = SAVE_COSTLY,
+    offload: Regions = (),
     preserve_rng_state: bool = True,
     early_stop: bool = True,
 ) -> dict[str, Any]:

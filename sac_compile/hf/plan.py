@@ -15,6 +15,7 @@ import torch.nn as nn
 from .._compat.aot import meta_rng_states
 from .._compat.dynamo import unwrap_compiled
 from .._compat.transformers import grouped_query_sdpa
+from ..keep import Keep, Regions
 from ..planning import ModelPlan, plan_model
 from ..planning.peak import Peak
 from .layers import layer_regions, merged, read_stacks, report_unchecked, vocab_size
@@ -242,7 +243,7 @@ def _attention_sizes(text: Any, target: Any, width: int) -> dict[str, int]:
 def predict_peak(
     model: nn.Module,
     target: Any,
-    keep: Any = None,
+    keep: Keep | str | None = None,
     *,
     inputs: dict[str, Any] | None = None,
     include: Iterable[str] | None = None,
@@ -265,13 +266,15 @@ class StepFigures:
     ]  # per group: one layer's parameters, of them the routed experts'
     sizes: Any  # planning.peak.ModelSizes
 
-    def peak(self, keep: Any = None, *, compile: bool = False, offload: Any = ()) -> Peak:
+    def peak(self, keep: Keep | str | None = None, *, compile: bool = False, offload: Regions = ()) -> Peak:
         """The predicted peak with every layer keeping ``keep`` (None: no checkpoint;
         ``"torchtitan-op"``: torchtitan's per-op SAC) and offloading ``offload`` (measured
         with ``Target(offload=True)``), under the eager engine or (``compile``) compiled."""
         return max(self.stages(keep, compile=compile, offload=offload), key=lambda p: p.reserved)
 
-    def stages(self, keep: Any = None, *, compile: bool = False, offload: Any = ()) -> list[Peak]:
+    def stages(
+        self, keep: Keep | str | None = None, *, compile: bool = False, offload: Regions = ()
+    ) -> list[Peak]:
         """:meth:`peak` per rank it may fall on (with pipeline parallelism the first stage's
         and the last's: :func:`sac_compile.planning.peak.stage_peaks`)."""
         from ..planning.figures import configured, configured_figures
@@ -284,12 +287,16 @@ class StepFigures:
         )
         return stage_peaks(self.sizes, layers, self.target)
 
-    def seconds(self, keep: Any = None, *, compile: bool = True, offload: Any = ()) -> float:
+    def seconds(
+        self, keep: Keep | str | None = None, *, compile: bool = True, offload: Regions = ()
+    ) -> float:
         """The step's time on the target, estimated (:func:`sac_compile.planning.step_time.step_time`),
         every layer keeping ``keep`` and offloading ``offload``."""
         return self.step(keep, compile=compile, offload=offload).seconds
 
-    def step(self, keep: Any = None, *, compile: bool = True, offload: Any = ()) -> StepTime:
+    def step(
+        self, keep: Keep | str | None = None, *, compile: bool = True, offload: Regions = ()
+    ) -> StepTime:
         """The step's predicted time by term, tokens/s and MFU, every layer keeping ``keep``
         and offloading ``offload`` (compiled, or eager: every copy exposed)."""
         from ..planning.figures import configured

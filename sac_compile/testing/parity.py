@@ -10,7 +10,7 @@ and keep set. Parameters are left out on both sides.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..compiler.backend import make_sac_backend
 from ..eager import checkpoint_with_regions
 from ..inspection import capture_partition
-from ..keep import INPUT, NO_REGION, PARAM, RNG, KeepSet, format_keep, normalize_keep
+from ..keep import INPUT, NO_REGION, PARAM, RNG, Keep, KeepSet, format_keep, normalize_keep
 
 __all__ = ["ParityReport", "parity_report"]
 
@@ -57,7 +57,9 @@ class ParityReport:
         return "\n".join(lines)
 
 
-def parity_report(module: nn.Module, *args: Any, keep: object, inner: str = "inductor") -> ParityReport:
+def parity_report(
+    module: nn.Module, *args: Any, keep: Keep, inner: Literal["inductor", "aot_eager"] = "inductor"
+) -> ParityReport:
     """Run ``module(*args)`` once eagerly under the engine and once compiled; compare."""
     keep_set = normalize_keep(keep)
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
