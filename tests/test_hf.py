@@ -19,9 +19,9 @@ pytest.importorskip("transformers")
 import sac_compile as sc  # noqa: E402
 from sac_compile import hf  # noqa: E402
 from sac_compile.testing import hf_families  # noqa: E402
-from sac_compile.testing.parity import parity_report  # noqa: E402
 
 from .models import bit_identical, lm_step  # noqa: E402
+from .parity import parity_report  # noqa: E402
 
 MODELS = {
     "llama": (lambda: hf_families.tiny_llama(), ("attn", "mlp")),

@@ -7,7 +7,8 @@ import torch
 
 import sac_compile as sc
 from sac_compile.testing.models import Block
-from sac_compile.testing.parity import parity_report
+
+from .parity import parity_report
 
 # aot_eager: what is saved is decided before codegen; Inductor's partitions are compared
 # with aot_eager's in tests/test_partition_reports.py

@@ -1,8 +1,28 @@
 """Fixtures, not the library: ``import sac_compile`` never imports this package.
 
-* :mod:`.models` - the small marked transformer, MoE and expert-parallel models of the
-  demo, the benchmarks and the tests;
+:data:`PUBLIC` names what the README, the docs and the examples import from here -- small
+models to try the library on, the rank runner, an op counter, a hand-written checkpoint
+baseline -- and is kept stable like the library's own names (a test holds the README, docs
+and examples to it). Everything else here serves this project's tests and benchmarks and may
+change without notice:
+
+* :mod:`.models` - the small marked transformer, MoE and expert-parallel models;
+* :mod:`.hf_families`, :mod:`.hf_vision`, :mod:`.hf_multimodal`, :mod:`.hf_encoders` - tiny
+  transformers models of many families, built from configs;
 * :mod:`.ranks` - run a function on N gloo ranks (spawned CPU processes);
-* :mod:`.parity` - eager vs compiled saved bytes per region;
-* :mod:`.counting` - count the ops a piece of code dispatches.
+* :mod:`.tp` - a Llama stack laid out for tensor parallelism as torchtitan lays it out;
+* :mod:`.counting` - count the ops a piece of code dispatches;
+* :mod:`.baselines` - hand-written checkpointing baselines;
+* :mod:`.method_compiled` - a trainer's layout: methods compiled inside a checkpoint.
 """
+
+#: module -> the names of it the README, the docs and the examples use (stable)
+PUBLIC: dict[str, tuple[str, ...]] = {
+    "models": ("Block", "Stack", "MoETransformer", "EPBlock", "EPStack"),
+    "hf_families": ("tiny_llama", "tiny_qwen", "tiny_qwen3_moe"),
+    "hf_vision": ("build",),
+    "ranks": ("run_ranks",),
+    "counting": ("CountOps",),
+    "baselines": ("Checkpointed",),
+    "tp": ("REGIONS", "LlamaStack", "parallelize"),
+}

@@ -15,10 +15,10 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ..compiler.backend import make_sac_backend
-from ..eager import checkpoint_with_regions
-from ..inspection import capture_partition
-from ..keep import INPUT, NO_REGION, PARAM, RNG, Keep, KeepSet, format_keep, normalize_keep
+from sac_compile.compiler.backend import make_sac_backend
+from sac_compile.eager import checkpoint_with_regions
+from sac_compile.inspection import capture_partition
+from sac_compile.keep import INPUT, NO_REGION, PARAM, RNG, Keep, KeepSet, format_keep, normalize_keep
 
 __all__ = ["ParityReport", "parity_report"]
 
