@@ -19,6 +19,7 @@ __all__ = [
     "bit_identical",
     "grads",
     "lm_step",
+    "meta_llama",
     "net_forward_bytes",
     "run_step",
 ]
@@ -93,3 +94,20 @@ def net_forward_bytes(fn) -> int:
     finally:
         gc.enable()
     return sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+def meta_llama(seq_heads: int = 8) -> nn.Module:
+    """A 4-layer Llama (hidden 1024, 8 query heads by default) on the meta device, training mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=seq_heads,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg).train()

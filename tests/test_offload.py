@@ -14,6 +14,8 @@ import torch
 import sac_compile as sc
 from sac_compile.testing.models import Block
 
+from .models import meta_llama
+
 X_SHAPE = (2, 8, 16)
 
 
@@ -224,24 +226,6 @@ def test_a_plan_allowed_to_offload_never_recomputes_more_at_any_memory():
     assert better > 0
 
 
-def _meta_llama():
-    """A 4-layer Llama (hidden 1024) on the meta device."""
-    pytest.importorskip("transformers")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        use_cache=False,
-    )
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg).train()
-
-
 def _offload_target(**more):
     from sac_compile.planning.devices import Target
 
@@ -252,9 +236,10 @@ def _offload_target(**more):
 def device_plan():
     """The meta Llama planned for an H100 that may offload to host memory over NVLink-C2C,
     measured once."""
+    pytest.importorskip("transformers")
     from sac_compile import hf
 
-    return hf.plan_for(_meta_llama(), None, device=_offload_target(), budgets=(None,))
+    return hf.plan_for(meta_llama(), None, device=_offload_target(), budgets=(None,))
 
 
 @pytest.mark.slow
@@ -262,9 +247,10 @@ def test_step_figures_predict_a_configuration_that_offloads():
     """``StepFigures.peak`` / ``.step`` with ``offload=``: keep attn, offload mlp holds less
     on the device than keeping both and copies what it offloads; unmeasured (a target that
     does not offload) is a clear error."""
+    pytest.importorskip("transformers")
     from sac_compile import hf
 
-    figures = hf.step_figures(_meta_llama(), _offload_target())
+    figures = hf.step_figures(meta_llama(), _offload_target())
     both = figures.peak({"attn", "mlp"}, compile=True)
     moved = figures.peak({"attn"}, compile=True, offload={"mlp"})
     assert moved.breakdown["activations"] < both.breakdown["activations"]
@@ -273,7 +259,7 @@ def test_step_figures_predict_a_configuration_that_offloads():
     with pytest.raises(ValueError, match=r"\['nope'\]: no layer has such a region"):
         figures.peak({"attn"}, offload={"nope"})
     plain = hf.step_figures(
-        _meta_llama(), _offload_target().replace(offload=False, host_memory=None, host_link=None)
+        meta_llama(), _offload_target().replace(offload=False, host_memory=None, host_link=None)
     )
     with pytest.raises(ValueError, match=r"keep=\['attn'\], offload=\['mlp'\], budget=None was not measured"):
         plain.peak({"attn"}, offload={"mlp"})

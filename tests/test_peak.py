@@ -21,6 +21,7 @@ from sac_compile.planning.devices import DEVICES, Target, device, parse_memory  
 from sac_compile.planning.peak import TERMS, LayerFigures, ModelSizes, head_logits_bytes, step_peak  # noqa: E402
 from sac_compile.testing.hf_families import tiny_llama, tiny_qwen3_moe  # noqa: E402
 
+from .models import meta_llama  # noqa: E402
 from .releases import default_torch_only, extended  # noqa: E402
 
 BATCH, SEQ = 2, 256
@@ -178,29 +179,13 @@ def test_bad_targets_are_refused_clearly():
     assert all(d.source and d.bf16_flops > 0 and d.bandwidth > 0 for d in DEVICES.values())
 
 
-def _meta_llama(seq_heads: int = 8):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=4,
-        num_attention_heads=seq_heads,
-        num_key_value_heads=2,
-        use_cache=False,
-    )
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg).train()
-
-
 @pytest.mark.slow
 def test_a_meta_models_predicted_peak_follows_the_keep_set():
     """Red before: on the meta device the eager engine holds nothing that can be measured
     (its figure was a 5,056 B CPU RNG state), so every keep set predicted the same peak. The
     eager engine's figures of a meta model are its compiled partition's (not measured)."""
     target = Target("h100-80gb", batch=1, seq=2048, fsdp=8)  # the activations dominate
-    figures = hf.step_figures(_meta_llama(), target)
+    figures = hf.step_figures(meta_llama(), target)
     none, attn, full = (figures.peak(keep) for keep in (None, {"attn"}, ()))
     assert full.bytes < attn.bytes < none.bytes, (full, attn, none)
     assert 0 < full.breakdown["activations"] < attn.breakdown["activations"] < none.breakdown["activations"]
@@ -243,7 +228,7 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
     seq, heads = 1024, 16
     scores = heads * seq * seq * 2  # one bf16 seq x seq matrix per head
     # FSDP over 8 devices: the activations dominate a step of this small model
-    gpu = hf.plan_for(_meta_llama(heads), "80GB", device="h100-80gb", batch=1, seq=seq, fsdp=8)
+    gpu = hf.plan_for(meta_llama(heads), "80GB", device="h100-80gb", batch=1, seq=seq, fsdp=8)
     assert gpu.fits and gpu.peak_bytes <= gpu.target.usable
     table = gpu.measured[0].plan
 
@@ -252,7 +237,7 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
         return found[frozenset({"attn"})] - found[frozenset()]
 
     assert kept_by_attention(table) < scores / 4  # flash: output and logsumexp
-    cpu_math = hf.plan_for(_meta_llama(heads), "1TB", device="cpu", batch=1, seq=seq, budgets=(None,))
+    cpu_math = hf.plan_for(meta_llama(heads), "1TB", device="cpu", batch=1, seq=seq, budgets=(None,))
     assert kept_by_attention(cpu_math.measured[0].plan) > scores  # the math path: the probabilities
     # a larger memory never gives more predicted recompute; nothing measured again
     full = [c for c in table.candidates if not c.keep and c.budget is None][0]
@@ -424,7 +409,7 @@ def test_the_command_line_lists_its_commands(capsys):
 
 def test_plan_for_refuses_a_sequence_or_batch_that_is_not_positive():
     """Red before: the failure came 17 frames deep in transformers."""
-    model = _meta_llama()
+    model = meta_llama()
     for kwargs in ({"seq": 0}, {"batch": -1}, {"seq": 1.5}):
         ((name, value),) = kwargs.items()
         with pytest.raises(ValueError, match=rf"plan_for\({name}={value!r}\): a positive int"):
