@@ -416,6 +416,13 @@ class Target:
         """The :class:`~sac_compile.planning.host.HostLink` offloaded values cross."""
         return HOST_LINKS[self.host_link or self.device.host_link]  # type: ignore[union-attr]
 
+    def compute_seconds(self, flops: float, traffic: float = 0.0) -> float:
+        """Seconds one rank computes ``flops`` costly FLOPs and moves ``traffic`` memory-bound
+        bytes (a whole step's worth, split ``tp`` ways): the device's roofline over the
+        efficiency a published run reached (:mod:`.step_time`)."""
+        d = self.device
+        return (flops / d.bf16_flops + traffic / d.bandwidth) / d.efficiency / self.tp  # type: ignore[union-attr]
+
     @property
     def usable(self) -> int:
         """The bytes a plan may use: ``memory`` less the headroom."""

@@ -91,14 +91,11 @@ def transfer(c: Candidate | None, target: Target, compile: bool) -> tuple[float,
     link = target.host.bandwidth * HOST_EFFICIENCY
     if not compile:
         return 2 * moved / link, 2 * moved / link
-    device = target.device
 
     def copy(nbytes: int) -> float:
         return nbytes / target.tp / link
 
-    def seconds(flops: int, traffic: int) -> float:
-        roofline = flops / device.bf16_flops + traffic / device.bandwidth  # type: ignore[union-attr]
-        return roofline / device.efficiency / target.tp  # type: ignore[union-attr]
+    seconds = target.compute_seconds
 
     exposed = 0.0
     for graph in c.copies:

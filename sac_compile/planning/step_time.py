@@ -128,11 +128,10 @@ def step_time(
     Layer figures are per traced unit (one microbatch, one rank's share of the sequence): a
     rank runs ``1 / pp`` of the layers for each of ``target.microbatches``. ``compile``: the
     layers compiled (offload copies overlap compute: :mod:`.offload`) or eager."""
-    device = target.device
-    rate, efficiency = device.bf16_flops, device.efficiency  # type: ignore[union-attr]
+    rate = target.device.bf16_flops  # type: ignore[union-attr]
     runs = target.microbatches / target.pp  # traced units of every layer a rank runs a step
     head_flops = sizes.head_flops * 4 // 3 if _chunked(target) else sizes.head_flops
-    head = (head_flops / rate + sizes.head_traffic / device.bandwidth) / efficiency / target.tp  # type: ignore[union-attr]
+    head = target.compute_seconds(head_flops, sizes.head_traffic)
     total = _Sum(compute=head * runs, model=sizes.head_flops * runs)
     for count, table, c, params in layers:
         _layer(total, count * runs, table, c, params, sizes, target, compile)
@@ -175,8 +174,13 @@ def _layer(
     tp, cp, ep, shard = target.tp, target.cp, target.ep, target.fsdp * target.cp
     recompute = c.recompute_flops if c else 0
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
+    # context parallelism: each rank attends to the whole sequence, cp times the traced attention
     ring = (cp - 1) * sizes.attention_flops
-    forward, backward = _layer_seconds(table, c, sizes, target)
+    forward = target.compute_seconds(table.forward_flops + ring, table.forward_traffic)
+    backward = target.compute_seconds(
+        table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring,
+        table.no_checkpoint_traffic + (c.recompute_traffic if c else 0),
+    )
     total.compute += units * (forward + backward)
     copying, exposed = transfer(c, target, compile)
     total.transfer += units * copying
@@ -203,27 +207,8 @@ def _layer(
         total.ep += units * (2 + redo) * moved / _link(target, ep, tp)
     if cp > 1:  # keys and values around the ring (and their gradients back), beside the attention
         passes = (cp - 1) * sizes.kv_bytes / tp * (1 + 2 + redo) / _link(target, cp, tp)
-        device = target.device
-        hidden = 4.5 * ring / device.bf16_flops / device.efficiency / tp  # type: ignore[union-attr]
+        hidden = target.compute_seconds(4.5 * ring)
         total.cp += units * max(passes - hidden, 0.0)
-
-
-def _layer_seconds(
-    table: Plan, c: Candidate | None, sizes: ModelSizes, target: Target
-) -> tuple[float, float]:
-    """One layer's forward and backward compute seconds per traced unit on a rank of
-    ``target`` with candidate ``c`` (None: no checkpoint): the roofline of its FLOPs and
-    memory-bound bytes over the device's efficiency, split ``tp`` ways."""
-    device = target.device
-    rate, bandwidth, efficiency = device.bf16_flops, device.bandwidth, device.efficiency  # type: ignore[union-attr]
-    recompute = c.recompute_flops if c else 0
-    redo = recompute / table.forward_flops if table.forward_flops else 0.0
-    # context parallelism: each rank attends to the whole sequence, cp times the traced attention
-    ring = (target.cp - 1) * sizes.attention_flops
-    forward = (table.forward_flops + ring) / rate + table.forward_traffic / bandwidth
-    backward = (table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring) / rate
-    backward += (table.no_checkpoint_traffic + (c.recompute_traffic if c else 0)) / bandwidth
-    return forward / efficiency / target.tp, backward / efficiency / target.tp
 
 
 def _ring(elements: float, ranks: int, bandwidth: float) -> float:
