@@ -45,19 +45,25 @@ def _resolve_backend(backend: Any) -> _backend.SacBackend:
 
 
 @contextlib.contextmanager
-def fresh_compile(fn: Callable[..., Any], backend: Any) -> Iterator[Callable[..., Any]]:
+def fresh_compile(
+    fn: Callable[..., Any], backend: Any, dynamic: bool | None = None
+) -> Iterator[Callable[..., Any]]:
     """``fn`` compiled afresh with ``backend`` (a sac backend, ``"inductor"`` / ``"aot_eager"``
     without checkpointing, or any backend callable), for use inside the ``with`` block: both compile caches off (a
     cache hit would skip the tagging pass), a backend object of its own and its own
     ``isolate_recompiles`` bucket, so its cache entries do not count against the
-    ``recompile_limit`` of your own ``torch.compile`` calls on ``fn``'s code."""
+    ``recompile_limit`` of your own ``torch.compile`` calls on ``fn``'s code. ``dynamic``:
+    ``torch.compile``'s (``False``: static shapes, even where code compiled before at other
+    shapes would be made dynamic)."""
     own = callable(backend) and not isinstance(backend, (str, _backend.SacBackend))
     sac = backend if own else _resolve_backend(backend)
     with contextlib.ExitStack() as stack:
         stack.enter_context(inductor.pass_skipping_caches_disabled())
         stack.enter_context(dynamo.dynamo_config().patch(accumulated_recompile_limit=1 << 20))
         # (torch.compile's typed overloads leave out isolate_recompiles, which it takes)
-        yield cast(Any, torch.compile)(fn, backend=_FreshBackend(sac), isolate_recompiles=True)
+        yield cast(Any, torch.compile)(
+            fn, backend=_FreshBackend(sac), dynamic=dynamic, isolate_recompiles=True
+        )
 
 
 def capture_partition(

@@ -117,11 +117,13 @@ def _regions(node_regions: dict[str, tuple[str, ...]], name: str) -> tuple[str, 
 
 def measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> PartitionEach:
     """Compile ``module`` afresh, partitioning every graph once per configuration; the
-    forward runs once (each graph compiles, and so partitions, when it is first reached)."""
+    forward runs once (each graph compiles, and so partitions, when it is first reached).
+    Static shapes: a layer's code compiled before at other shapes (another model's, in the
+    same process) would otherwise be traced dynamic, its figures symbolic."""
     from ..inspection.capture import fresh_compile
 
     measuring = PartitionEach(configs)
-    with fresh_compile(module, measuring) as compiled:
+    with fresh_compile(module, measuring, dynamic=False) as compiled:
         compiled(*args, **kwargs)
     return measuring
 
