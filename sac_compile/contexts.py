@@ -57,7 +57,7 @@ def region_context_fn(
     offload: Regions = (),
     preserve_rng_state: bool = True,
     early_stop: bool = True,
-) -> functools.partial:
+) -> functools.partial[Any]:
     """A ``context_fn`` for a non-reentrant ``torch.utils.checkpoint`` keeping the regions
     in ``keep`` as ``policy`` decides (see the module docstring).
 
@@ -110,7 +110,7 @@ class _ScopeMarked(TorchDispatchMode):
     implementation sets on its forward context, goes to ``inner``. Scope id 0: a scope
     of its own, not a layer compiled on its own (see ``seam_scope_args``)."""
 
-    def __init__(self, inner: TorchDispatchMode, scope: str) -> None:
+    def __init__(self, inner: Any, scope: str) -> None:  # (torch's _CachingTorchDispatchMode)
         super().__init__()
         self.inner = inner
         self.scope = scope
@@ -133,6 +133,6 @@ class _ScopeMarked(TorchDispatchMode):
         torch.ops.sac_compile.scope_exit(0, self.scope)
 
     def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> NoReturn:  # never pushed
         raise AssertionError("_ScopeMarked is entered through its inner mode only")

@@ -167,17 +167,21 @@ def declared_regions(model: nn.Module) -> dict[str, tuple[str, ...]]:
     return found
 
 
-def _enter_hook(name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
+def _enter_hook(name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if not exporting():  # See Note [markers export as nothing] in sac_compile/markers/regions.py.
         ops.enter_module_region(name, module, args, kwargs)
 
 
-def _exit_hook(name: str, module: nn.Module, _args: tuple, _kwargs: dict, output: object) -> None:
+def _exit_hook(
+    name: str, module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: object
+) -> None:
     if not exporting():
         ops.exit_module_region(name, module, output)
 
 
-def _output_hook(name: str, module: nn.Module, _args: tuple, _kwargs: dict, output: object) -> None:
+def _output_hook(
+    name: str, module: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: object
+) -> None:
     # (prepended: the module's own output, before forward hooks registered earlier change it)
     if not exporting():
         ops.module_output(name, module, output)

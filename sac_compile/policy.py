@@ -48,30 +48,34 @@ from .op_classes import is_costly
 __all__ = [
     "SAVE_ALL",
     "SAVE_COSTLY",
+    "Op",
     "RegionPolicy",
     "is_costly",
     "policy_key",
     "resolve_policy",
 ]
 
+#: The op a policy decides for: an operator overload (``torch.ops.aten.mm.default``), a
+#: higher-order op, or in a compiled graph any other call target of an FX node.
+Op = Callable[..., Any]
 #: ``policy(op, regions, keep)``: a ``CheckpointPolicy``; a bool (True = MUST_SAVE, False =
 #: PREFER_RECOMPUTE, as in ``torch.utils.checkpoint``) or None (the node left untagged, to the
 #: partitioner; eagerly recomputed) is accepted too (:func:`checked_decision`).
-RegionPolicy = Callable[[Any, tuple[str, ...], KeepSet], CheckpointPolicy | bool | None]
+RegionPolicy = Callable[[Op, tuple[str, ...], KeepSet], CheckpointPolicy | bool | None]
 
 
 def _is_kept(regions: tuple[str, ...], keep: KeepSet) -> bool:
     return any(name in keep for name in regions)
 
 
-def save_costly(op: Any, regions: tuple[str, ...], keep: KeepSet) -> CheckpointPolicy:
+def save_costly(op: Op, regions: tuple[str, ...], keep: KeepSet) -> CheckpointPolicy:
     """The default: a kept region's costly values are saved, its cheap ops recomputed."""
     if not _is_kept(regions, keep):
         return CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if is_costly(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def save_all(op: Any, regions: tuple[str, ...], keep: KeepSet) -> CheckpointPolicy:
+def save_all(op: Op, regions: tuple[str, ...], keep: KeepSet) -> CheckpointPolicy:
     """Every op of a kept region is saved (cheap pointwise outputs too). Eagerly, a kept
     declared module or decorated function then runs once per step (its body skipped in the
     recompute, :mod:`sac_compile.eager.bodies`)."""

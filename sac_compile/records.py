@@ -16,6 +16,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from .keep import KeepSet, format_keep
 
@@ -103,7 +104,7 @@ class GraphRecord:
     def whole_graph_scope(self) -> bool:
         return any(s.source == "whole graph" for s in self.scopes)
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """What the pass decided, per scope and region, as JSON-ready data (the structured
         trace artifact ``sac_compile_regions``)."""
         return {

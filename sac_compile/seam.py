@@ -98,7 +98,9 @@ class SeamConfig:
     compile_options: tuple[tuple[str, Any], ...] | None  # None: not compiled by the seam
 
 
-_SUBCLASSES: dict[tuple, type[nn.Module]] = {}
+Args = tuple[Any, ...]  # a call's positional arguments
+Kwargs = dict[str, Any]  # ... and keyword arguments
+_SUBCLASSES: dict[Args, type[nn.Module]] = {}
 
 
 def is_container(module: nn.Module) -> bool:
@@ -314,7 +316,7 @@ def _seam_reduce_ex(self: nn.Module, protocol: SupportsIndex) -> str | tuple[Any
     klass = type(self)
     if klass.__dict__.get("_sac_seam_class") is not True:  # a class made from ours (fully_shard): its own way
         return object.__reduce_ex__(self, protocol)
-    return _rewrapped, (klass.__mro__[1], self._sac_seam), self.__getstate__()
+    return _rewrapped, (klass.__mro__[1], self._sac_seam), self.__getstate__()  # type: ignore[no-untyped-call]
 
 
 def _rewrapped(cls: type[nn.Module], config: SeamConfig) -> nn.Module:
@@ -323,7 +325,7 @@ def _rewrapped(cls: type[nn.Module], config: SeamConfig) -> nn.Module:
     return klass.__new__(klass)
 
 
-def _seam_setstate(self: nn.Module, state: dict) -> None:
+def _seam_setstate(self: nn.Module, state: dict[str, Any]) -> None:
     super(_seam_class(self), self).__setstate__(state)
     _compile(self, cast(SeamConfig, self._sac_seam))
 
@@ -356,7 +358,7 @@ def _seam_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return _eager(self, config, call, legacy, args, kwargs)
 
 
-def _transformers_training_call(self: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _transformers_training_call(self: nn.Module, args: Args, kwargs: Kwargs) -> tuple[Args, Kwargs]:
     """A transformers layer checkpointed (grad enabled, in train or eval mode): cache writes off, as under
     transformers' own checkpointing (:mod:`sac_compile._compat.transformers`); refused when that
     checkpointing is on too (two nested checkpoints)."""
@@ -381,7 +383,7 @@ def _twice_message(module: nn.Module) -> str:
     )
 
 
-def _where(self: nn.Module, args: tuple, kwargs: dict) -> tuple[str, str]:
+def _where(self: nn.Module, args: Args, kwargs: Kwargs) -> tuple[str, str]:
     """The layer a recompute error names, and what to say of its cache arguments (a cache
     written in the forward is written again in the recompute, which then runs other ops)."""
     caches = transformers_layers.cache_arguments(args, kwargs)
@@ -395,7 +397,7 @@ def _where(self: nn.Module, args: tuple, kwargs: dict) -> tuple[str, str]:
 
 
 def _eager(
-    self: nn.Module, config: SeamConfig, call: Callable[..., Any], legacy: bool, args: tuple, kwargs: dict
+    self: nn.Module, config: SeamConfig, call: Callable[..., Any], legacy: bool, args: Args, kwargs: Kwargs
 ) -> Any:
     diagnosed.report_compiled_inside(self)
     if legacy:
@@ -434,7 +436,7 @@ def _eager(
     }
     if diagnosed.engine_done(self, actions.saving):
         return checkpoint_with_regions(call, *args, **engine_kwargs)
-    stats: list = []
+    stats: list[Any] = []
     out = checkpoint_with_regions(call, *args, **engine_kwargs, stats_out=stats)
     diagnosed.check_engine_call(self, actions.saving, stats[0])
     return out
@@ -444,4 +446,5 @@ def _eager(
 def _eager_uncompiled() -> Callable[..., Any]:
     """:func:`_eager` that Dynamo never traces (made on first use: torch.compiler.disable
     imports Dynamo, which `import sac_compile` must not)."""
-    return torch.compiler.disable(_eager, recursive=True)
+    disabled: Callable[..., Any] = torch.compiler.disable(_eager, recursive=True)  # type: ignore[no-untyped-call]
+    return disabled

@@ -117,10 +117,36 @@ def test_bad_arguments_are_refused_before_anything_is_compiled():
     with pytest.raises(ValueError, match="fraction in \\[0, 1\\]"):
         plan(block, x, memory=2.0)
     _, _, p = _block_plan()
-    with pytest.raises(TypeError, match="bytes \\(an int\\) or a fraction"):
+    with pytest.raises(TypeError, match=r"plan\(memory=True\): bytes \(an int\), a number with a unit"):
         p.select(True)
     with pytest.raises(ValueError, match="fraction in \\[0, 1\\]"):
         p.select(1.5)
+
+
+def test_memory_has_one_meaning_per_type_at_every_entry_point():
+    """An int is bytes, a str a number with a unit, a float a fraction of the context's whole
+    (a plan's no-checkpoint bytes, a Target's device memory; none for host memory): one
+    parser, sac_compile.memory.parse_memory (red before: a plan refused "2KiB", a Target took
+    a float over 1 as bytes and refused a fraction)."""
+    from sac_compile.memory import GiB, parse_memory
+    from sac_compile.planning.devices import DEVICES, Target
+
+    _, _, p = _block_plan()
+    whole = p.no_checkpoint_bytes
+    assert p.select("64KiB").memory == p.select(65536).memory == 65536
+    assert p.select(0.5).memory == int(0.5 * whole) and p.select(1.0).memory == whole
+    assert Target("h100-80gb", memory=0.9).memory == int(0.9 * DEVICES["h100-80gb"].memory)
+    assert Target("h100-80gb", memory="70GiB").memory == Target("h100-80gb", memory=70 * GiB).memory
+    with pytest.raises(ValueError, match=r"memory=80000000000.0: a float is a fraction in \[0, 1\]"):
+        Target("h100-80gb", memory=80e9)
+    with pytest.raises(TypeError, match=r"host_memory=0.5: a float is a fraction, and there is no whole"):
+        Target("h100-80gb", offload=True, host_memory=0.5)
+    with pytest.raises(ValueError, match=r"Target\(memory=0\): more than 0 bytes"):
+        Target("h100-80gb", memory=0)
+    with pytest.raises(ValueError, match=r"memory=-1: bytes must be >= 0"):
+        parse_memory(-1)
+    with pytest.raises(TypeError, match=r"memory=\[1\]: bytes \(an int\)"):
+        parse_memory([1])  # type: ignore[arg-type]
 
 
 def test_config_applies_the_plan_and_compiles_when_it_has_a_budget():

@@ -10,7 +10,7 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,16 +39,23 @@ __all__ = [
 ]
 
 
-def aot_autograd(**kwargs: Any):
+def aot_autograd(**kwargs: Any) -> Callable[..., Callable[..., Any]]:
     """A Dynamo backend running AOTAutograd with these compilers (``torch._dynamo.backends.common``)."""
-    return private("torch._dynamo.backends.common", "aot_autograd")(**kwargs)
+    backend: Callable[..., Callable[..., Any]] = private("torch._dynamo.backends.common", "aot_autograd")(
+        **kwargs
+    )
+    return backend
 
 
-def make_boxed_func(fn):
-    return private("functorch.compile", "make_boxed_func")(fn)
+def make_boxed_func(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` taking its inputs as one list (what AOTAutograd calls a compiled graph with)."""
+    boxed: Callable[..., Any] = private("functorch.compile", "make_boxed_func")(fn)
+    return boxed
 
 
-def min_cut_rematerialization_partition(joint, joint_inputs, *, fallback=None, **kwargs: Any):
+def min_cut_rematerialization_partition(
+    joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], *, fallback: Any = None, **kwargs: Any
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """The min-cut partitioner (``torch/_functorch/partitioners.py``): reads ``node.meta``
     ``"recompute"`` (a ``CheckpointPolicy``) and ``"ac_graph_id"`` on forward nodes.
 
@@ -66,7 +73,8 @@ def min_cut_rematerialization_partition(joint, joint_inputs, *, fallback=None, *
     fw, bw = partition(joint, joint_inputs, **kwargs)
     if fallback is None or not _saves_a_tuple(fw):
         return fw, bw
-    return partition(fallback(), joint_inputs, **kwargs)
+    fw, bw = partition(fallback(), joint_inputs, **kwargs)
+    return fw, bw
 
 
 def _saves_a_tuple(fw: torch.fx.GraphModule) -> bool:
@@ -115,7 +123,8 @@ def copy_joint(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
         graph = copy.deepcopy(joint.graph)
     # a lazy graph module generates its Python code only when run: the planner partitions
     # dozens of copies and runs one (torch/fx/_lazy_graph_module.py)
-    return private("torch.fx._lazy_graph_module", "_LazyGraphModule")(joint, graph)
+    module: torch.fx.GraphModule = private("torch.fx._lazy_graph_module", "_LazyGraphModule")(joint, graph)
+    return module
 
 
 def forward_saved_outputs(gm: torch.fx.GraphModule) -> list[str] | None:
@@ -153,7 +162,8 @@ def partitioner_tag(node: Any) -> str | None:
     """AOTAutograd's placement tag on a joint-graph node (``node.meta["partitioner_tag"]``):
     ``"is_forward"`` for nodes traced by the forward, ``"must_be_in_forward"`` /
     ``"must_be_in_backward"`` for nodes pinned to one side."""
-    return node.meta.get("partitioner_tag")
+    tag = node.meta.get("partitioner_tag")
+    return None if tag is None else str(tag)
 
 
 def is_with_effects(node: Any) -> bool:
@@ -235,7 +245,7 @@ def running_compiled_code(max_depth: int = 64) -> bool:
     return False
 
 
-def compute_intensive_ops() -> frozenset:
+def compute_intensive_ops() -> frozenset[Any]:
     """The partitioner's compute-intensive ops (``torch._functorch.partitioners.get_default_op_list``:
     mm, addmm, bmm, convolutions, the flash / efficient SDPA kernels, ``_scaled_mm``), as
     overloads: the ops torchtitan's per-op selective AC saves first."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -52,14 +52,29 @@ __all__ = [
 
 # torch.utils._python_dispatch.TorchDispatchMode: the base class of dispatch modes
 # (private module, the documented way to write one).
-TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode")
+if TYPE_CHECKING:
+
+    class TorchDispatchMode:
+        """The typed face of torch's class (unannotated there): what our modes use of it."""
+
+        supports_higher_order_operators: bool
+
+        def __init__(self) -> None: ...
+        def __enter__(self) -> Any: ...
+        def __exit__(self, *exc: object) -> None: ...
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any: ...
+
+else:
+    TorchDispatchMode = private("torch.utils._python_dispatch", "TorchDispatchMode")
 # A cached value as SAC stores it: a detached alias wrapped with the version counter it
 # had when cached (get_val raises if it was written in place since).
 VersionWrapper = private("torch.utils.checkpoint", "_VersionWrapper")
 detach_helper = private("torch.utils.checkpoint", "_detach_helper")
 
 
-def sac_ignored_ops() -> frozenset:
+def sac_ignored_ops() -> frozenset[Any]:
     """Ops SAC neither caches nor counts (``torch.utils.checkpoint.SAC_IGNORED_OPS``: detach,
     ``prim.device`` and ``FunctionalTensor.metadata_fns``, which checkpoint's own checks may
     run a different number of times in the forward and the recompute)."""
@@ -69,7 +84,7 @@ def sac_ignored_ops() -> frozenset:
 _STORAGE_KEY = getattr(torch.utils.checkpoint, "_sac_storage_key", None)
 
 
-def sac_storage_key(func: Any, args: tuple) -> Any:
+def sac_storage_key(func: Any, args: tuple[Any, ...]) -> Any:
     """The key of ``func``'s per-op FIFO of cached values (``_sac_storage_key``): the op,
     except that each Inductor-compiled region called as ``inductor_compiled_code`` gets its
     own queue (upstream gh-175258: one shared queue served the wrong entry when a cached
@@ -101,7 +116,11 @@ def checkpoint_is_traced() -> bool:
 
 
 # Public: PyTorch's selective-checkpoint context pair (a caching and a cached dispatch mode).
-selective_checkpoint_contexts = torch.utils.checkpoint.create_selective_checkpoint_contexts
+def selective_checkpoint_contexts(policy: Callable[..., Any]) -> tuple[Any, Any]:
+    """``create_selective_checkpoint_contexts(policy)``: the caching (forward) and cached
+    (recompute) contexts."""
+    pair: tuple[Any, Any] = torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)  # type: ignore[no-untyped-call]
+    return pair
 
 
 def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
@@ -111,7 +130,7 @@ def top_saved_tensors_hooks() -> tuple[Any, Any] | None:
 
 
 @contextlib.contextmanager
-def checkpoint_internal_hooks(pack: Callable, unpack: Callable) -> Iterator[None]:
+def checkpoint_internal_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> Iterator[None]:
     """``saved_tensors_hooks(pack, unpack)`` that a checkpoint nested inside takes for the
     checkpoint's own, not the user's.
 
@@ -141,7 +160,7 @@ def checkpoint_internal_hooks(pack: Callable, unpack: Callable) -> Iterator[None
 _autograd_c = torch._C._autograd
 
 
-def pop_saved_tensors_hooks(n: int) -> list[tuple[Callable, Callable]]:
+def pop_saved_tensors_hooks(n: int) -> list[tuple[Callable[..., Any], Callable[..., Any]]]:
     """Pop the ``n`` innermost saved-tensors hook pairs; returned innermost first."""
     popped = []
     for _ in range(n):
@@ -153,13 +172,13 @@ def pop_saved_tensors_hooks(n: int) -> list[tuple[Callable, Callable]]:
     return popped
 
 
-def push_saved_tensors_hooks(pairs: list[tuple[Callable, Callable]]) -> None:
+def push_saved_tensors_hooks(pairs: list[tuple[Callable[..., Any], Callable[..., Any]]]) -> None:
     """Push back what :func:`pop_saved_tensors_hooks` popped (innermost last)."""
     for pack, unpack in reversed(pairs):
         _autograd_c._push_saved_tensors_default_hooks(pack, unpack)
 
 
-def push_hooks(pack: Callable, unpack: Callable) -> None:
+def push_hooks(pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
     _autograd_c._push_saved_tensors_default_hooks(pack, unpack)
 
 
@@ -198,7 +217,7 @@ def _holders_base() -> int:
     # A storage whose Python object was ever made (untyped_storage(), which is how we name
     # storages) counts one more use than the tensors on it: probe how many.
     t = torch.empty(1)
-    ref = StorageWeakRef(t.untyped_storage())
+    ref = cast(Any, StorageWeakRef)(t.untyped_storage())
     return torch._C._storage_Use_Count(ref.cdata) - 1
 
 
@@ -229,7 +248,9 @@ def dynamo_free(cls: type[Any]) -> type[Any]:
     ``_should_skip_dynamo`` returning False, so that torch does not wrap it again."""
     body = cls.__dict__["__torch_dispatch__"]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self: Any, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         prior = _set_eval_frame(None)
         try:
             return body(self, func, types, args, kwargs)
@@ -244,7 +265,7 @@ def dynamo_free(cls: type[Any]) -> type[Any]:
     return cls
 
 
-_skipped: set = set()
+_skipped: set[type[Any]] = set()
 
 
 def mark_dynamo_free(mode: Any) -> None:
@@ -295,6 +316,9 @@ def stand_in_maker(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     cls, size, stride = type(t), t.shape, t.stride()
 
     def make() -> torch.Tensor:
-        return cls.__tensor_unflatten__({**opaque, **{n: f() for n, f in makers.items()}}, ctx, size, stride)  # type: ignore[attr-defined]
+        made: torch.Tensor = cls.__tensor_unflatten__(  # type: ignore[attr-defined]
+            {**opaque, **{n: f() for n, f in makers.items()}}, ctx, size, stride
+        )
+        return made
 
     return make

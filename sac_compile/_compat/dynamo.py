@@ -6,6 +6,7 @@ first use only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,11 +56,12 @@ def drop_compiled_call(module: torch.nn.Module) -> None:
     module.__dict__.pop("_compiled_call_impl", None)
 
 
-def dynamo_config():
+def dynamo_config() -> Any:
+    """``torch._dynamo.config`` (a config module: ``patch()``, settings as attributes)."""
     return private("torch._dynamo", "config")
 
 
-def current_dynamo_tx():
+def current_dynamo_tx() -> Any:
     """The root ``InstructionTranslator`` while Dynamo traces a frame, else None.
 
     Relies on ``torch._dynamo.symbolic_convert.InstructionTranslator.current_tx``
@@ -136,10 +138,10 @@ def reset_compile_caches() -> None:
     private("torch._dynamo", "reset")()
 
 
-_end_callbacks: dict = {}
+_end_callbacks: dict[Callable[[str], None], Callable[[Any], None]] = {}
 
 
-def on_dynamo_compile_end(callback) -> None:
+def on_dynamo_compile_end(callback: Callable[[str], None]) -> None:
     """``callback(compile_id: str)`` after each Dynamo frame compile (``torch._dynamo.callback``).
 
     Idempotent; call it before relying on it, since ``torch._dynamo.reset()``
@@ -151,7 +153,7 @@ def on_dynamo_compile_end(callback) -> None:
     run = _end_callbacks.get(callback)
     if run is None:
 
-        def run(args) -> None:
+        def run(args: Any) -> None:
             if args.callback_trigger == trigger.DYNAMO:
                 callback(str(args.compile_id))
 
@@ -175,7 +177,7 @@ def compiling_resume_of(function_prefix: str) -> bool:
     return name is not None and name.startswith(f"{prefix}_{function_prefix}")
 
 
-def skip_frame(fn) -> None:
+def skip_frame(fn: Callable[..., Any]) -> None:
     """Never compile ``fn``'s code as a frame of its own; traced inline it is still traced.
 
     Relies on ``torch._dynamo.eval_frame.skip_code``, which sets the code's frame

@@ -107,7 +107,8 @@ def frame_self(frame: Any) -> torch.nn.Module | None:
     candidate = frame.f_locals.get(code.co_varnames[0])
     if not isinstance(candidate, torch.nn.Module) or isinstance(candidate, torch.fx.GraphModule):
         return None  # (a backend's `fn(gm, example_inputs)` is not a module call)
-    return unwrap_compiled(candidate)
+    module: torch.nn.Module = unwrap_compiled(candidate)
+    return module
 
 
 def outermost_module() -> torch.nn.Module | None:
@@ -150,7 +151,7 @@ def is_compile_entry(frame: Any) -> bool:
     """Whether ``frame`` is the wrapper ``torch.compile`` put around the compiled callable
     (``compile_wrapper`` in ``torch/_dynamo/eval_frame.py``, locals ``fn`` and ``args``)."""
     code = frame.f_code
-    return code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME)
+    return bool(code.co_name == "compile_wrapper" and code.co_filename.endswith(_EVAL_FRAME))
 
 
 def compiled_modules(entry_frame: Any) -> list[torch.nn.Module]:

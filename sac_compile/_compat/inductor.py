@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,26 +36,32 @@ def custom_graph_pass_base() -> type:
     passes (and so before ``replace_random_passes``); ``uuid()`` enters the FX graph cache
     and AOTAutograd cache keys. Importing it loads Inductor: only the tagging pass's
     module (imported on a backend's first compile) subclasses it."""
-    return private("torch._inductor.custom_graph_pass", "CustomGraphPass")
+    cls: type = private("torch._inductor.custom_graph_pass", "CustomGraphPass")
+    return cls
 
 
 def get_hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:
     """A hash of these source files and ``extra`` (``custom_graph_pass.get_hash_for_files``)."""
-    return private("torch._inductor.custom_graph_pass", "get_hash_for_files")(paths, extra=extra)
+    found: bytes = private("torch._inductor.custom_graph_pass", "get_hash_for_files")(paths, extra=extra)
+    return found
 
 
-def compile_fx(gm, example_inputs, **kwargs: Any):
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
     """Inductor's entry point; ``config_patches`` is re-applied for the lazily compiled backward."""
-    return private("torch._inductor.compile_fx", "compile_fx")(gm, example_inputs, **kwargs)
+    compiled: Callable[..., Any] = private("torch._inductor.compile_fx", "compile_fx")(
+        gm, example_inputs, **kwargs
+    )
+    return compiled
 
 
-def compile_fx_inner(gm, example_inputs, **kwargs: Any):
+def compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """Inductor's per-graph compiler (``inner_compile``): ``is_backward`` / ``is_inference``
     say which partitioned graph ``gm`` is."""
     return private("torch._inductor.compile_fx", "compile_fx_inner")(gm, example_inputs, **kwargs)
 
 
-def inductor_config():
+def inductor_config() -> Any:
+    """``torch._inductor.config`` (a config module: ``patch()``, settings as attributes)."""
     return private("torch._inductor", "config")
 
 
@@ -67,15 +73,15 @@ def compile_mode_config(mode: str | None, options: dict[str, Any] | None) -> dic
     return dict(private("torch", "_TorchCompileInductorWrapper")(mode, options, None).config)
 
 
-def custom_graph_passes(value: Any) -> tuple:
+def custom_graph_passes(value: Any) -> tuple[Any, ...]:
     """A ``joint_custom_*_pass`` config value as a tuple of passes: ``None``, one pass, or a
     list / tuple of them (``custom_graph_pass.get_custom_graph_passes``; a tuple is also what
     the config accepts and the cache key hashes, pass by pass)."""
-    return private("torch._inductor.custom_graph_pass", "get_custom_graph_passes")(value)
+    return tuple(private("torch._inductor.custom_graph_pass", "get_custom_graph_passes")(value))
 
 
 @functools.cache
-def seed_creation_ops() -> frozenset:
+def seed_creation_ops() -> frozenset[Any]:
     """The ops that draw seeds from the RNG in Inductor's joint graph: ``inductor_seed`` (one
     per random op, from ``replace_random_passes``) and ``inductor_seeds`` (one per device,
     from ``fuse_seed_creation_pass``, ``torch/_inductor/fx_passes/replace_random.py``)."""
@@ -84,7 +90,7 @@ def seed_creation_ops() -> frozenset:
 
 
 @functools.cache
-def seed_ops() -> frozenset:
+def seed_ops() -> frozenset[Any]:
     """Ops that produce random *seeds* (never to be forced to recompute).
 
     Inductor's replace_random_passes introduces these after our pre-pass; AOT's
@@ -103,7 +109,7 @@ def seed_ops() -> frozenset:
 _noop_lowerings_registered = False
 
 
-def register_noop_lowerings(ops) -> None:
+def register_noop_lowerings(ops: Iterable[Any]) -> None:
     """Lower ``ops`` (the marker ops) to nothing in Inductor (once, when Inductor is loaded).
 
     The tagging pass erases markers before Inductor lowers a graph; this covers
@@ -124,7 +130,7 @@ def register_noop_lowerings(ops) -> None:
     _noop_lowerings_registered = True
     lowering = private("torch._inductor", "lowering")
 
-    def _drop_marker(*args, **kwargs):
+    def _drop_marker(*args: Any, **kwargs: Any) -> None:
         return None
 
     for op in ops:
@@ -134,7 +140,7 @@ def register_noop_lowerings(ops) -> None:
 
 def cache_dir() -> str:
     """Inductor's cache directory (``TORCHINDUCTOR_CACHE_DIR`` or the default)."""
-    return private("torch._inductor.runtime.cache_dir_utils", "cache_dir")()
+    return str(private("torch._inductor.runtime.cache_dir_utils", "cache_dir")())
 
 
 @contextlib.contextmanager

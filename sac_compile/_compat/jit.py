@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from . import private
 
 __all__ = ["script_drop"]
 
-_F = TypeVar("_F", bound=Callable)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def script_drop(fn: _F) -> _F:
@@ -17,4 +17,5 @@ def script_drop(fn: _F) -> _F:
     body may then use Python TorchScript cannot compile. ``torch.jit.unused`` would
     compile the signature and raise when called; ``_drop`` skips the method entirely,
     which is what a scripted ``with region(...)`` block needs of ``region.__call__``."""
-    return private("torch.jit", "_drop")(fn)
+    dropped: _F = private("torch.jit", "_drop")(fn)
+    return dropped

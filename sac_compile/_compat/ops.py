@@ -65,13 +65,13 @@ def schema(op: Any) -> Any:
 
 def packet_namespace(packet: Any) -> str:
     """The namespace of an ``OpOverloadPacket`` (``aten`` for ``torch.ops.aten.mm``)."""
-    return packet._qualified_op_name.split("::")[0]
+    return str(packet._qualified_op_name).split("::")[0]
 
 
 def op_name(target: Any) -> str:
     """``aten.mm`` for an overload (its packet's qualified name), else the callable's name."""
     if isinstance(target, OpOverload):
-        return target.overloadpacket._qualified_op_name.replace("::", ".")
+        return str(target.overloadpacket._qualified_op_name).replace("::", ".")
     return getattr(target, "__name__", str(target))
 
 

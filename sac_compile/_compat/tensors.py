@@ -24,7 +24,7 @@ def version(t: torch.Tensor) -> int:
 
 def storage_id(storage: torch.UntypedStorage) -> int:
     """The identity of ``storage`` while it lives (its C++ address)."""
-    return storage._cdata
+    return int(storage._cdata)
 
 
 def fake_mode() -> Any:

@@ -141,8 +141,8 @@ def cache_positions(cls: type[nn.Module]) -> tuple[tuple[str, int], ...]:
 
 
 def training_call(
-    module: nn.Module, args: tuple, kwargs: dict[str, Any], cache_args: tuple[tuple[str, int], ...]
-) -> tuple[tuple, dict[str, Any], list[str]]:
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], cache_args: tuple[tuple[str, int], ...]
+) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """``(args, kwargs, what was turned off)`` for a checkpointed call of a transformers layer
     (grad enabled, train or eval mode): cache writes off, as transformers' own checkpointing turns
     them off (see the module docstring), whether passed by keyword or by position
@@ -180,7 +180,7 @@ def note_caches_off(layer: str, turned: list[str]) -> None:
         )
 
 
-def cache_arguments(args: tuple, kwargs: dict[str, Any]) -> list[str]:
+def cache_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
     """``name (class)`` of each argument that is a transformers cache object (a ``Cache``:
     its class name ends in "Cache" and it has ``get_seq_length``), for error messages."""
     found = []
@@ -195,7 +195,8 @@ def from_config(model_cls: type[Any], config: Any, **kwargs: Any) -> nn.Module:
     """A transformers model of ``model_cls`` built from ``config`` with random weights
     (``PreTrainedModel._from_config``: no checkpoint is read), ``kwargs`` such as
     ``attn_implementation`` passed on."""
-    return model_cls._from_config(config, **kwargs)
+    model: nn.Module = model_cls._from_config(config, **kwargs)
+    return model
 
 
 @contextlib.contextmanager

@@ -141,7 +141,7 @@ class SacBackend:
         self.inner = inner
         self.inductor_config = inductor_config
         self._options_key = f"inner={inner}|inductor_config={inductor_config!r}"
-        self._passes: dict[Enclosing, Any] = {}
+        self._passes: dict[Enclosing, TagRegionsPass] = {}
 
     def __repr__(self) -> str:
         if not self.checkpoint:
@@ -165,7 +165,9 @@ class SacBackend:
 
         return TagRegionsPass(self.actions, options_key=self._options_key, context=context, publish=publish)
 
-    def compile_patches(self, mode: str | None = None, options: Mapping[str, Any] | None = None) -> dict:
+    def compile_patches(
+        self, mode: str | None = None, options: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """The Inductor config this backend compiles with when ``torch.compile`` passes it
         ``mode`` / ``options``: its ``inductor_config``, then theirs (they win). With
         ``inner="aot_eager"`` there is no Inductor to configure: a ``ValueError``."""
@@ -184,7 +186,7 @@ class SacBackend:
 
     def __call__(
         self, gm: torch.fx.GraphModule, example_inputs: list[Any], **compile_kwargs: Any
-    ) -> Callable:
+    ) -> Callable[..., Any]:
         # torch.compile(backend=..., mode=..., options=...) passes these two on to a custom backend
         unknown = set(compile_kwargs) - {"mode", "options"}
         if unknown:
@@ -214,7 +216,7 @@ class SacBackend:
         unit: CompileUnit,
         capturing: bool,
         patches: dict[str, Any],
-    ) -> Callable:
+    ) -> Callable[..., Any]:
         if pass_ is not None:
             from ..passes.untag_seeds import UNTAG_SEEDS  # loads Inductor, as the pass does
 
@@ -257,9 +259,9 @@ class SacBackend:
 
     def _compile_aot_eager(
         self, gm: GraphModule, example_inputs: list[Any], pass_: TagRegionsPass | None, unit: CompileUnit
-    ) -> Callable:
-        def compiler(kind: str) -> Callable[[GraphModule, Any], Callable]:
-            def compile_graph(g: GraphModule, _inputs: Any) -> Callable:
+    ) -> Callable[..., Any]:
+        def compiler(kind: str) -> Callable[[GraphModule, Any], Callable[..., Any]]:
+            def compile_graph(g: GraphModule, _inputs: Any) -> Callable[..., Any]:
                 if kind == "inference" and pass_ is not None:
                     # Inductor runs joint passes on inference graphs too; here we do it.
                     pass_(g.graph)
@@ -357,7 +359,7 @@ def snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
     return {"placeholders": placeholders, "calls": calls, "inputs": inputs}
 
 
-_BACKENDS: dict[tuple, SacBackend] = {}
+_BACKENDS: dict[tuple[Any, ...], SacBackend] = {}
 _BACKENDS_LOCK = threading.Lock()
 
 
@@ -425,7 +427,7 @@ def _check_inductor_keys(config: Mapping[str, Any], what: str) -> None:
             raise ValueError(f"{what} key {key!r} is not a torch._inductor.config option")
 
 
-def _memoised(key: tuple, make: Callable[[], SacBackend]) -> SacBackend:
+def _memoised(key: tuple[Any, ...], make: Callable[[], SacBackend]) -> SacBackend:
     with _BACKENDS_LOCK:
         backend = _BACKENDS.get(key)
         if backend is None:

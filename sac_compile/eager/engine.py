@@ -85,8 +85,9 @@ from .._compat.checkpoint import (
     push_dispatch_mode,
     top_saved_tensors_hooks,
 )
+from ..keep import Keep, Regions
 from ..markers import ops
-from ..policy import SAVE_COSTLY
+from ..policy import SAVE_COSTLY, RegionPolicy
 from ..scope_text import Actions
 from .bodies import Bodies
 from .modes import CachedMode, CachingMode, WatchMode
@@ -306,9 +307,9 @@ def engine_contexts(
 def checkpoint_with_regions(
     fn: Callable[..., Any],
     *args: Any,
-    keep: object,
-    policy: object = SAVE_COSTLY,
-    offload: object = (),
+    keep: Keep,
+    policy: RegionPolicy = SAVE_COSTLY,
+    offload: Regions = (),
     preserve_rng_state: bool = True,
     early_stop: bool = True,
     stats_out: list[EngineStats] | None = None,

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextvars
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..diagnostics.trace_watch import regions_compiled_in
 from ..keep import KeepSet
 from ..marker_walk import MarkerKind, OpenRegions
-from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy, checked_decision, saves
+from ..policy import SAVE_ALL, SAVE_COSTLY, Op, RegionPolicy, checked_decision, saves
 from ..scope_text import Actions
 
 __all__ = ["EagerSession"]
@@ -34,7 +35,9 @@ class BodySkipper(Protocol):
     """What the session asks of the kept module bodies that skip the recompute
     (implemented by :class:`sac_compile.eager.bodies.Bodies`)."""
 
-    def enter(self, region: str, module: Any, args: tuple, kwargs: dict) -> Any | None: ...
+    def enter(
+        self, region: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any | None: ...
 
     def exit(self, body: Any, output: Any) -> None: ...
 
@@ -44,7 +47,7 @@ class BodySkipper(Protocol):
 
     def decline(self, fn: Any, region: str) -> None: ...
 
-    def replay(self, body: Any, run: Any, args: tuple, kwargs: dict) -> Any: ...
+    def replay(self, body: Any, run: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
 class EagerSession:
@@ -78,7 +81,7 @@ class EagerSession:
         # the policy's answers, by (id(op), regions): (op, answer)
         self._saves: dict[tuple[int, tuple[str, ...]], tuple[Any, bool]] = _answers(policy, keep)
 
-    def __call__(self, kind: MarkerKind, payload: tuple) -> None:
+    def __call__(self, kind: MarkerKind, payload: tuple[Any, ...]) -> None:
         """The marker sink: a marker op ran."""
         if self.compiled_call is not None:
             return  # (inside a routed compiled method, whose graph a backend left them in: call_compiled)
@@ -90,7 +93,7 @@ class EagerSession:
             self._kept_open -= payload[0] in self.keep
         # (an exit without an enter closes nothing: the walk records it)
 
-    def enter_module(self, name: str, module: Any, args: tuple, kwargs: dict) -> None:
+    def enter_module(self, name: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A declared module's region opens (its forward pre-hook)."""
         self(MarkerKind.REGION_ENTER, (name,))
         if self.skipping:
@@ -125,7 +128,9 @@ class EagerSession:
         self(MarkerKind.REGION_EXIT, (name,))
         self.settle()
 
-    def call_body(self, name: str, fn: Any, args: tuple, kwargs: dict) -> Any:
+    def call_body(
+        self, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """A decorated function's call, as region ``name`` (its wrapper, eagerly): as a
         declared module's, the function in the module's place; in the recompute the skip is
         decided here (the wrapper is ours: no forward to replace)."""
@@ -149,7 +154,9 @@ class EagerSession:
         finally:
             self.exit_module(name, fn, out)
 
-    def call_compiled(self, fn: Any, run: Any, args: tuple, kwargs: dict) -> Any:
+    def call_compiled(
+        self, fn: Callable[..., Any], run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         """A compiled method of the checkpointed layer (``torch.compile`` of a function on its
         class, routed here by the seam's class): ``fn`` the original function, ``run`` the
         compiled call. An eager checkpoint around compiled code would drop what the compiled
@@ -218,7 +225,7 @@ class EagerSession:
     def kept(self) -> bool:
         return self._kept_open > 0
 
-    def saves(self, func: Any, regions: tuple[str, ...]) -> bool:
+    def saves(self, func: Op, regions: tuple[str, ...]) -> bool:
         """Whether the region policy saves ``func`` run with ``regions`` (this session's
         :meth:`open_names`) open; outside every region, never."""
         if not regions:
@@ -235,10 +242,10 @@ class EagerSession:
 # The built-in policies' answers depend on the op, the regions and the keep set only: kept
 # for every pass of every call with the same keep set (a user's policy is asked once per
 # pass, as it may change between calls).
-_BUILT_IN_ANSWERS: dict[tuple[Any, Any], dict] = {}
+_BUILT_IN_ANSWERS: dict[tuple[Any, Any], dict[Any, Any]] = {}
 
 
-def _answers(policy: RegionPolicy, keep: KeepSet) -> dict:
+def _answers(policy: RegionPolicy, keep: KeepSet) -> dict[Any, Any]:
     if policy is not SAVE_COSTLY and policy is not SAVE_ALL:
         return {}
     try:

@@ -32,8 +32,8 @@ class Entry:
     # skipped (served or dead), so the ops after it draw what they drew in the forward
     rng_after: Any = None
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
-    write_refs: tuple = ()  # (of a served write) the storages it wrote, weakly
-    write_spans: tuple = ()  # (of a served write) the byte span it wrote in each: _byte_span
+    write_refs: tuple[Any, ...] = ()  # (of a served write) the storages it wrote, weakly
+    write_spans: tuple[Any, ...] = ()  # (of a served write) the byte span it wrote in each: _byte_span
 
     def __init__(
         self,
@@ -69,18 +69,20 @@ class EngineStats:
     # cached values of offloaded regions, copied to host memory at the end of the forward
     offloaded_bytes: int = 0
     offloaded_by_region: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    regions_entered: Counter = field(default_factory=Counter)
-    unbalanced: list = field(default_factory=list)  # (region, "enter without exit" | "exit without enter")
+    regions_entered: Counter[str] = field(default_factory=Counter)
+    unbalanced: list[tuple[str, str]] = field(
+        default_factory=list
+    )  # (region, "enter without exit" | "exit without enter")
     # ops the engine's dispatch modes intercepted, by (pass, where): pass "forward" or
     # "recompute", where "kept" (a kept region was open) or "outside" (none: 0, the mode
     # is pushed for kept spans only) or "watch" (a recompute that serves kept writes into
     # outside tensors watches reads until they are served); the recompute's counts grow
     # when the backward runs.
-    intercepted: Counter = field(default_factory=Counter)
+    intercepted: Counter[tuple[str, str]] = field(default_factory=Counter)
     spans: int = 0  # kept spans: stretches of the forward with a kept region open
     # kept module bodies (policy SAVE_ALL, eager/bodies.py): "skipped" in the recompute
     # (their outputs handed back), "rerun" there, or "unreached" (early stop)
-    bodies: Counter = field(default_factory=Counter)
+    bodies: Counter[str] = field(default_factory=Counter)
 
     @property
     def forced_collectives(self) -> int:
@@ -143,7 +145,7 @@ class EngineState:
         Nothing outside the span can read a storage no tensor holds any more except through
         what autograd saved (seen by the pack hook) or our own cached aliases; every other
         storage the span made may be read by unwatched ops later (see :meth:`_escaped_needed`)."""
-        ours: Counter = Counter()
+        ours: Counter[Any] = Counter()
         for e in self.span_entries:
             if e.cached:
                 for t in _cached_tensors(e.value):

@@ -27,6 +27,7 @@ from .._compat.transformers import kernelized_classes
 from ..config import SacConfig
 from ..declare import declare_regions
 from ..keep import ALL_REGIONS, Keep, Regions, normalize_keep
+from ..memory import Memory
 from ..planning import ModelPlan, plan_model
 from ..policy import SAVE_COSTLY, RegionPolicy
 from .layers import (
@@ -123,7 +124,7 @@ def plan_for(
 @overload
 def plan_for(
     model: nn.Module,
-    memory: int | str | None,
+    memory: Memory | None,
     *,
     batch: int = 2,
     seq: int = 128,
@@ -141,7 +142,7 @@ def plan_for(
 
 def plan_for(
     model: nn.Module,
-    memory: int | float | str | None,
+    memory: Memory | None,
     *,
     batch: int = 2,
     seq: int = 128,
@@ -166,7 +167,8 @@ def plan_for(
     Without ``device``, ``memory`` is per layer (bytes, or a fraction of a layer's
     no-checkpoint bytes). With ``device`` (a kind of :data:`sac_compile.planning.devices.DEVICES`,
     ``"cpu"``, or a :class:`~sac_compile.planning.devices.Target`), ``memory`` is the device's
-    (bytes or ``"80GiB"``; None: the device's own) and the plan is the least recompute whose
+    (bytes, ``"80GiB"``, or a fraction of the device's memory, :mod:`sac_compile.memory`; None:
+    the device's own) and the plan is the least recompute whose
     predicted step peak fits it (:mod:`sac_compile.planning.device_plan`): a
     :class:`~sac_compile.planning.device_plan.DevicePlan` with ``peak_bytes``, ``fits``,
     ``reserved_bytes``, ``breakdown`` and ``step`` (time, tokens/s, MFU), for ``batch`` x ``seq`` per device, FSDP, TP and
@@ -300,7 +302,9 @@ def _trace_kernelized_forwards(model: nn.Module) -> None:
         )
 
 
-def _checked_keep(model: nn.Module, keep: Any, read: list[tuple[str, dict[str, str]]]) -> tuple[Any, dict]:
+def _checked_keep(
+    model: nn.Module, keep: Any, read: list[tuple[str, dict[str, str]]]
+) -> tuple[Any, dict[str, Any]]:
     """``(keep set for every stack, {stack path: its own keep set})``, each name checked
     against the regions of the stacks it applies to."""
     have = {path: set(regions.values()) for path, regions in read}
@@ -361,7 +365,8 @@ class LayerCall(nn.Module):
         self.kwargs = kwargs
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.layer(hidden_states, **self.kwargs)
+        out: torch.Tensor = self.layer(hidden_states, **self.kwargs)
+        return out
 
 
 def layer_call(model: nn.Module, ids: torch.Tensor, index: int = 0) -> tuple[LayerCall, torch.Tensor]:

@@ -409,4 +409,4 @@ def merged(read: list[tuple[str, dict[str, str]]]) -> dict[str, str]:
 def vocab_size(model: nn.Module) -> int:
     config = unwrap_compiled(model).config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return text.vocab_size
+    return int(text.vocab_size)

@@ -16,8 +16,10 @@ from .._compat.aot import meta_rng_states
 from .._compat.dynamo import unwrap_compiled
 from .._compat.transformers import grouped_query_sdpa
 from ..keep import Keep, Regions
+from ..memory import Memory
 from ..planning import ModelPlan, plan_model
-from ..planning.peak import Peak
+from ..planning.devices import Device, Target
+from ..planning.peak import ModelSizes, Peak
 from .layers import layer_regions, merged, read_stacks, report_unchecked, vocab_size
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ __all__ = ["StepFigures", "plan_for_device", "predict_peak", "step_figures"]
 
 def plan_for_device(
     model: nn.Module,
-    memory: Any,
+    memory: Memory | None,
     read: list[tuple[str, dict[str, str]]],
     batch: int,
     seq: int,
@@ -42,7 +44,6 @@ def plan_for_device(
     """``hf.plan_for`` with ``device``: see its docstring. ``parallel``: its ``fsdp``, ``tp``,
     ``ep`` and ``loss``."""
     from ..planning.device_plan import choose
-    from ..planning.devices import Target
 
     root = unwrap_compiled(model)
     meta = any(p.is_meta for p in root.parameters())
@@ -78,10 +79,10 @@ def plan_for_device(
 def _measure(
     model: nn.Module,
     read: list[tuple[str, dict[str, str]]],
-    target: Any,
+    target: Target,
     inputs: dict[str, Any] | None,
     options: dict[str, Any],
-) -> tuple[ModelPlan, tuple, Any, dict[str, Any]]:
+) -> tuple[ModelPlan, tuple[Any, ...], Any, dict[str, Any]]:
     """One plan table per kind of layer of ``model``'s stacks ``read``, traced with the
     target's kernels (a model on the meta device, cast to ``param_dtype`` first; a model on
     a CUDA device runs its own), and the step's sizes."""
@@ -96,7 +97,7 @@ def _measure(
     patterns = tuple(f"{path}.*" for path, _ in read)
     # (on the meta device, a recomputed dropout's RNG state is saved as on the CPU)
     rng = meta_rng_states() if where.type == "meta" else contextlib.nullcontext()
-    gpu_kernels = target.device.cuda and where.type != "cuda"
+    gpu_kernels = cast(Device, target.device).cuda and where.type != "cuda"  # (a Device once made)
     with target_kernels(gpu_kernels), grouped_query_sdpa(gpu_kernels), rng:
         planned = plan_model(
             model, layers=patterns, memory=1.0, regions=merged(read), use_cache=False, **inputs, **options
@@ -105,7 +106,7 @@ def _measure(
     return planned, params, sizes, inputs
 
 
-def _tokens(model: nn.Module, target: Any, device: Any) -> dict[str, Any]:
+def _tokens(model: nn.Module, target: Target, device: Any) -> dict[str, Any]:
     """A batch of random tokens the shape of ``target.traced`` (one microbatch, one rank's
     share of the sequence); for a vision-language model
     of a family :func:`_images` knows, one image a row taking about a quarter of the
@@ -173,8 +174,8 @@ def _text_config(root: nn.Module) -> Any:
 
 
 def _step_sizes(
-    root: nn.Module, planned: ModelPlan, target: Any, inputs: dict[str, Any]
-) -> tuple[tuple, Any]:
+    root: nn.Module, planned: ModelPlan, target: Target, inputs: dict[str, Any]
+) -> tuple[tuple[Any, ...], Any]:
     """Per kind of layer, one layer's parameters; the model's sizes for the step's peak: its
     parameters and the head's terms, by ``target.loss`` (:data:`~sac_compile.planning.devices.LOSSES`:
     transformers' causal-LM loss upcasts the logits to float32, its ``log_softmax`` output is
@@ -197,7 +198,7 @@ def _step_sizes(
     tokens = (
         int(inputs["input_ids"].numel()) if "input_ids" in inputs else target.traced[0] * target.traced[1]
     )
-    width = torch.empty((), dtype=target.param_dtype).element_size()
+    width = torch.empty((), dtype=cast(torch.dtype, target.param_dtype)).element_size()
     logits = tokens * text.vocab_size * 4
     norm = 3 * tokens * text.hidden_size * width
     model_logits = tokens * text.vocab_size * width if width != 4 else 0
@@ -224,7 +225,7 @@ def _embedding_params(root: nn.Module) -> int:
     return sum(p.numel() for p in embeddings.parameters()) if isinstance(embeddings, nn.Module) else 0
 
 
-def _attention_sizes(text: Any, target: Any, width: int) -> dict[str, int]:
+def _attention_sizes(text: Any, target: Target, width: int) -> dict[str, int]:
     """One layer's forward attention FLOPs (causal: half of ``4 b s^2 heads d``) and its keys
     and values, at the traced shape, from the config (what context parallelism adds and
     passes around the ring: ``planning.step_time``)."""
@@ -242,7 +243,7 @@ def _attention_sizes(text: Any, target: Any, width: int) -> dict[str, int]:
 
 def predict_peak(
     model: nn.Module,
-    target: Any,
+    target: Target,
     keep: Keep | str | None = None,
     *,
     inputs: dict[str, Any] | None = None,
@@ -259,12 +260,12 @@ class StepFigures:
     """What a step's peak is made of, measured once: one plan table per kind of layer, the
     model's sizes and the target. ``peak(keep)`` composes the step for a keep set."""
 
-    target: Any
+    target: Target
     plan: ModelPlan
     layer_params: tuple[
         tuple[int, int], ...
     ]  # per group: one layer's parameters, of them the routed experts'
-    sizes: Any  # planning.peak.ModelSizes
+    sizes: ModelSizes
 
     def peak(self, keep: Keep | str | None = None, *, compile: bool = False, offload: Regions = ()) -> Peak:
         """The predicted peak with every layer keeping ``keep`` (None: no checkpoint;
@@ -310,7 +311,7 @@ class StepFigures:
 
 def step_figures(
     model: nn.Module,
-    target: Any,
+    target: Target,
     *,
     inputs: dict[str, Any] | None = None,
     include: Iterable[str] | None = None,
@@ -330,7 +331,6 @@ def step_figures(
     ``target.param_dtype``. What the eager engine holds is measured by running it; on the
     meta device nothing runs, and a meta model's eager figures are its compiled partition's
     (``peak(keep)`` equals ``peak(keep, compile=True)`` there)."""
-    from ..planning.devices import Target
 
     if not isinstance(target, Target):
         raise TypeError(f"step_figures(target={target!r}): a sac_compile.planning.devices.Target")

@@ -46,7 +46,7 @@ def _resolve_backend(backend: Any) -> _backend.SacBackend:
 
 @contextlib.contextmanager
 def fresh_compile(
-    fn: Callable[..., Any], backend: Any, dynamic: bool | None = None
+    fn: Callable[..., Any], backend: str | Callable[..., Any], dynamic: bool | None = None
 ) -> Iterator[Callable[..., Any]]:
     """``fn`` compiled afresh with ``backend`` (a sac backend, ``"inductor"`` / ``"aot_eager"``
     without checkpointing, or any backend callable), for use inside the ``with`` block: both compile caches off (a
@@ -67,7 +67,7 @@ def fresh_compile(
 
 
 def capture_partition(
-    fn: Callable[..., Any], *args: Any, backend: Any = None, **kwargs: Any
+    fn: Callable[..., Any], *args: Any, backend: str | Callable[..., Any] | None = None, **kwargs: Any
 ) -> PartitionReport:
     """Compile ``fn`` with ``backend``, run forward and backward once, report the partition.
 
@@ -86,7 +86,7 @@ def capture_partition(
         out = compiled(*args, **kwargs)
         loss = _scalar_loss(out)
         if loss is not None and loss.requires_grad:
-            loss.backward()
+            torch.autograd.backward(loss)
     report = PartitionReport(output=out)
     for unit in units:
         part = build_partition(len(report.graphs), unit)

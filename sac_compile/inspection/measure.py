@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 import weakref
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -19,7 +19,17 @@ from ..op_classes import communicates
 __all__ = ["autograd_saved_bytes", "collectives_run"]
 
 
-def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int, str] | None:
+class _StorageRef(Protocol):
+    """A ``StorageWeakRef`` as read here (torch leaves it unannotated)."""
+
+    def expired(self) -> bool: ...
+
+
+def _weak_ref(storage: torch.UntypedStorage) -> _StorageRef:
+    return cast(_StorageRef, cast(Any, StorageWeakRef)(storage))
+
+
+def _storage(t: torch.Tensor) -> tuple[int, _StorageRef, int, str] | None:
     """``(address, weak reference, bytes, device)`` of the storage holding ``t``'s bytes (a tensor
     subclass's, a DTensor's: its inner tensor's, Note [tensor subclasses in the eager engine]
     in sac_compile/_compat/checkpoint.py)."""
@@ -29,10 +39,10 @@ def _storage(t: torch.Tensor) -> tuple[int, StorageWeakRef, int, str] | None:
         return None
     if s.device.type == "meta":
         return None  # a fake tensor of a trace
-    return storage_id(s), StorageWeakRef(s), s.nbytes(), str(s.device)
+    return storage_id(s), _weak_ref(s), s.nbytes(), str(s.device)
 
 
-def _live_storages() -> dict[int, tuple[StorageWeakRef, int, str]]:
+def _live_storages() -> dict[int, tuple[_StorageRef, int, str]]:
     """Every storage a Python tensor object that the collector tracks (not frozen) references now."""
     gc.collect()
     found = {}
@@ -48,7 +58,11 @@ def _on(device: torch.device, where: torch.device) -> bool:
 
 
 def autograd_saved_bytes(
-    fn: Callable[..., Any], *args: Any, exclude: Any = (), warmup: bool = True, device: Any = None
+    fn: Callable[..., Any],
+    *args: Any,
+    exclude: Iterable[torch.Tensor] = (),
+    warmup: bool = True,
+    device: torch.device | str | None = None,
 ) -> int:
     """Bytes of the distinct storages held for the backward once ``fn(*args)`` has returned.
 
@@ -78,7 +92,7 @@ def autograd_saved_bytes(
     # so that the first sighting sees every tensor (it walks the collector's generations only)
     gc.unfreeze()
     before = _live_storages()
-    packed: dict[int, tuple[StorageWeakRef, int, str, weakref.ref]] = {}
+    packed: dict[int, tuple[_StorageRef, int, str, weakref.ref[Any]]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = _storage(t)
@@ -123,7 +137,7 @@ def autograd_saved_bytes(
     return sum(held.values())
 
 
-def collectives_run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Counter]:
+def collectives_run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Counter[str]]:
     """Run ``fn(*args, **kwargs)`` and count the collectives it runs, by op.
 
     Counts ``c10d`` / ``_c10d_functional`` communication ops (not ``wait_tensor``
@@ -132,13 +146,13 @@ def collectives_run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[
     backward) and those that compiled code calls (Inductor and ``aot_eager``
     call collectives as ops). Returns ``(fn's result, Counter)``.
     """
-    counts: Counter = Counter()
+    counts: Counter[str] = Counter()
 
     class _Count(TorchDispatchMode):
         supports_higher_order_operators = True
 
         def __torch_dispatch__(
-            self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
         ) -> Any:
             if communicates(func):
                 counts[str(func.overloadpacket)] += 1

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.fx.node import has_side_effect
@@ -62,7 +63,7 @@ __all__ = [
 #: ``sink(kind, payload)`` with kind a :class:`~sac_compile.marker_walk.MarkerKind`;
 #: installed by the eager engine. A sink may also have a
 #: ``settle()`` method, called after each eager region marker op has returned.
-MarkerSink = Callable[[MarkerKind, tuple], None]
+MarkerSink = Callable[[MarkerKind, tuple[Any, ...]], None]
 _MARKER_SINK: contextvars.ContextVar[MarkerSink | None] = contextvars.ContextVar(
     "sac_compile_marker_sink", default=None
 )
@@ -84,7 +85,7 @@ def current_sink() -> MarkerSink | None:
     return _MARKER_SINK.get()
 
 
-def _emit(kind: MarkerKind, payload: tuple) -> None:
+def _emit(kind: MarkerKind, payload: tuple[Any, ...]) -> None:
     sink = _MARKER_SINK.get()
     if sink is not None:
         sink(kind, payload)
@@ -131,7 +132,7 @@ def exit_region(name: str) -> None:
     _region_marker(MarkerKind.REGION_EXIT, name, torch.ops.sac_compile.region_exit)
 
 
-def _sink_method(method: str) -> Callable | None:
+def _sink_method(method: str) -> Callable[..., Any] | None:
     """Eagerly, the installed sink's ``method`` (None under a tracer, with no sink, or when
     the sink has no such method)."""
     if torch.compiler.is_compiling():
@@ -139,7 +140,7 @@ def _sink_method(method: str) -> Callable | None:
     return getattr(_MARKER_SINK.get(), method, None)
 
 
-def enter_module_region(name: str, module: object, args: tuple, kwargs: dict) -> None:
+def enter_module_region(name: str, module: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A declared module's region opens (its forward pre-hook): :func:`enter_region`,
     except that eagerly a sink with ``enter_module`` takes the call with the module and
     its arguments (the eager engine may skip the body in the recompute)."""
@@ -168,7 +169,7 @@ def module_output(name: str, module: object, output: object) -> None:
         note(name, module, output)
 
 
-def call_region(name: str, fn: Callable, args: tuple, kwargs: dict) -> object:
+def call_region(name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
     """Eagerly, a decorated function's call as region ``name`` (its wrapper): a sink with
     ``call_body`` takes the whole call (the eager engine may skip the body in the recompute);
     otherwise :func:`enter_region`, the call, :func:`exit_region`."""
@@ -182,7 +183,7 @@ def call_region(name: str, fn: Callable, args: tuple, kwargs: dict) -> object:
         exit_region(name)
 
 
-def _on_trace(kind: MarkerKind, payload: tuple) -> None:
+def _on_trace(kind: MarkerKind, payload: tuple[Any, ...]) -> None:
     # Fake implementations run when Dynamo or AOTAutograd trace a marker. The no-op lowerings
     # are registered once Inductor is loaded: its compile imports its lowerings before
     # AOTAutograd traces the graph again (this runs then); an aot_eager compile never loads them.

@@ -65,7 +65,7 @@ WRAPPER_NAME = "_region_wrapper"
 
 def exporting() -> bool:
     """Whether a program is being exported or traced for inference (see the Note above)."""
-    return torch.compiler.is_exporting() or torch.jit.is_tracing()
+    return torch.compiler.is_exporting() or torch.jit.is_tracing()  # type: ignore[attr-defined,no-untyped-call,unused-ignore]  # (not scripted)
 
 
 class region:

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy
 from ..scope_text import Actions
@@ -133,7 +133,7 @@ def configurations(
     return list(out), search
 
 
-def flops_order(c: Candidate) -> tuple:
+def flops_order(c: Candidate) -> tuple[Any, ...]:
     """The least recompute first; then the fewest bytes to the host and on the device, no
     budget, fewer regions offloaded (one whose values PyTorch's pass cannot move offloads
     nothing), fewer kept."""

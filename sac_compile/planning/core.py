@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch.nn as nn
 
+from ..memory import Memory, parse_memory
 from ..policy import SAVE_COSTLY, RegionPolicy, validate_policy
 from ..scope_text import Actions, validate_budget
 from .candidates import MAX_EXHAUSTIVE_REGIONS, Candidate, configurations, flops_order, keep_sets, mark_pareto
@@ -163,7 +164,7 @@ class Plan:
         fig.savefig(path, dpi=110)
         plt.close(fig)
 
-    def select(self, memory: int | float) -> Plan:
+    def select(self, memory: Memory) -> Plan:
         """The same candidates, chosen for another ``memory`` (nothing measured again)."""
         return _choose(_target(memory, self.no_checkpoint_bytes), self)
 
@@ -192,7 +193,7 @@ class Plan:
 
 def _checked(
     module: nn.Module,
-    memory: int | float,
+    memory: Memory,
     budgets: Iterable[float | None],
     policies: Sequence[RegionPolicy],
     estimator: str,
@@ -222,7 +223,7 @@ def _checked(
 def plan(
     module: nn.Module,
     *example_args: Any,
-    memory: int | float,
+    memory: Memory,
     budgets: Iterable[float | None] = DEFAULT_BUDGETS,
     policies: Sequence[RegionPolicy] = (SAVE_COSTLY,),
     eager: bool = True,
@@ -237,8 +238,9 @@ def plan(
     Args:
         module: one checkpoint scope's worth of model (a decoder layer), its regions marked
             or declared.
-        memory: bytes the backward may hold for the scope (``int``), or a fraction of the
-            no-checkpoint bytes (``float`` in [0, 1]).
+        memory: what the backward may hold for the scope (:mod:`sac_compile.memory`): bytes
+            (``int``), a number with a unit (``"2GiB"``), or a fraction of the no-checkpoint
+            bytes (``float`` in [0, 1]).
         budgets: knapsack budgets tried with each keep set (``None``: none).
         policies: region policies tried (``SAVE_COSTLY``, ``SAVE_ALL``, your own).
         eager: also measure what the eager engine holds for each candidate without a budget
@@ -294,7 +296,7 @@ def plan(
     return _choose(target, table)
 
 
-def _first(module: nn.Module, example_args: tuple, example_kwargs: dict) -> Any:
+def _first(module: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any]) -> Any:
     """The first trace's partitions: no checkpoint (``"none"``), every region kept (which
     reads the regions) and torchtitan's per-op SAC (``TORCHTITAN_OP``)."""
     from ..compiler.backend import backend_for, baseline_backend
@@ -311,9 +313,9 @@ def _first(module: nn.Module, example_args: tuple, example_kwargs: dict) -> Any:
 
 def _candidates(
     module: nn.Module,
-    example_args: tuple,
-    example_kwargs: dict,
-    configs: dict,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
+    configs: dict[Actions, Any],
     base: Sequence[int],
     eager: bool,
 ) -> list[Candidate]:
@@ -383,17 +385,5 @@ def _choose(target: int, table: Plan) -> Plan:
     return dataclasses.replace(table, memory=target, chosen=chosen)
 
 
-def _target(memory: Any, base_bytes: int) -> int:
-    if isinstance(memory, bool) or not isinstance(memory, (int, float)):
-        raise TypeError(
-            f"plan(memory={memory!r}): bytes (an int) or a fraction of the no-checkpoint bytes (a float)"
-        )
-    if isinstance(memory, float):
-        if not 0.0 <= memory <= 1.0:
-            raise ValueError(
-                f"plan(memory={memory!r}): a float is a fraction in [0, 1]; pass bytes as an int"
-            )
-        return int(memory * base_bytes)
-    if memory < 0:
-        raise ValueError(f"plan(memory={memory!r}): bytes must be >= 0")
-    return memory
+def _target(memory: Memory, base_bytes: int) -> int:
+    return parse_memory(memory, base_bytes, of="the no-checkpoint bytes", call="plan")

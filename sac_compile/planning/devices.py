@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..memory import GB, Memory, parse_memory
 from .host import HOST_LINKS, HostLink, check_target
 
 __all__ = ["DEVICES", "LOSSES", "Device", "Target", "device", "parse_loss", "parse_memory", "present"]
@@ -45,9 +45,6 @@ class Device:
     efficiency_source: str = "none: the roofline itself"
     host_link: str = "pcie5"  # its link to the host's memory (planning.host.HOST_LINKS)
 
-
-GB = 10**9
-GiB = 2**30
 
 #: The fraction of the roofline a compiled training step of a published run reached (the
 #: time benchmarks/published.py predicts with efficiency 1, over the published step time less
@@ -208,40 +205,6 @@ def present(index: int | None = None) -> Device:
     )
 
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12, "kib": 2**10, "mib": 2**20}
-_UNITS |= {"gib": GiB, "tib": 2**40}
-
-
-def parse_memory(memory: int | float | str) -> int:
-    """Bytes from an ``int`` or a string with a unit (``"80GiB"``, ``"80 GB"``, ``"512MiB"``,
-    ``"4096B"``; GB is 10**9, GiB 2**30). A string without a unit (``"80"``, as a command line
-    or a config file writes it) is a ``ValueError``: bytes are said with ``B`` or passed as an
-    int. Anything else is a ``ValueError`` naming it."""
-    if isinstance(memory, bool):
-        raise TypeError(f"memory={memory!r}: bytes (an int) or a string such as '80GiB'")
-    if isinstance(memory, int):
-        if memory <= 0:
-            raise ValueError(f"memory={memory!r}: bytes must be > 0")
-        return memory
-    if isinstance(memory, float) and memory.is_integer() and memory > 1:
-        return int(memory)
-    if isinstance(memory, str):
-        found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", memory)
-        if found and not found.group(2):
-            raise ValueError(
-                f"memory={memory!r}: a number with no unit (is it bytes or GiB?): "
-                f"'{found.group(1)}GiB' or '{found.group(1)}GB' ('{found.group(1)}B' for bytes)"
-            )
-        if found and found.group(2).lower() in _UNITS:
-            value = int(float(found.group(1)) * _UNITS[found.group(2).lower()])
-            if value > 0:
-                return value
-    raise ValueError(
-        f"memory={memory!r}: bytes (an int > 0) or a number with a unit: "
-        f"{', '.join(u for u in _UNITS if u)} (case-insensitive; '80GiB', '141GB')"
-    )
-
-
 #: loss -> how its head holds the logits (``Target.loss``; :func:`parse_loss`)
 LOSSES = {
     "transformers": "transformers' causal-LM loss: the logits upcast to float32, their log-softmax held; the "
@@ -284,8 +247,8 @@ class Target:
 
     Args:
         device: a kind from :data:`DEVICES`, ``"cpu"``, or a :class:`Device`.
-        memory: the memory a step may use per device (bytes or ``"80GiB"``); default the
-            device's.
+        memory: the memory a step may use per device (:mod:`sac_compile.memory`: bytes,
+            ``"80GiB"``, or a float: that fraction of the device's memory); default the device's.
         fsdp: FSDP degree: parameters, gradients and optimizer state sharded this many ways;
             a layer's parameters (and in the backward its gradients) unsharded while it runs.
         tp: tensor-parallel degree, laid out as torchtitan lays out Llama: each layer's
@@ -331,7 +294,7 @@ class Target:
     """
 
     device: Device | str = "h100-80gb"
-    memory: int | str | None = None
+    memory: Memory | None = None
     fsdp: int = 1
     tp: int = 1
     ep: int = 1
@@ -358,10 +321,17 @@ class Target:
     def __post_init__(self) -> None:
         dev = device(self.device)
         object.__setattr__(self, "device", dev)
-        object.__setattr__(self, "memory", dev.memory if self.memory is None else parse_memory(self.memory))
+        memory = (
+            dev.memory
+            if self.memory is None
+            else parse_memory(self.memory, dev.memory, of="the device's memory")
+        )
+        if memory <= 0:
+            raise ValueError(f"Target(memory={self.memory!r}): more than 0 bytes")
+        object.__setattr__(self, "memory", memory)
         check_target(self, dev.cuda, dev.name)
         if self.host_memory is not None:
-            object.__setattr__(self, "host_memory", parse_memory(self.host_memory))
+            object.__setattr__(self, "host_memory", parse_memory(self.host_memory, name="host_memory"))
         for name in ("fsdp", "tp", "ep", "cp", "pp", "batch", "seq", "microbatch_size", "gpus_per_node"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

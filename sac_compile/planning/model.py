@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -24,8 +24,12 @@ from .._compat.checkpoint import tree_map
 from .._compat.tensors import DataDependentOutputException, fake_mode
 from .._compat.transformers import value_checks_off
 from ..declare import declare_regions, match_path
+from ..memory import Memory
 from ..policy import SAVE_COSTLY, RegionPolicy
 from .core import DEFAULT_BUDGETS, Plan, plan
+
+if TYPE_CHECKING:
+    from ..seam import Compile
 
 __all__ = ["LayerGroup", "ModelPlan", "plan_model"]
 
@@ -69,7 +73,7 @@ class ModelPlan:
     def __str__(self) -> str:
         return self.format()
 
-    def apply(self, model: nn.Module, *, compile: Any = None, **options: Any) -> nn.Module:
+    def apply(self, model: nn.Module, *, compile: Compile | None = None, **options: Any) -> nn.Module:
         """Wrap each planned layer with ``apply_selective_checkpointing`` and its group's
         plan. ``compile`` defaults to ``True`` for a group whose plan has a budget (budgets act
         in compiled code only) and ``False`` otherwise; ``compile=False`` with a budget is a
@@ -102,12 +106,12 @@ def plan_model(
     model: nn.Module,
     *example_args: Any,
     layers: str | tuple[str, ...],
-    memory: int | float,
+    memory: Memory,
     regions: dict[str, str] | None = None,
     budgets: Iterable[float | None] = DEFAULT_BUDGETS,
     policies: Sequence[RegionPolicy] = (SAVE_COSTLY,),
     eager: bool = True,
-    progress: Any = None,
+    progress: Callable[[int, int, str], object] | None = None,
     offload: bool = False,
     **example_kwargs: Any,
 ) -> ModelPlan:
@@ -151,7 +155,7 @@ def plan_model(
             f"plan_model: no layer of {', '.join(map(repr, silent))} ran in the example forward, so it cannot be "
             "planned; give example inputs that run every stack (a vision tower needs an image: pixel_values)"
         )
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[tuple[Any, ...], list[str]] = {}
     for path, module in matched:
         if path in calls:
             groups.setdefault(_structure(module), []).append(path)
@@ -179,17 +183,17 @@ def plan_model(
 
 
 def _record_calls(
-    model: nn.Module, matched: list[tuple[str, nn.Module]], args: tuple, kwargs: dict
-) -> dict[str, tuple[tuple, dict]]:
-    calls: dict[str, tuple[tuple, dict]] = {}
+    model: nn.Module, matched: list[tuple[str, nn.Module]], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+    calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 
     def keep(t: Any) -> Any:
         if isinstance(t, torch.Tensor):
             return t.detach().requires_grad_(t.requires_grad)
         return t
 
-    def recorder(path: str) -> Callable[[nn.Module, tuple, dict], None]:
-        def hook(_module: nn.Module, a: tuple, kw: dict) -> None:
+    def recorder(path: str) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def hook(_module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
             if path not in calls:
                 calls[path] = (tree_map(keep, tuple(a)), tree_map(keep, dict(kw)))
 
@@ -236,14 +240,16 @@ def _as_meta(t: Any) -> Any:
     return t
 
 
-def _structure(module: nn.Module) -> tuple:
+def _structure(module: nn.Module) -> tuple[Any, ...]:
     return tuple((path, type(m).__qualname__) for path, m in module.named_modules())
 
 
-def _kinds(groups: dict[tuple, list[str]], modules: dict[str, nn.Module]) -> dict[tuple, str]:
+def _kinds(
+    groups: dict[tuple[Any, ...], list[str]], modules: dict[str, nn.Module]
+) -> dict[tuple[Any, ...], str]:
     """A readable name per group: the class, plus what differs when a class repeats."""
-    names: dict[tuple, str] = {}
-    by_class: dict[str, list[tuple]] = {}
+    names: dict[tuple[Any, ...], str] = {}
+    by_class: dict[str, list[tuple[Any, ...]]] = {}
     for key, paths in groups.items():
         by_class.setdefault(type(modules[paths[0]]).__name__, []).append(key)
     for cls, keys in by_class.items():
