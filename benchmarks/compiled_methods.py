@@ -1,6 +1,6 @@
 """A trainer that compiles methods inside an eager checkpoint (xtuner's MoE layout), per keep set.
 
-The model is ``sac_compile.testing.method_compiled.MethodCompiledMoE``: ``--layers`` MoE layers
+The model is ``sac_compile.testing._dev.method_compiled.MethodCompiledMoE``: ``--layers`` MoE layers
 and an MTP layer over one packed row (``cu_seqlens``), the layers' four methods (attention,
 experts, shared experts, residual) compiled on the class with ``fullgraph=True`` by
 ``--backend`` (``inductor``: plain ``torch.compile``, what xtuner uses; ``sac``: our backend
@@ -28,7 +28,7 @@ from _timing import interleaved_times, ratio_interval
 
 import sac_compile as sc
 from sac_compile.inspection import autograd_saved_bytes
-from sac_compile.testing import method_compiled as mc
+from sac_compile.testing._dev import method_compiled as mc
 
 CONFIGS = {
     "no checkpoint": None,

@@ -1,6 +1,6 @@
 """Every stack of multimodal and encoder-decoder transformers families: what each holds.
 
-One run over the families of ``sac_compile.testing.hf_multimodal`` (tiny random models, hidden
+One run over the families of ``sac_compile.testing._dev.hf_multimodal`` (tiny random models, hidden
 32, two layers a stack, CPU, float32, a batch that runs every stack). For each family:
 
 * per stack S of ``hf.stacks(model)``, the other stacks fully recomputed: S fully
@@ -43,7 +43,7 @@ import torch.nn as nn
 
 import sac_compile as sc
 from sac_compile import hf
-from sac_compile.testing import hf_multimodal
+from sac_compile.testing._dev import hf_multimodal
 
 _COMPILE = {"inner": "aot_eager"}
 Configure = Callable[[nn.Module, bool], None]

@@ -18,7 +18,7 @@ from . import seam as seam
 from .compiler import make_sac_backend, sac_backend
 from .compiler import session as _session
 from .config import SacConfig
-from .contexts import region_context_fn
+from .context_fn import region_context_fn
 from .declare import declare_regions
 from .diagnostics import SacDiagnosticError, set_strict, strict
 from .keep import ALL_REGIONS
@@ -85,4 +85,4 @@ if not TYPE_CHECKING:  # (a module __getattr__ would make a type checker accept 
 # the planner (sac_compile.planning.advice: one INFO line when a plan dominates a keep set).
 _session.set_advisor(_advice.advise)
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"

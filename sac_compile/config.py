@@ -23,11 +23,11 @@ import torch.nn as nn
 
 from . import diagnostics
 from ._compat.dynamo import unwrap_compiled
-from .declare import check_pattern, declare_regions, match_path, no_match_message
+from .arguments import Compile, SeamConfig, check_bool, check_pattern
+from .declare import declare_regions, match_path, no_match_message
 from .keep import KeepSet, normalize_keep, validate_region_name
-from .policy import SAVE_COSTLY, RegionPolicy, validate_policy
-from .scope_text import Actions, validate_budget
-from .seam import Compile, apply_selective_checkpointing, is_container, normalize_compile
+from .policy import SAVE_COSTLY, RegionPolicy
+from .seam import is_container, wrap
 
 __all__ = ["SacConfig"]
 
@@ -70,7 +70,8 @@ class SacConfig:
     policy: RegionPolicy = SAVE_COSTLY
     budget: float | None = None
     offload: Collection[str] = frozenset()
-    _compile_options: Any = field(default=None, init=False, repr=False, compare=False)
+    # pattern of layers -> how its layers are checkpointed (every argument above, checked once)
+    _seams: tuple[tuple[str, SeamConfig], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         patterns = self.layers if isinstance(self.layers, tuple) else (self.layers,)
@@ -99,18 +100,28 @@ class SacConfig:
             check_pattern(pattern)
             validate_region_name(name)
         object.__setattr__(self, "regions", tuple(sorted(regions)))
-        # validates; a dict becomes a hashable tuple so that the config stays frozen
-        object.__setattr__(self, "_compile_options", normalize_compile(self.compile))
-        if isinstance(self.compile, Mapping):
-            object.__setattr__(self, "compile", self._compile_options)
-        object.__setattr__(self, "policy", validate_policy(self.policy))
-        object.__setattr__(self, "budget", validate_budget(self.budget))
-        for keep in (self.keep, *dict(self.stack_keep).values()):  # (each layer's actions)
-            actions = Actions.of(keep, self.policy, self.budget, self.offload)
-        object.__setattr__(self, "offload", actions.offload)
-        for attr in ("preserve_rng_state", "strict"):
-            if not isinstance(getattr(self, attr), bool):
-                raise TypeError(f"SacConfig.{attr} must be a bool, got {getattr(self, attr)!r}")
+        keeps = dict(self.stack_keep)
+        seams = tuple(
+            (p, SeamConfig.of(keeps.get(p, self.keep), **self._layer_arguments())) for p in patterns
+        )
+        object.__setattr__(self, "_seams", seams)
+        first = seams[0][1]
+        if isinstance(self.compile, Mapping):  # a hashable tuple, so that the config stays frozen
+            object.__setattr__(self, "compile", first.compile_options)
+        object.__setattr__(self, "policy", first.actions.policy)
+        object.__setattr__(self, "budget", first.actions.budget)
+        object.__setattr__(self, "offload", first.actions.offload)
+        check_bool(self.strict, "SacConfig.strict")
+
+    def _layer_arguments(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "budget": self.budget,
+            "offload": self.offload,
+            "preserve_rng_state": self.preserve_rng_state,
+            # (a dict of options is held as its normalized pairs: dataclasses.replace passes them back)
+            "compile": dict(self.compile) if isinstance(self.compile, tuple) else self.compile,
+        }
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Declare the regions, wrap every matching layer, and return ``model``.
@@ -122,8 +133,8 @@ class SacConfig:
             raise TypeError(f"SacConfig.apply takes an nn.Module, got {type(model).__name__}")
         root = unwrap_compiled(model)
         paths = [p for p, _ in root.named_modules()]
-        keeps = dict(self.stack_keep)
-        layers = []  # (module, its keep set), every pattern's layers
+        seams = dict(self._seams)
+        layers = []  # (module, how it is checkpointed), every pattern's layers
         for pattern in self.patterns:
             matched = [(p, m) for p, m in root.named_modules() if match_path(pattern, p)]
             if not matched:
@@ -137,24 +148,11 @@ class SacConfig:
                     f"{containers[0]!r}, a container without a forward: its call never runs, so wrapping it "
                     f"would checkpoint nothing. Match the layers inside it: layers={_inside(pattern)!r}"
                 )
-            layers += [(m, keeps.get(pattern, self.keep)) for _, m in matched]
+            layers += [(m, seams[pattern]) for _, m in matched]
         if self.regions:
             declare_regions(root, dict(self.regions))
-        compile_arg: Any = False
-        if self._compile_options is not None:
-            compile_arg = dict(self._compile_options) or True
-            if isinstance(compile_arg, dict) and "inductor_config" in compile_arg:
-                compile_arg["inductor_config"] = dict(compile_arg["inductor_config"])
-        for layer, keep in layers:
-            apply_selective_checkpointing(
-                layer,
-                keep=keep,
-                preserve_rng_state=self.preserve_rng_state,
-                compile=compile_arg,
-                policy=self.policy,
-                budget=self.budget,
-                offload=self.offload,
-            )
+        for layer, seam in layers:
+            wrap(layer, seam)
         if self.strict:
             diagnostics.make_strict(root)
         return model

@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._compat.dynamo import guard_module_hooks, skip_frame, unwrap_compiled
+from .arguments import check_pattern
 from .keep import validate_region_name
 from .markers import DECLARED_ATTR as _ATTR
 from .markers import declared_names, exporting, ops
@@ -211,7 +212,7 @@ def _install(module: nn.Module, name: str) -> tuple[RemovableHandle, ...]:
         functools.partial(_enter_hook, name), prepend=True, with_kwargs=True
     )
     post = module.register_forward_hook(functools.partial(_exit_hook, name), with_kwargs=True)
-    # the module's own output, first (eager engine: a kept body's output, eager/bodies.py)
+    # the module's own output, first (eager engine: a kept body's output, eager/kept_bodies.py)
     out = module.register_forward_hook(functools.partial(_output_hook, name), prepend=True, with_kwargs=True)
     module.__dict__[_SCRIPT_HOOK] = functools.partial(_refuse_script, type(module).__name__)
     return pre, post, out
@@ -312,25 +313,6 @@ def match_path(pattern: str, path: str) -> bool:
     want = pattern.split(".")
     have = path.split(".") if path else []
     return len(want) == len(have) and all(w == "*" or w == h for w, h in zip(want, have))
-
-
-def check_pattern(pattern: object) -> None:
-    if not isinstance(pattern, str):
-        raise TypeError(f"a module path pattern must be a str, got {type(pattern).__name__} {pattern!r}")
-    if pattern == "":
-        return  # the root module
-    parts = pattern.split(".")
-    for part in parts:
-        if part == "":
-            raise ValueError(
-                f"module path pattern {pattern!r} has an empty component; write dotted paths as "
-                "named_modules() reports them, e.g. 'model.layers.*.self_attn'"
-            )
-        if part != "*" and any(c in part for c in "*?[]"):
-            raise ValueError(
-                f"module path pattern {pattern!r}: {part!r} mixes a wildcard with text; '*' stands for "
-                "one whole path component (e.g. 'layers.*.mlp'), list the modules explicitly otherwise"
-            )
 
 
 def no_match_message(pattern: str, paths: list[str]) -> str:

@@ -1,15 +1,5 @@
-"""Moved: ``sac_compile.hf_plan`` is :mod:`sac_compile.hf.plan`. Importing the old path still
-works (the module is the new one) and warns once, naming the new path."""
+"""Moved: see ``sac_compile._moved.MOVED``."""
 
-import sys
-import warnings
+from ._moved import alias
 
-from .hf import plan as _moved
-
-warnings.warn(
-    "sac_compile.hf_plan is sac_compile.hf.plan (the transformers integration is one package, "
-    "sac_compile.hf): import sac_compile.hf.plan",
-    FutureWarning,
-    stacklevel=2,
-)
-sys.modules[__name__] = _moved
+alias(__name__)

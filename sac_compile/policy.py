@@ -78,7 +78,7 @@ def save_costly(op: Op, regions: tuple[str, ...], keep: KeepSet) -> CheckpointPo
 def save_all(op: Op, regions: tuple[str, ...], keep: KeepSet) -> CheckpointPolicy:
     """Every op of a kept region is saved (cheap pointwise outputs too). Eagerly, a kept
     declared module or decorated function then runs once per step (its body skipped in the
-    recompute, :mod:`sac_compile.eager.bodies`)."""
+    recompute, :mod:`sac_compile.eager.kept_bodies`)."""
     return CheckpointPolicy.MUST_SAVE if _is_kept(regions, keep) else CheckpointPolicy.MUST_RECOMPUTE
 
 

@@ -1,4 +1,4 @@
-"""``apply_selective_checkpointing``: one call per wrap site, right in every mode.
+"""The seam, where checkpointing meets a layer's call: ``apply_selective_checkpointing`` (right in every mode).
 
 The module is wrapped *in place*: its class is swapped for a generated subclass
 (as ``fully_shard`` does) whose ``_call_impl`` runs the original call, hooks
@@ -37,9 +37,8 @@ undoes the wrapping.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, SupportsIndex, TypedDict, cast
+from collections.abc import Callable
+from typing import Any, SupportsIndex, cast
 
 import torch
 import torch.nn as nn
@@ -49,6 +48,7 @@ from ._compat import frames
 from ._compat import transformers as transformers_layers
 from ._compat.dynamo import drop_compiled_call, has_compiled_call, unwrap_compiled
 from ._compat.nn import CALL_IMPL, next_call_impl
+from .arguments import BACKEND_KEYS, COMPILE_KEYS, Compile, SeamConfig
 from .compiler.backend import backend_for
 from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
@@ -58,7 +58,6 @@ from .keep import ALL_REGIONS, Keep, Regions
 from .markers import LEGACY_ATTR, SEAM_CALL_PREFIX, exporting, seam_scope_args
 from .policy import SAVE_COSTLY, RegionPolicy, validate_policy
 from .records import SEAM_PREFIX, user_class_name
-from .scope_text import Actions
 
 __all__ = [
     "LEGACY_ATTR",
@@ -66,36 +65,8 @@ __all__ = [
     "apply_selective_checkpointing",
     "is_container",
     "remove_selective_checkpointing",
+    "wrap",
 ]
-
-
-# torch.compile's arguments; "mode" and "options" reach the backend, which forwards them to Inductor
-_COMPILE_KEYS = {"fullgraph", "dynamic", "mode", "options"}
-_BACKEND_KEYS = {"inner", "inductor_config"}
-
-
-class CompileOptions(TypedDict, total=False):
-    """A ``compile=`` dict: ``torch.compile``'s ``fullgraph``, ``dynamic``, ``mode``,
-    ``options``, and ``make_sac_backend``'s ``inner``, ``inductor_config``."""
-
-    fullgraph: bool
-    dynamic: bool | None
-    mode: str | None
-    options: Mapping[str, Any]
-    inner: Literal["inductor", "aot_eager"]
-    inductor_config: Mapping[str, Any]
-
-
-#: What a ``compile=`` argument takes: ``False`` (eager), ``True`` (compiled with the
-#: defaults) or :class:`CompileOptions`.
-Compile = bool | CompileOptions
-
-
-@dataclass(frozen=True)
-class SeamConfig:
-    actions: Actions  # keep, policy, budget (and the scope markers' text)
-    preserve_rng_state: bool
-    compile_options: tuple[tuple[str, Any], ...] | None  # None: not compiled by the seam
 
 
 Args = tuple[Any, ...]  # a call's positional arguments
@@ -152,11 +123,19 @@ def apply_selective_checkpointing(
             "`for layer in model.layers: apply_selective_checkpointing(layer, keep=...)`, or "
             "SacConfig(layers='layers.*', ...)"
         )
-    actions = Actions.of(keep, policy, budget, offload)
-    if not isinstance(preserve_rng_state, bool):
-        raise TypeError(f"preserve_rng_state must be a bool, got {preserve_rng_state!r}")
-    options = normalize_compile(compile)
-    config = SeamConfig(actions, preserve_rng_state, options)
+    config = SeamConfig.of(
+        keep,
+        policy=policy,
+        budget=budget,
+        offload=offload,
+        preserve_rng_state=preserve_rng_state,
+        compile=compile,
+    )
+    return wrap(module, config)
+
+
+def wrap(module: nn.Module, config: SeamConfig) -> nn.Module:
+    """:func:`apply_selective_checkpointing` with its arguments checked already (``config``)."""
     existing = getattr(module, "_sac_seam", None)
     if existing is not None:
         if existing == config:
@@ -173,7 +152,7 @@ def apply_selective_checkpointing(
             f"{type(module).__name__} was already compiled with module.compile(); apply "
             "apply_selective_checkpointing first (or pass compile=True to it)"
         )
-    if options is not None:
+    if config.compile_options is not None:
         _backend_and_compile_kwargs(config)  # bad mode / options fail here, not at the first call
     cast(Any, module)._sac_seam = config
     module.__class__ = _subclass_for(type(module), config)
@@ -218,10 +197,10 @@ def _described(config: SeamConfig) -> str:
 
 def _backend_and_compile_kwargs(config: SeamConfig) -> tuple[Any, dict[str, Any]]:
     """The backend and the ``torch.compile`` arguments of a ``compile=...`` wrap."""
-    opts: dict[str, Any] = {k: dict(v) if k in _DICT_KEYS else v for k, v in (config.compile_options or ())}
-    backend = backend_for(config.actions, **{k: v for k, v in opts.items() if k in _BACKEND_KEYS})
+    opts = config.compile_kwargs()
+    backend = backend_for(config.actions, **{k: v for k, v in opts.items() if k in BACKEND_KEYS})
     backend.compile_patches(opts.get("mode"), opts.get("options"))  # raises for bad ones
-    return backend, {k: v for k, v in opts.items() if k in _COMPILE_KEYS}
+    return backend, {k: v for k, v in opts.items() if k in COMPILE_KEYS}
 
 
 def _compile(module: nn.Module, config: SeamConfig) -> None:
@@ -230,31 +209,6 @@ def _compile(module: nn.Module, config: SeamConfig) -> None:
     if config.compile_options is not None:
         backend, kwargs = _backend_and_compile_kwargs(config)
         module.compile(backend=backend, **kwargs)
-
-
-# compile options whose values are dicts (kept as sorted item tuples in SeamConfig)
-_DICT_KEYS = ("inductor_config", "options")
-
-
-def normalize_compile(compile: object) -> tuple[tuple[str, Any], ...] | None:
-    if compile is False:
-        return None
-    if compile is True:
-        return ()
-    if isinstance(compile, Mapping):
-        unknown = set(compile) - _COMPILE_KEYS - _BACKEND_KEYS
-        if unknown:
-            raise ValueError(
-                f"compile options {sorted(unknown)} are not understood; use "
-                f"{sorted(_COMPILE_KEYS | _BACKEND_KEYS)}"
-            )
-        items = []
-        for k, v in compile.items():
-            if k in _DICT_KEYS:
-                v = tuple(sorted(dict(v).items()))
-            items.append((k, v))
-        return tuple(sorted(items))
-    raise TypeError(f"compile must be a bool or a dict of options, got {type(compile).__name__} {compile!r}")
 
 
 # the generated class's attribute holding its transformers cache-argument positions

@@ -21,13 +21,23 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sac_compile"
 # Lower layers first; a module may import only from its own layer or below (and never
 # from its own layer in a cycle). ``testing`` (fixtures) sits on top of everything.
 LAYERS: list[tuple[str, ...]] = [
-    ("_compat",),
-    ("keep", "memory", "records", "op_classes", "policy", "scope_text", "marker_walk"),
+    ("_compat", "_moved"),  # (_moved: the old paths of renamed modules)
+    (
+        "keep",
+        "memory",
+        "records",
+        "op_classes",
+        "policy",
+        "actions",
+        "scope_text",
+        "arguments",
+        "marker_walk",
+    ),
     ("diagnostics",),
     ("markers",),
     ("declare", "passes"),
     ("compiler", "eager"),
-    ("seam", "config", "contexts"),
+    ("seam", "config", "context_fn", "contexts"),
     ("inspection",),
     ("planning",),
     ("hf", "hf_layers", "hf_plan"),  # (hf_layers, hf_plan: the old paths of hf.layers, hf.plan)
@@ -468,19 +478,28 @@ def test_the_docs_layer_table_is_the_one_this_test_checks():
             assert listed == have, (name, sorted(have - listed), sorted(listed - have))
 
 
-@pytest.mark.parametrize("old,new", [("hf_plan", "plan"), ("hf_layers", "layers")])
-def test_an_old_hf_module_path_imports_the_new_module_and_names_it(old, new):
-    """``sac_compile.hf_plan`` / ``hf_layers`` moved into the ``sac_compile.hf`` package: the
-    old path is the new module, with a ``FutureWarning`` naming it."""
+def _moved() -> dict[str, tuple[str, str]]:
+    from sac_compile._moved import MOVED
+
+    return MOVED
+
+
+@pytest.mark.parametrize("old", sorted(_moved()))
+def test_an_old_module_path_imports_the_new_module_and_names_it(old):
+    """A renamed or moved module's old path (``sac_compile.hf_plan``, ``sac_compile.scope_text``,
+    ...) is the new module, with a ``FutureWarning`` naming it; its file holds nothing else."""
     import importlib
     import warnings
 
-    sys.modules.pop(f"sac_compile.{old}", None)
+    new, _ = _moved()[old]
+    sys.modules.pop(old, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        moved = importlib.import_module(f"sac_compile.{old}")
-    assert moved is importlib.import_module(f"sac_compile.hf.{new}")
-    assert any(f"import sac_compile.hf.{new}" in str(w.message) for w in caught), caught
+        moved = importlib.import_module(old)
+    assert moved is importlib.import_module(new)
+    assert any(f"import {new}" in str(w.message) and w.category is FutureWarning for w in caught), caught
+    shim = PACKAGE.parent / (old.replace(".", "/") + ".py")
+    assert "alias(__name__)" in shim.read_text() and len(shim.read_text().splitlines()) <= 6
 
 
 def test_public_parameters_are_typed_for_a_reader():

@@ -1,6 +1,6 @@
 """Trainers that compile methods inside an eager checkpoint keep their regions.
 
-The layout of xtuner's MoE layers (``sac_compile.testing.method_compiled``): the layer's
+The layout of xtuner's MoE layers (``sac_compile.testing._dev.method_compiled``): the layer's
 methods (attention, experts, shared experts, residual) compiled on the class with
 ``fullgraph=True``, the layer checkpointed eagerly by the seam outside them, packed sequences
 (``cu_seqlens``), a router normalising in place, a dispatcher object registering a
@@ -19,7 +19,7 @@ import torch
 
 import sac_compile as sc
 from sac_compile.inspection import autograd_saved_bytes
-from sac_compile.testing import method_compiled as mc
+from sac_compile.testing._dev import method_compiled as mc
 
 from .releases import default_torch_only, extended
 

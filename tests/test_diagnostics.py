@@ -122,7 +122,7 @@ class BreakInDecorated(nn.Module):
 
 @pytest.mark.parametrize("compile", [False, AOT], ids=["eager", "compiled"])
 def test_keep_name_never_recorded_is_reported_once_per_model(reports, compile):
-    # Red without: diagnostics.compiled.GraphReporter.on_call's / diagnostics.eager.check_engine_call's keep-unused check (both through diagnostics.judge).
+    # Red without: diagnostics.compiled.GraphReporter.on_call's / diagnostics.eager.check_engine_call's keep-unused check (both through diagnostics.unused_keep).
     model = _stack(keep={"attn", "atn_typo_1"}, compile=compile)
     _steps(model, 3)
     got = reports("keep-unused")

@@ -195,7 +195,7 @@ def test_lists_of_layers_transformers_does_not_checkpoint_are_reported_or_includ
     """Mllama's vision encoder layers are not transformers checkpointing layers: its switch and
     hf's stacks leave them out. That is a warning naming them, never silence; ``include=``
     checkpoints them with the same regions (gradients bit-identical, held bytes lower)."""
-    from sac_compile.testing import hf_multimodal
+    from sac_compile.testing._dev import hf_multimodal
 
     model, inputs = hf_multimodal.build("mllama")
     assert hf.stacks(model) == ("model.language_model.layers",)

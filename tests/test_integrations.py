@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 import sac_compile as sc  # noqa: E402
 from sac_compile import hf  # noqa: E402
-from sac_compile.contexts import region_context_fn  # noqa: E402
+from sac_compile.context_fn import region_context_fn  # noqa: E402
 
 from .models import Block, bit_identical, lm_step  # noqa: E402
 from .releases import every_release  # noqa: E402

@@ -346,11 +346,11 @@ def test_the_copies_hide_behind_the_compute_around_them_in_their_own_graph():
     """``transfer``: a copy to the host starts after its value's last forward use and is
     hidden by the forward compute after it; a copy back is awaited at the value's first
     backward use; eager, every copy is exposed."""
+    from sac_compile.actions import Actions
     from sac_compile.planning.candidates import Candidate, Copies
     from sac_compile.planning.devices import Target
     from sac_compile.planning.host import HOST_EFFICIENCY
     from sac_compile.planning.offload import transfer
-    from sac_compile.scope_text import Actions
 
     target = Target("h100-80gb", offload=True, host_memory="1TB", host_link="pcie5")
     d = target.device

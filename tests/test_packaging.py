@@ -1,6 +1,6 @@
 """What ``pip install sac-compile`` gets: the wheel ``python -m build`` makes holds the package
-and its type marker and nothing else (no tests, benchmarks or examples), builds without a
-warning, and carries the version written in one place."""
+and its type marker and nothing else (no tests, benchmarks, examples or the project's own test
+fixtures), builds without a warning, and carries the version written in one place."""
 
 from __future__ import annotations
 
@@ -45,6 +45,11 @@ def wheel(tmp_path_factory) -> tuple[Path, str]:
 
 
 def test_the_wheel_holds_the_package_its_type_marker_and_nothing_else(wheel):
+    """What ships: every module of the package except the project's own test fixtures
+    (``sac_compile/testing/_dev``); of ``sac_compile.testing``, exactly the modules of
+    ``testing.PUBLIC`` (what the README, docs and examples import) and its ``__init__``."""
+    from sac_compile.testing import PUBLIC
+
     path, _ = wheel
     names = zipfile.ZipFile(path).namelist()
     info = f"sac_compile-{sac_compile.__version__}.dist-info/"
@@ -53,9 +58,12 @@ def test_the_wheel_holds_the_package_its_type_marker_and_nothing_else(wheel):
     sources = {
         p.relative_to(ROOT).as_posix()
         for p in (ROOT / "sac_compile").rglob("*.py")
-        if "__pycache__" not in p.parts
+        if "__pycache__" not in p.parts and "_dev" not in p.parts
     }
     assert sources == {n for n in names if n.endswith(".py")}, sources ^ set(names)
+    testing = {n.removeprefix("sac_compile/testing/") for n in names if n.startswith("sac_compile/testing/")}
+    assert testing == {"__init__.py"} | {f"{m}.py" for m in PUBLIC}, testing
+    assert (ROOT / "sac_compile" / "testing" / "_dev" / "method_compiled.py").exists()  # (in the checkout)
     assert f"{info}licenses/LICENSE" in names
     assert (
         "sac_compile = sac_compile.compiler:sac_backend"

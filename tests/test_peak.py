@@ -620,10 +620,10 @@ def test_context_parallel_traces_a_share_of_the_sequence_and_shards_over_fsdp_x_
 
 
 def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
+    from sac_compile.actions import Actions
     from sac_compile.planning.core import Candidate, Plan
     from sac_compile.planning.devices import DEVICES, Target
     from sac_compile.planning.step_time import LINK_EFFICIENCY, step_time
-    from sac_compile.scope_text import Actions
 
     full = Candidate(Actions(), 0, recompute_flops=10**12)
     table = Plan(1, full, (full,), 0, (), "exhaustive", forward_flops=10**12, no_checkpoint_flops=2 * 10**12)

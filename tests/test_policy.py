@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy
 
 import sac_compile as sc
+from sac_compile.actions import Actions, format_scope, parse_scope
 from sac_compile.compiler.backend import baseline_backend
 from sac_compile.eager import checkpoint_with_regions
 from sac_compile.markers import ops
 from sac_compile.passes.tag_regions import _SOURCE_FILES, tag_regions
 from sac_compile.policy import SAVE_ALL, SAVE_COSTLY, is_costly, policy_key
-from sac_compile.scope_text import Actions, format_scope, parse_scope
 
 aten = torch.ops.aten
 SAVE, PREFER, RECOMPUTE = (

@@ -1,6 +1,7 @@
 """apply_selective_checkpointing: every decision-table row, identity, idempotence, compile."""
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -301,3 +302,57 @@ class TestContainers:
         seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
         sc.apply_selective_checkpointing(seq, {"attn"})
         assert _wrapped(seq)
+
+
+# One bad value per argument, and the message every entry point gives for it.
+BAD_ARGUMENTS = [
+    ({"keep": 5}, TypeError, "keep"),
+    ({"policy": 3}, TypeError, "policy"),
+    ({"budget": 2.0}, ValueError, "budget"),
+    ({"offload": "mlp"}, TypeError, "offload must be a collection of region names"),
+    ({"keep": {"attn"}, "offload": {"attn"}}, ValueError, "attn"),
+]
+
+
+@pytest.mark.parametrize("bad,error,says", BAD_ARGUMENTS)
+def test_every_entry_point_refuses_a_bad_argument_with_the_one_check(bad, error, says):
+    """Validation in one place: apply_selective_checkpointing, SacConfig, region_context_fn,
+    make_sac_backend and the eager engine refuse the same value with the same message (one
+    function makes it: sac_compile.arguments / Actions.of), before any work."""
+    from sac_compile.eager import checkpoint_with_regions
+
+    calls = {
+        "apply_selective_checkpointing": lambda: sc.apply_selective_checkpointing(Block(16), **bad),
+        "SacConfig": lambda: sc.SacConfig(layers="layers.*", **bad),
+        "region_context_fn": lambda: sc.region_context_fn(**bad),
+        "make_sac_backend": lambda: sc.make_sac_backend(**bad),
+        "checkpoint_with_regions": lambda: checkpoint_with_regions(
+            torch.sin, torch.ones(1), **{"keep": (), **bad}
+        ),
+    }
+    messages = {}
+    for name, call in calls.items():
+        if name == "checkpoint_with_regions" and "budget" in bad:
+            continue  # (the eager engine takes no budget)
+        with pytest.raises(error) as raised:
+            call()
+        messages[name] = str(raised.value)
+    assert all(says in m for m in messages.values()), messages
+    assert len(set(messages.values())) == 1, messages
+
+
+def test_sac_config_checks_its_arguments_once_and_wraps_with_them(stack):
+    """A SacConfig checks every argument in its constructor (a bad one fails there, with no
+    model) and ``apply`` wraps each layer with the value made then: the layer's stored
+    configuration is the SacConfig's own object, per stack of layers."""
+    with pytest.raises(TypeError, match="preserve_rng_state must be a bool"):
+        sc.SacConfig(layers="layers.*", preserve_rng_state="yes")
+    with pytest.raises(TypeError, match="compile must be a bool or a dict"):
+        sc.SacConfig(layers="layers.*", compile="inductor")
+    cfg = sc.SacConfig(layers="layers.*", keep={"attn"}, compile=AOT)
+    cfg.apply(stack)
+    (made,) = [s for _, s in cfg._seams]
+    assert all(layer._sac_seam is made for layer in stack.layers)
+    assert made == seam.SeamConfig.of({"attn"}, compile=AOT)  # what apply_selective_checkpointing makes
+    again = dataclasses.replace(cfg, keep={"mlp"})  # a dict of options round-trips (red before)
+    assert again._seams[0][1].compile_options == made.compile_options

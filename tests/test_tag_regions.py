@@ -9,9 +9,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 import sac_compile as sc
 from sac_compile._compat.inductor import seed_ops
+from sac_compile.actions import Actions
 from sac_compile.markers import Enclosing, ops
 from sac_compile.passes.tag_regions import tag_regions
-from sac_compile.scope_text import Actions
 
 aten = torch.ops.aten
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_RECOMPUTE

@@ -154,7 +154,7 @@ def checkpoint_internal_hooks(pack: Callable[..., Any], unpack: Callable[..., An
 
 
 # The saved-tensors hook stack (torch._C._autograd): what saved_tensors_hooks pushes and
-# pops. A kept module whose body skips the recompute (eager/bodies.py) runs with the
+# pops. A kept module whose body skips the recompute (eager/kept_bodies.py) runs with the
 # checkpoint's hooks taken off the stack, so that autograd saves inside it as without
 # checkpointing; there is no public way to step out of an enclosing hooks context.
 _autograd_c = torch._C._autograd

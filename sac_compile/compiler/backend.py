@@ -29,6 +29,7 @@ import torch
 from .. import records
 from .._compat import aot, dynamo, frames, inductor
 from .._compat.ops import is_view_op, op_name
+from ..actions import Actions
 from ..diagnostics import compiled as diagnosed
 from ..diagnostics import describe_module, side_file, trace_watch
 from ..keep import ALL_REGIONS, Keep, Regions
@@ -36,7 +37,6 @@ from ..marker_walk import MarkerKind
 from ..markers import marker_kind
 from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, running_regions, with_block_fallbacks
 from ..policy import SAVE_COSTLY, RegionPolicy
-from ..scope_text import Actions
 from . import session
 from .session import CompileUnit
 

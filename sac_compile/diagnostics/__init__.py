@@ -36,7 +36,7 @@ Deduplication is on the whole diagnosis per root model (:mod:`.core`), so a repe
 step, a recompile or N identical layers report once, and a second model reports again.
 
 Modules: :mod:`.core` (the mechanism: diagnoses, owners, strict, regions recorded per
-model), :mod:`.messages` (every text, built once), :mod:`.judge` (first call reports,
+model), :mod:`.messages` (every text, built once), :mod:`.unused_keep` (first call reports,
 second call judges keep names), :mod:`.compiled` (rules on the tagging pass's records),
 :mod:`.eager` (rules on the eager engine's stats), :mod:`.trace_watch` (markers traced by
 a backend without the pass), :mod:`.side_file` (the warm-cache side file). This package

@@ -12,7 +12,7 @@ from ..marker_walk import ENTER_WITHOUT_EXIT
 from ..records import GraphRecord, describe_modules
 from . import messages
 from .core import PROCESS, Diagnosis, describe_module, note_regions, owner
-from .judge import RepeatJudge
+from .unused_keep import RepeatJudge
 
 __all__ = ["GraphReporter", "graph_diagnoses", "with_reporter"]
 

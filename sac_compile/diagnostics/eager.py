@@ -15,7 +15,7 @@ from ..keep import ALL_REGIONS, KeepSet, format_keep
 from ..records import generic_path
 from . import messages
 from .core import Diagnosis, describe_module, note_regions, owner, report
-from .judge import RepeatJudge
+from .unused_keep import RepeatJudge
 
 __all__ = [
     "check_engine_call",

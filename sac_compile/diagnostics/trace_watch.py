@@ -31,10 +31,10 @@ from typing import Any
 import torch.nn as nn
 
 from .._compat import TorchApiMoved, dynamo, frames
+from ..actions import keep_of_text
 from ..keep import ALL_REGIONS
 from ..marker_walk import MarkerKind
 from ..records import describe_stack_entry, user_class_name
-from ..scope_text import keep_of_text
 from . import messages
 from .core import (
     COMPILE_SWALLOWED,

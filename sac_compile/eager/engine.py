@@ -85,11 +85,11 @@ from .._compat.checkpoint import (
     push_dispatch_mode,
     top_saved_tensors_hooks,
 )
+from ..actions import Actions
 from ..keep import Keep, Regions
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
-from ..scope_text import Actions
-from .bodies import Bodies
+from .kept_bodies import Bodies
 from .modes import CachedMode, CachingMode, WatchMode
 from .session import SESSION, EagerSession
 from .state import EngineState, EngineStats
@@ -112,7 +112,7 @@ def _chained_pack_hook(state: EngineState) -> Iterator[None]:
         state.packs += 1
         return outer_pack(t)
 
-    state.pack_hook = pack  # (a kept module body steps out of it: eager/bodies.py)
+    state.pack_hook = pack  # (a kept module body steps out of it: eager/kept_bodies.py)
     with checkpoint_internal_hooks(pack, outer_unpack):
         yield
 

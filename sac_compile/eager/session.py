@@ -14,11 +14,11 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..actions import Actions
 from ..diagnostics.trace_watch import regions_compiled_in
 from ..keep import KeepSet
 from ..marker_walk import MarkerKind, OpenRegions
 from ..policy import SAVE_ALL, SAVE_COSTLY, Op, RegionPolicy, checked_decision, saves
-from ..scope_text import Actions
 
 __all__ = ["EagerSession"]
 
@@ -33,7 +33,7 @@ class Spans(Protocol):
 
 class BodySkipper(Protocol):
     """What the session asks of the kept module bodies that skip the recompute
-    (implemented by :class:`sac_compile.eager.bodies.Bodies`)."""
+    (implemented by :class:`sac_compile.eager.kept_bodies.Bodies`)."""
 
     def enter(
         self, region: str, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -65,7 +65,7 @@ class EagerSession:
         self.keep = keep  # (read for every region marker: one attribute, not two)
         self.spans = spans
         # Under SAVE_ALL a kept declared module with no kept region open around it runs
-        # with no mode in the forward and is not run in the recompute (eager/bodies.py)
+        # with no mode in the forward and is not run in the recompute (eager/kept_bodies.py)
         self.bodies = bodies if policy is SAVE_ALL and not actions.offload else None
         # compiled methods of the layer are kept whole under every policy (call_compiled)
         self.compiled_bodies = bodies

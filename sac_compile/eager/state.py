@@ -80,7 +80,7 @@ class EngineStats:
     # when the backward runs.
     intercepted: Counter[tuple[str, str]] = field(default_factory=Counter)
     spans: int = 0  # kept spans: stretches of the forward with a kept region open
-    # kept module bodies (policy SAVE_ALL, eager/bodies.py): "skipped" in the recompute
+    # kept module bodies (policy SAVE_ALL, eager/kept_bodies.py): "skipped" in the recompute
     # (their outputs handed back), "rerun" there, or "unreached" (early stop)
     bodies: Counter[str] = field(default_factory=Counter)
 

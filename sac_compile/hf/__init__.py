@@ -257,7 +257,7 @@ def checkpointing_kwargs(
     ``context_fn``, so a keep set per stack is made by declaring in each stack only the
     regions it keeps. A ``keep`` name no layer of ``model`` has is a ``ValueError``.
     """
-    from ..contexts import region_context_fn
+    from ..context_fn import region_context_fn
 
     read = read_stacks(model)
     report_unchecked(

@@ -278,15 +278,15 @@ class StepFigures:
     ) -> list[Peak]:
         """:meth:`peak` per rank it may fall on (with pipeline parallelism the first stage's
         and the last's: :func:`sac_compile.planning.peak.stage_peaks`)."""
-        from ..planning.figures import configured, configured_figures
-        from ..planning.peak import stage_peaks
+        return self._predict(keep, compile, offload)[0]
 
-        groups = self.plan.groups
-        chosen = configured(groups, keep, offload=offload)
-        layers = configured_figures(
-            groups, self.layer_params, chosen, self.sizes, self.target, compile=compile
-        )
-        return stage_peaks(self.sizes, layers, self.target)
+    def _predict(
+        self, keep: Keep | str | None, compile: bool, offload: Regions
+    ) -> tuple[list[Peak], StepTime]:
+        from ..planning.device_plan import predict
+
+        groups, params = self.plan.groups, self.layer_params
+        return predict(groups, params, self.sizes, self.target, keep, offload=offload, compile=compile)
 
     def seconds(
         self, keep: Keep | str | None = None, *, compile: bool = True, offload: Regions = ()
@@ -300,13 +300,7 @@ class StepFigures:
     ) -> StepTime:
         """The step's predicted time by term, tokens/s and MFU, every layer keeping ``keep``
         and offloading ``offload`` (compiled, or eager: every copy exposed)."""
-        from ..planning.figures import configured
-        from ..planning.step_time import step_time
-
-        groups = self.plan.groups
-        chosen = configured(groups, keep, offload=offload)
-        layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(groups, chosen, self.layer_params)]
-        return step_time(layers, self.sizes, self.target, compile=compile)
+        return self._predict(keep, compile, offload)[1]
 
 
 def step_figures(

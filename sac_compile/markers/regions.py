@@ -83,7 +83,9 @@ class region:
 
     # TorchScript compiles this class when a scripted forward holds a ``with region(...)``
     # block: __init__, __enter__ and __exit__ are written so that it can (the
-    # is_scripting() branches are resolved at compile time), the rest is dropped.
+    # is_scripting() branches are resolved at compile time), the rest is dropped. Spelled
+    # torch.jit.is_scripting: a `# type:` comment breaks TorchScript's parse, and the function
+    # imported from torch._jit_internal changes what Dynamo makes of a graph break in the block.
     __slots__ = ("name",)
 
     def __init__(self, name: str) -> None:

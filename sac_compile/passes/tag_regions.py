@@ -54,18 +54,19 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
-from .. import keep, op_classes, policy, records, scope_text
+from .. import actions as scope_actions
+from .. import keep, op_classes, policy, records
 from .._compat import aot, dynamo, frames
 from .._compat import inductor as inductor_compat
 from .._compat import ops as op_types
 from .._compat.checkpoint import CheckpointPolicy
 from .._compat.inductor import custom_graph_pass_base, get_hash_for_files, seed_ops
+from ..actions import Actions
 from ..marker_walk import MarkerKind, OpenRegions, balance, close_innermost
 from ..markers import ops
 from ..markers.context import NO_CONTEXT, Enclosing
 from ..markers.regions import WRAPPER_NAME
 from ..policy import checked_decision, policy_key, saves
-from ..scope_text import Actions
 from . import hop_bodies, saving_rules
 from .hop_bodies import ERASED as _ERASED
 from .hop_bodies import INVOKE_SUBGRAPH as _INVOKE_SUBGRAPH
@@ -81,7 +82,7 @@ _SOURCE_FILES = (
     keep.__file__,
     policy.__file__,
     op_classes.__file__,
-    scope_text.__file__,
+    scope_actions.__file__,
     saving_rules.__file__,
     hop_bodies.__file__,
     aot.__file__,

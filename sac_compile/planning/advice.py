@@ -17,8 +17,8 @@ import logging
 import threading
 from typing import Any
 
+from ..actions import Actions
 from ..keep import ALL_REGIONS
-from ..scope_text import Actions
 from .core import DEFAULT_BUDGETS, Candidate, flops_order, keep_sets
 
 __all__ = ["advise"]

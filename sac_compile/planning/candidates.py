@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from ..actions import Actions
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy
-from ..scope_text import Actions
 
 __all__ = [
     "MAX_EXHAUSTIVE_REGIONS",

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch.nn as nn
 
+from ..actions import Actions, validate_budget
 from ..memory import Memory, parse_memory
 from ..policy import SAVE_COSTLY, RegionPolicy, validate_policy
-from ..scope_text import Actions, validate_budget
 from .candidates import MAX_EXHAUSTIVE_REGIONS, Candidate, configurations, flops_order, keep_sets, mark_pareto
 from .measure import eager_bytes, measure, plain_bytes, timed
 from .op_sac import TORCHTITAN_OP

@@ -29,7 +29,7 @@ from .devices import Target
 from .figures import configured, configured_figures, figures_of, held, layer_figures, no_checkpoint_figures
 from .model import LayerGroup, ModelPlan
 from .offload import host_bytes, offloaded_per_rank, transfer
-from .peak import ModelSizes, Peak, step_peak
+from .peak import ModelSizes, Peak, stage_peaks, step_peak
 from .step_time import StepTime, step_time
 
 __all__ = ["DevicePlan", "choose", "configured", "figures_of", "layer_figures", "no_checkpoint_figures"]
@@ -136,21 +136,48 @@ class DevicePlan(ModelPlan):
     def apply(self, model: Any, *, compile: Any = None, **options: Any) -> Any:
         return super().apply(model, compile=self.compile if compile is None else compile, **options)
 
-    def configuration(self, keep: Any, budget: float | None = None) -> tuple[Peak, StepTime]:
+    def configuration(
+        self, keep: Any, budget: float | None = None, *, offload: Any = ()
+    ) -> tuple[Peak, StepTime]:
         """The predicted peak and step time of every layer running one configuration, from
         the same measurements: ``keep=None`` no checkpoint, ``()`` full recompute, a keep set
         (each kind of layer keeps the regions of it it has), with a measured ``budget``
-        (compiled), or ``"torchtitan-op"``: torchtitan's per-op selective AC
+        (compiled) and ``offload``, or ``"torchtitan-op"``: torchtitan's per-op selective AC
         (:mod:`~sac_compile.planning.op_sac`). What a user would pick instead of the plan, on
         the same target."""
         assert self.target is not None and self.sizes is not None
-        chosen = configured(self.measured, keep, budget)
-        figures = configured_figures(
-            self.measured, self.params, chosen, self.sizes, self.target, compile=self.compile
+        peaks, step = predict(
+            self.measured,
+            self.params,
+            self.sizes,
+            self.target,
+            keep,
+            budget,
+            offload=offload,
+            compile=self.compile,
         )
-        layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(self.measured, chosen, self.params)]
-        step = step_time(layers, self.sizes, self.target, compile=self.compile)
-        return step_peak(self.sizes, figures, self.target), step
+        return max(peaks, key=lambda p: p.reserved), step
+
+
+def predict(
+    groups: Sequence[LayerGroup],
+    params: Sequence[tuple[int, int]],
+    sizes: ModelSizes,
+    target: Target,
+    keep: Any,
+    budget: float | None = None,
+    *,
+    offload: Any = (),
+    compile: bool,
+) -> tuple[list[Peak], StepTime]:
+    """Every layer running one configuration (:func:`~sac_compile.planning.figures.configured`),
+    predicted from the measured tables: the peak of each rank it may fall on
+    (:func:`~sac_compile.planning.peak.stage_peaks`) and the step's time. What
+    ``DevicePlan.configuration`` and ``hf.StepFigures`` report."""
+    chosen = configured(groups, keep, budget, offload=offload)
+    figures = configured_figures(groups, params, chosen, sizes, target, compile=compile)
+    layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(groups, chosen, params)]
+    return stage_peaks(sizes, figures, target), step_time(layers, sizes, target, compile=compile)
 
 
 def _step_line(step: StepTime, measured: bool) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..scope_text import Actions
+from ..actions import Actions
 
 __all__ = ["PartitionEach", "eager_bytes", "measure", "plain_bytes", "timed"]
 

@@ -29,7 +29,7 @@ from ..policy import SAVE_COSTLY, RegionPolicy
 from .core import DEFAULT_BUDGETS, Plan, plan
 
 if TYPE_CHECKING:
-    from ..seam import Compile
+    from ..arguments import Compile
 
 __all__ = ["LayerGroup", "ModelPlan", "plan_model"]
 

@@ -85,8 +85,8 @@ class TorchtitanOpSac:
     checkpoint = True
 
     def new_pass(self, context: Any, publish: Any) -> Any:
+        from ..actions import Actions
         from ..passes.tag_regions import tag_regions
-        from ..scope_text import Actions
 
         def run(graph: fx.Graph) -> None:
             rec = tag_regions(graph, Actions(), context=context)

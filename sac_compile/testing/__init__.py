@@ -3,17 +3,17 @@
 :data:`PUBLIC` names what the README, the docs and the examples import from here -- small
 models to try the library on, the rank runner, an op counter, a hand-written checkpoint
 baseline -- and is kept stable like the library's own names (a test holds the README, docs
-and examples to it). Everything else here serves this project's tests and benchmarks and may
-change without notice:
+and examples to it). The other names of these modules serve this project's tests and
+benchmarks too and may change without notice; fixtures only the tests and benchmarks use live
+in :mod:`._dev`, which the wheel leaves out.
 
 * :mod:`.models` - the small marked transformer, MoE and expert-parallel models;
-* :mod:`.hf_families`, :mod:`.hf_vision`, :mod:`.hf_multimodal`, :mod:`.hf_encoders` - tiny
-  transformers models of many families, built from configs;
+* :mod:`.hf_families`, :mod:`.hf_vision` - tiny transformers models of many families, built
+  from configs;
 * :mod:`.ranks` - run a function on N gloo ranks (spawned CPU processes);
 * :mod:`.tp` - a Llama stack laid out for tensor parallelism as torchtitan lays it out;
 * :mod:`.counting` - count the ops a piece of code dispatches;
-* :mod:`.baselines` - hand-written checkpointing baselines;
-* :mod:`.method_compiled` - a trainer's layout: methods compiled inside a checkpoint.
+* :mod:`.baselines` - hand-written checkpointing baselines.
 """
 
 #: module -> the names of it the README, the docs and the examples use (stable)

@@ -16,11 +16,11 @@ from typing import Any, cast
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..actions import Actions
 from ..eager import EagerSession
 from ..keep import KeepSet, normalize_keep
 from ..markers import ops
 from ..policy import SAVE_COSTLY, RegionPolicy
-from ..scope_text import Actions
 
 __all__ = ["Checkpointed", "LayerWrapper"]
 

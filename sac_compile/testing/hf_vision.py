@@ -6,7 +6,7 @@ Each family is a vision tower's blocks + a language decoder's layers (two stacks
 Qwen2.5-VL (windowed, variable-length vision attention: one ``cu_seqlens`` per window) and
 Gemma-3 (a SigLIP tower pooled into Gemma-3, bidirectional attention over image tokens).
 :func:`build` returns ``(model, inputs)``: ``model(**inputs).loss`` trains both stacks.
-Used by ``tests/test_hf_stacks.py``; :mod:`sac_compile.testing.hf_multimodal` adds more
+Used by ``tests/test_hf_stacks.py``; :mod:`sac_compile.testing._dev.hf_multimodal` adds more
 families (built from the pieces here).
 """
 

@@ -1,4 +1,4 @@
-"""Kept declared modules under SAVE_ALL skip their body in the eager recompute (eager/bodies.py)."""
+"""Kept declared modules under SAVE_ALL skip their body in the eager recompute (eager/kept_bodies.py)."""
 
 import copy
 import gc

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import hf_encoders, hf_vision
-from .hf_vision import (
+from .. import hf_vision
+from ..hf_vision import (
     AUDIO,
     IMAGE_TOKEN,
     TEXT,
@@ -34,6 +34,7 @@ from .hf_vision import (
     text_config,
     vision_config,
 )
+from . import hf_encoders
 
 __all__ = ["FAMILIES", "build"]
 

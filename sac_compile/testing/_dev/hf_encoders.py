@@ -1,7 +1,7 @@
 """Tiny encoder-decoder, cross-attention and audio models of transformers 5.x, with a batch
 that runs every stack (CPU, no download): Mllama's cross-attention decoder, BLIP-2's
 Q-Former, Kosmos-2, Pix2Struct, Florence-2, BART, T5, Whisper and Qwen2-Audio. Part of
-:data:`sac_compile.testing.hf_multimodal.FAMILIES`.
+:data:`sac_compile.testing._dev.hf_multimodal.FAMILIES`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .hf_vision import (
+from ..hf_vision import (
     AUDIO,
     BART,
     IMAGE_TOKEN,

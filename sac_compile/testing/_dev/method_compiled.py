@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..markers import region
+from ...markers import region
 
 __all__ = ["METHODS", "Dispatcher", "MTPLayer", "MoELayer", "MethodCompiledMoE", "compile_methods", "packed"]
 
