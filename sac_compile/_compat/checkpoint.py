@@ -46,6 +46,7 @@ __all__ = [
     "storage_holders",
     "tree_leaves",
     "tree_map",
+    "map_inner",
     "stand_in_maker",
     "storage_tensor",
 ]
@@ -299,6 +300,20 @@ def storage_tensor(t: torch.Tensor) -> torch.Tensor:
             break
         t = getattr(t, names[0])
     return t
+
+
+def map_inner(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``fn(t)``; for a traceable wrapper subclass (a ``DTensor``) the same subclass and metadata
+    around ``fn`` of each of its inner tensors (its local shard), in ``__tensor_flatten__``'s
+    order. No op runs on the subclass itself: a ``DTensor``'s own ``clone()`` or ``to()`` would
+    redistribute it (a ``Partial`` one is all-reduced into a ``Replicate`` one)."""
+    if type(t) in _PLAIN or not _is_wrapper_subclass(t):
+        return fn(t)
+    names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    values = {n: getattr(t, n) for n in names}
+    inner = {n: map_inner(v, fn) if isinstance(v, torch.Tensor) else v for n, v in values.items()}
+    made: torch.Tensor = type(t).__tensor_unflatten__(inner, ctx, t.shape, t.stride())  # type: ignore[attr-defined]
+    return made
 
 
 def stand_in_maker(t: torch.Tensor) -> Callable[[], torch.Tensor]:

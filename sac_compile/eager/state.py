@@ -10,7 +10,7 @@ from typing import Any, cast
 import torch
 
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
-from .._compat.checkpoint import storage_holders
+from .._compat.checkpoint import map_inner, storage_holders, storage_tensor
 from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
 from .op_facts import Geometry, StorageSet, flat_leaves, map_leaves, storage_of, untyped_storage_of
@@ -346,7 +346,9 @@ class EngineState:
                 # a view of an input or parameter costs no memory of its own
                 if s not in seen and s in self.produced:
                     seen.add(s)
-                    nbytes = t.numel() * t.element_size() if host else untyped_storage_of(t).nbytes()
+                    # (offloaded: the elements copied, of a DTensor its shard's)
+                    inner = storage_tensor(t)
+                    nbytes = inner.numel() * inner.element_size() if host else untyped_storage_of(t).nbytes()
                     key = "+".join(e.regions) or NO_REGION
                     if host:
                         self.stats.offloaded_bytes += nbytes
@@ -375,19 +377,26 @@ class EngineState:
 
 class HostCopy:
     """A cached value of an offloaded region, in host memory (pinned when it came from CUDA);
-    ``back()`` is the tensor on its device again, for the recompute."""
+    ``back()`` is the tensor on its device again, for the recompute. A ``DTensor`` is copied
+    shard by shard and keeps its placements (``map_inner``)."""
 
-    __slots__ = ("device", "val")
+    __slots__ = ("devices", "val")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.device = t.device
+        self.devices: list[torch.device] = []
+        self.val = map_inner(t.detach(), self._to_host)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self.devices.append(t.device)
         if t.is_cuda:
-            self.val = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-        else:
-            self.val = t.detach().clone()  # (on a CPU the host is the device: a copy all the same)
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True
+            )
+        return t.clone()  # (on a CPU the host is the device: a copy all the same)
 
     def back(self) -> torch.Tensor:
-        return self.val.to(self.device, non_blocking=True)
+        devices = iter(self.devices)
+        return map_inner(self.val, lambda t: t.to(next(devices), non_blocking=True))
 
 
 def _to_host(leaf: Any) -> Any:
