@@ -68,6 +68,9 @@ class Candidate:
     # column-parallel projections read, gathered in a region under sequence parallelism);
     # planning.parallel
     tp_split: tuple[int, int, int] = (0, 0, 0)
+    # row-parallel projections' outputs in its saved regions it does not save (what the eager
+    # engine holds of them under TP, whole on every rank: planning.parallel.tensor_parallel_split)
+    tp_row_outputs: int = 0
     offloaded_bytes: int = 0  # saved to host memory by the compiled partition (offloaded regions)
     eager_offloaded_bytes: int | None = None  # what the eager engine copies to the host
     copies: tuple[Copies, ...] = ()  # per graph, its offload copies and the compute around them

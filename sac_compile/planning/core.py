@@ -360,6 +360,7 @@ def _candidate(
         transient_bytes=transient,
         recompute_traffic=max(traffic - base[4], 0),
         tp_split=(split[0], split[1], split[2]),
+        tp_row_outputs=split[3],
         offloaded_bytes=offloaded,
     )
 

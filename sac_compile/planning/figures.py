@@ -125,7 +125,7 @@ def figures_of(
     plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * _share(
         table.no_checkpoint_bytes, table.no_checkpoint_tp, target
     )
-    saved = (c.eager_bytes if c.eager_bytes is not None else c.saved_bytes) * share
+    saved = _eager_held(c, share, target)
     transient = max(plain - saved, 0) + table.no_checkpoint_transient / target.tp
     return LayerFigures(count, params[0], int(saved), int(transient), params[1])
 
@@ -154,5 +154,17 @@ def _share(total: int, split: tuple[int, int, int], target: Target) -> float:
 def held(c: Candidate, target: Target, compile: bool) -> int:
     """What a layer with candidate ``c`` holds per device of ``target`` (as :func:`figures_of`
     counts it): under tensor parallelism a rank's share; eager, the engine's bytes."""
-    on_device = c.saved_bytes if compile or c.eager_bytes is None else c.eager_bytes
-    return int(on_device * _share(c.saved_bytes, c.tp_split, target))
+    share = _share(c.saved_bytes, c.tp_split, target)
+    return int(c.saved_bytes * share if compile else _eager_held(c, share, target))
+
+
+def _eager_held(c: Candidate, share: float, target: Target) -> float:
+    """What the eager engine holds for a layer with ``c`` on one rank: as much of its bytes as
+    the partition saves, split as the partition's (``share``); what it holds beyond (RNG
+    states) and, under tensor parallelism, the row-parallel projections' outputs its saved
+    regions hold before their reduction (``Candidate.tp_row_outputs``), whole on every rank."""
+    if c.eager_bytes is None:
+        return c.saved_bytes * share
+    beyond = max(c.eager_bytes - c.saved_bytes, 0)
+    rows = c.tp_row_outputs if target.tp > 1 else 0
+    return (c.eager_bytes - beyond) * share + beyond + rows

@@ -35,9 +35,9 @@ class PartitionEach:
         self.configs = configs
         # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in
         # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
-        # their tensor-parallel split (planning.parallel.tensor_parallel_split), and the
+        # their tensor-parallel split (planning.parallel.tensor_parallel_split: four figures), and the
         # bytes saved to host memory (a configuration's offloaded regions)
-        self.figures: dict[Any, list[int]] = {key: [0] * 10 for key in configs}
+        self.figures: dict[Any, list[int]] = {key: [0] * 11 for key in configs}
         self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
         self.copies: dict[Any, list[Any]] = {}  # per offloading configuration: each graph's Copies
         self.regions: list[str] = []
@@ -78,7 +78,7 @@ class PartitionEach:
                 part = build_partition(0, one)
                 assert part is not None  # (it has a forward graph)
                 self.figures[key][0] += part.activation_bytes + part.input_bytes
-                self.figures[key][9] += part.offloaded_bytes
+                self.figures[key][10] += part.offloaded_bytes
                 if part.offloaded_bytes:
                     self.copies.setdefault(key, []).append(graph_copies(fw, bw))
                 self.figures[key][1] += graph_costly_flops(bw)
@@ -87,7 +87,14 @@ class PartitionEach:
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
-                split = tensor_parallel_split(fw, bw, is_param, functools.partial(_regions, node_regions))
+                saving = actions.saving if actions is not None else frozenset()
+                split = tensor_parallel_split(
+                    fw,
+                    bw,
+                    is_param,
+                    functools.partial(_regions, node_regions),
+                    functools.partial(_saves, saving),
+                )
                 for i, part_bytes in enumerate(split):
                     self.figures[key][6 + i] += part_bytes
                 if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)
@@ -200,3 +207,7 @@ def timed(
         medians = interleaved_medians(steps, iters)
     chosen = {id(c): medians[key] for key, c in points.items()}
     return [dataclasses.replace(c, step_time=chosen.get(id(c))) for c in found], medians["none"]
+
+
+def _saves(saving: Any, regions: tuple[str, ...]) -> bool:
+    return any(r in saving for r in regions)

@@ -66,16 +66,21 @@ def tensor_parallel_split(
     bw: torch.fx.GraphModule,
     is_param: Callable[[str], bool],
     regions: Callable[[str], tuple[str, ...]] = lambda name: (),
-) -> tuple[int, int, int]:
-    """``(sharded, gathered, gathered_in_region)``: the bytes of the values ``bw`` reads from
+    saving: Callable[[tuple[str, ...]], bool] = lambda regions: False,
+) -> tuple[int, int, int, int]:
+    """``(sharded, gathered, gathered_in_region, row_outputs)``: the bytes of the values ``bw`` reads from
     ``fw`` (distinct storages; parameters left out, as the planner's saved bytes leave them)
     that are sharded ``tp`` ways, and those that a column-parallel projection reads from the
     residual stream; the rest of the saved bytes is the stream's. ``gathered_in_region``:
     bytes not saved here that a rank saves with sequence parallelism, the stream values a
     saved column-parallel projection reads (gathered in its region). ``is_param``: whether a
     placeholder of ``fw`` (by name) is a parameter; ``regions``: the regions a node (by name)
-    belongs to."""
+    belongs to. ``row_outputs``: the outputs of row-parallel projections in a region
+    ``saving`` says is saved (kept or offloaded) that are not saved here: under tensor
+    parallelism the eager engine holds each (before its all-reduce or reduce-scatter, whole on
+    every rank), because the collective TP adds reads it inside the region."""
     kind: dict[torch.fx.Node, str] = {}
+    rows: list[torch.fx.Node] = []  # row-parallel projections
     base: dict[torch.fx.Node, torch.fx.Node] = {}
     column_inputs: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # stream value -> projections
     for n in fw.graph.nodes:
@@ -97,6 +102,7 @@ def tensor_parallel_split(
             act = n.args[projection[0]]
             if kind.get(act) == _SHARDED:
                 kind[n] = _STREAM  # row-parallel: reduced back into the stream
+                rows.append(n)
             else:
                 kind[n] = _SHARDED  # column-parallel
                 column_inputs.setdefault(base.get(act, act), []).append(n)
@@ -133,7 +139,8 @@ def tensor_parallel_split(
         for value, projections in column_inputs.items()
         if value not in seen and any(n in seen for n in projections)
     )
-    return sharded, gathered, in_region
+    row_outputs = sum(_nbytes(n) for n in rows if n not in seen and saving(regions(n.name)))
+    return sharded, gathered, in_region, row_outputs
 
 
 def _nbytes(node: torch.fx.Node) -> int:
@@ -154,12 +161,12 @@ def _kind(args: tuple, index: int, kind: dict[torch.fx.Node, str]) -> str | None
     return kind.get(value) if isinstance(value, torch.fx.Node) else None
 
 
-def per_rank_bytes(total: int, split: tuple[int, int, int], tp: int, sequence_parallel: bool) -> int:
+def per_rank_bytes(total: int, split: tuple[int, ...], tp: int, sequence_parallel: bool) -> int:
     """What one of ``tp`` ranks holds of ``total`` saved bytes split as
-    :func:`tensor_parallel_split` splits them."""
+    :func:`tensor_parallel_split` splits them (its first three figures)."""
     if tp == 1:
         return total
-    sharded, gathered, in_region = split
+    sharded, gathered, in_region = split[:3]
     stream = max(total - sharded - gathered, 0)
     if sequence_parallel:
         return int(sharded / tp + gathered + in_region + stream / tp)
