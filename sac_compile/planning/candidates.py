@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..actions import Actions
@@ -74,6 +74,9 @@ class Candidate:
     offloaded_bytes: int = 0  # saved to host memory by the compiled partition (offloaded regions)
     eager_offloaded_bytes: int | None = None  # what the eager engine copies to the host
     copies: tuple[Copies, ...] = ()  # per graph, its offload copies and the compute around them
+    # (an offloading candidate) the candidates keeping its keep set and keeping its offloaded
+    # regions too: what a tensor-parallel rank sends to the host is the difference they hold
+    nested: tuple[Candidate, Candidate] | None = field(default=None, repr=False, compare=False)
 
     @property
     def keep(self) -> frozenset[str]:

@@ -328,9 +328,13 @@ def _candidates(
         if eager and actions.budget is None and not actions.offload:
             held[actions] = eager_bytes(module, example_args, example_kwargs, actions)
     found = []
+    plain: dict[Actions, Candidate] = {}
     for actions in configs:
         if not actions.offload:
-            found.append(_candidate(figures[actions], base, actions, held.get(actions)))
+            plain[actions] = _candidate(figures[actions], base, actions, held.get(actions))
+            found.append(plain[actions])
+    for actions in configs:
+        if not actions.offload:
             continue
         # the eager engine holds on the device what keeping the same regions holds, and
         # sends the host what keeping the offloaded ones too adds
@@ -339,7 +343,12 @@ def _candidates(
         c = _candidate(figures[actions], base, actions, on_device)
         host = None if on_device is None or every is None else max(every - on_device, 0)
         copies = tuple(measured.copies.get(actions, ()))
-        found.append(dataclasses.replace(c, eager_offloaded_bytes=host, copies=copies))
+        inner, outer = (
+            plain.get(Actions(actions.keep, actions.policy)),
+            plain.get(Actions(actions.saving, actions.policy)),
+        )
+        nested = None if inner is None or outer is None else (inner, outer)
+        found.append(dataclasses.replace(c, eager_offloaded_bytes=host, copies=copies, nested=nested))
     return found
 
 

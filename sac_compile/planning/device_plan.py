@@ -26,9 +26,10 @@ from typing import Any, cast
 
 from .core import Candidate, Plan
 from .devices import Target
-from .figures import configured, configured_figures, figures_of, held, layer_figures, no_checkpoint_figures
+from .figures import configured, configured_figures, figures_of, layer_figures, no_checkpoint_figures
 from .model import LayerGroup, ModelPlan
 from .offload import host_bytes, offloaded_per_rank, transfer
+from .parallel import held
 from .peak import ModelSizes, Peak, stage_peaks, step_peak
 from .step_time import StepTime, step_time
 

@@ -12,7 +12,7 @@ from .candidates import Candidate
 from .core import Plan
 from .devices import Target
 from .model import LayerGroup
-from .parallel import per_rank_bytes
+from .parallel import eager_held, held, rank_share
 from .peak import LayerFigures, ModelSizes, dtype_bytes
 
 __all__ = [
@@ -117,15 +117,15 @@ def figures_of(
     holds unchecked. Under tensor parallelism a rank's share (:mod:`.parallel`: the
     partition's saved values split by kind; the eager figures and the transients scaled
     alike). ``params``: one layer's (parameters, of them the routed experts')."""
-    share = _share(c.saved_bytes, c.tp_split, target)
+    share = rank_share(c.saved_bytes, c.tp_split, target)
     if compile:
         return LayerFigures(
             count, params[0], int(c.saved_bytes * share), c.transient_bytes // target.tp, params[1]
         )
-    plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * _share(
+    plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * rank_share(
         table.no_checkpoint_bytes, table.no_checkpoint_tp, target
     )
-    saved = _eager_held(c, share, target)
+    saved = eager_held(c, share, target)
     transient = max(plain - saved, 0) + table.no_checkpoint_transient / target.tp
     return LayerFigures(count, params[0], int(saved), int(transient), params[1])
 
@@ -138,33 +138,7 @@ def no_checkpoint_figures(
     plain = (
         table.no_checkpoint_bytes if compile else table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
     )
-    share = _share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target)
+    share = rank_share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target)
     return LayerFigures(
         count, params[0], int(plain * share), table.no_checkpoint_transient // target.tp, params[1]
     )
-
-
-def _share(total: int, split: tuple[int, int, int], target: Target) -> float:
-    """The fraction of a layer's saved bytes one tensor-parallel rank holds."""
-    if target.tp == 1 or total == 0:
-        return 1.0
-    return per_rank_bytes(total, split, target.tp, target.sequence_parallel) / total
-
-
-def held(c: Candidate, target: Target, compile: bool) -> int:
-    """What a layer with candidate ``c`` holds per device of ``target`` (as :func:`figures_of`
-    counts it): under tensor parallelism a rank's share; eager, the engine's bytes."""
-    share = _share(c.saved_bytes, c.tp_split, target)
-    return int(c.saved_bytes * share if compile else _eager_held(c, share, target))
-
-
-def _eager_held(c: Candidate, share: float, target: Target) -> float:
-    """What the eager engine holds for a layer with ``c`` on one rank: as much of its bytes as
-    the partition saves, split as the partition's (``share``); what it holds beyond (RNG
-    states) and, under tensor parallelism, the row-parallel projections' outputs its saved
-    regions hold before their reduction (``Candidate.tp_row_outputs``), whole on every rank."""
-    if c.eager_bytes is None:
-        return c.saved_bytes * share
-    beyond = max(c.eager_bytes - c.saved_bytes, 0)
-    rows = c.tp_row_outputs if target.tp > 1 else 0
-    return (c.eager_bytes - beyond) * share + beyond + rows

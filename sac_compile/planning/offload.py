@@ -31,6 +31,7 @@ import torch
 
 from .candidates import Copies
 from .host import HOST_EFFICIENCY
+from .parallel import held
 
 if TYPE_CHECKING:
     from .candidates import Candidate
@@ -73,10 +74,15 @@ def graph_copies(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> Copies:
 def offloaded_per_rank(c: Candidate | None, target: Target, compile: bool) -> float:
     """The bytes one layer with candidate ``c`` sends to the host per traced unit, per rank:
     compiled, its partition's offloaded values; eager, what the engine copies (as measured,
-    else the partition's). Split ``tp`` ways (an offloaded region's values lie between the
-    projections tensor parallelism splits)."""
+    else the partition's). Under tensor parallelism: the difference of what a rank holds keeping
+    the offloaded regions too and keeping its keep set alone (``Candidate.nested``, each split as
+    :func:`~sac_compile.planning.parallel.held` splits it: eagerly within 1% of two gloo ranks
+    without sequence parallelism, tests/test_tensor_parallel.py); else ``1 / tp`` of it."""
     if c is None or not c.offload:
         return 0.0
+    if target.tp > 1 and c.nested is not None:
+        inner, outer = c.nested  # (what a rank holds keeping the offloaded regions too, less without)
+        return max(held(outer, target, compile) - held(inner, target, compile), 0.0)
     moved = c.offloaded_bytes if compile or c.eager_offloaded_bytes is None else c.eager_offloaded_bytes
     return moved / target.tp
 

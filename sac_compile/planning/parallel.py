@@ -36,6 +36,7 @@ the stream's), and integer values (indices, counts), which only route.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,7 +44,11 @@ from .._compat.aot import is_tangent
 from .._compat.ops import is_view_op
 from .._compat.tensors import storage_id
 
-__all__ = ["WHOLE_REGIONS", "per_rank_bytes", "tensor_parallel_split"]
+if TYPE_CHECKING:
+    from .candidates import Candidate
+    from .devices import Target
+
+__all__ = ["WHOLE_REGIONS", "eager_held", "held", "per_rank_bytes", "rank_share", "tensor_parallel_split"]
 
 #: Regions whose values tensor parallelism leaves whole (the names ``hf.regions_for`` and the
 #: torchtitan plugin declare)
@@ -171,3 +176,30 @@ def per_rank_bytes(total: int, split: tuple[int, ...], tp: int, sequence_paralle
     if sequence_parallel:
         return int(sharded / tp + gathered + in_region + stream / tp)
     return int(sharded / tp + gathered + stream)
+
+
+def rank_share(total: int, split: tuple[int, int, int], target: Target) -> float:
+    """The fraction of a layer's saved bytes one tensor-parallel rank holds."""
+    if target.tp == 1 or total == 0:
+        return 1.0
+    return per_rank_bytes(total, split, target.tp, target.sequence_parallel) / total
+
+
+def held(c: Candidate, target: Target, compile: bool) -> int:
+    """What a layer with candidate ``c`` holds per device of ``target`` (as
+    :func:`~sac_compile.planning.figures.figures_of` counts it): under tensor parallelism a
+    rank's share; eager, the engine's bytes (:func:`eager_held`)."""
+    share = rank_share(c.saved_bytes, c.tp_split, target)
+    return int(c.saved_bytes * share if compile else eager_held(c, share, target))
+
+
+def eager_held(c: Candidate, share: float, target: Target) -> float:
+    """What the eager engine holds for a layer with ``c`` on one rank: as much of its bytes as
+    the partition saves, split as the partition's (``share``); what it holds beyond (RNG
+    states) and, under tensor parallelism, the row-parallel projections' outputs its saved
+    regions hold before their reduction (``Candidate.tp_row_outputs``), whole on every rank."""
+    if c.eager_bytes is None:
+        return c.saved_bytes * share
+    beyond = max(c.eager_bytes - c.saved_bytes, 0)
+    rows = c.tp_row_outputs if target.tp > 1 else 0
+    return (c.eager_bytes - beyond) * share + beyond + rows
