@@ -71,7 +71,7 @@ __all__ = [
 
 Args = tuple[Any, ...]  # a call's positional arguments
 Kwargs = dict[str, Any]  # ... and keyword arguments
-_SUBCLASSES: dict[Args, type[nn.Module]] = {}
+_SUBCLASSES: dict[tuple[Any, ...], type[nn.Module]] = {}  # (class, routed methods, config) -> subclass
 
 
 def is_container(module: nn.Module) -> bool:

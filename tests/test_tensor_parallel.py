@@ -9,6 +9,8 @@ recompute < each keep set < no checkpoint.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -158,50 +160,58 @@ def test_tensor_parallel_compiled_every_keep_set():
     assert all(abs(p - m) <= 0.10 * m for p, m in table.values()), table
 
 
-def _predicted_per_rank(keeps: list) -> dict:
-    """Per plan (sequence parallel or not) and keep set: the bytes one of two ranks holds for
-    the two-layer stack, predicted from one layer planned whole."""
+@functools.cache
+def _one_layer_plan():
+    """One block of the stack planned whole in this process (keep sets, offloading pairs,
+    the eager engine's figures): what the planner predicts the ranks from."""
     import sac_compile as sc
     from sac_compile.planning import plan
-    from sac_compile.planning.parallel import per_rank_bytes
     from sac_compile.testing.tp import REGIONS, LlamaStack
 
     torch.manual_seed(0)
     stack = LlamaStack(n=1, d=32)
     sc.declare_regions(stack, REGIONS)
-    table = plan(
-        stack.layers[0], torch.randn(2, 16, 32, requires_grad=True), memory=1.0, budgets=(None,), eager=False
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    return plan(stack.layers[0], x, memory=1.0, budgets=(None,), offload=True)
+
+
+def _kept(keep: tuple[str, ...]):
+    """The one-layer plan's candidate keeping ``keep`` (nothing offloaded, no budget)."""
+    return next(
+        c
+        for c in _one_layer_plan().candidates
+        if c.keep == frozenset(keep) and not c.offload and c.budget is None
     )
-    split = {c.keep: (c.saved_bytes, c.tp_split) for c in table.candidates}
+
+
+def _tp2(sequence_parallel: bool = False):
+    from sac_compile.planning.devices import Target
+
+    return Target(
+        "cpu", tp=2, sequence_parallel=sequence_parallel, batch=2, seq=16, param_dtype=torch.float32
+    )
+
+
+def _predicted_per_rank(keeps: list) -> dict:
+    """Per plan (sequence parallel or not) and keep set: the bytes one of two ranks holds for
+    the two-layer stack compiled, predicted from one layer planned whole."""
+    from sac_compile.planning.parallel import per_rank_bytes
+
+    table = _one_layer_plan()
+    split = {k: (_kept(k).saved_bytes, _kept(k).tp_split) for k in keeps if k is not None}
     split[None] = (table.no_checkpoint_bytes, table.no_checkpoint_tp)
-    return {
-        sp: {
-            keep: 2 * per_rank_bytes(*split[keep if keep is None else frozenset(keep)], 2, sp)
-            for keep in keeps
-        }
-        for sp in (False, True)
-    }
+    return {sp: {k: 2 * per_rank_bytes(*split[k], 2, sp) for k in keeps} for sp in (False, True)}
 
 
 def _predicted_eager_per_rank(keeps: list) -> dict:
     """Per keep set: the bytes one of two ranks holds for the two-layer stack run eagerly,
     without sequence parallelism, predicted from one layer planned whole (the planner's eager
     figures: ``planning.parallel.held`` / ``planning.figures.no_checkpoint_figures``)."""
-    import sac_compile as sc
-    from sac_compile.planning import plan
-    from sac_compile.planning.devices import Target
     from sac_compile.planning.figures import no_checkpoint_figures
     from sac_compile.planning.parallel import held
-    from sac_compile.testing.tp import REGIONS, LlamaStack
 
-    torch.manual_seed(0)
-    stack = LlamaStack(n=1, d=32)
-    sc.declare_regions(stack, REGIONS)
-    table = plan(stack.layers[0], torch.randn(2, 16, 32, requires_grad=True), memory=1.0, budgets=(None,))
-    target = Target("cpu", tp=2, sequence_parallel=False, batch=2, seq=16, param_dtype=torch.float32)
-    by_keep = {c.keep: c for c in table.candidates if not c.offload and c.budget is None}
-    out = {k: 2 * held(by_keep[frozenset(k)], target, compile=False) for k in keeps if k is not None}
-    out[None] = 2 * no_checkpoint_figures(table, (0, 0), 1, target).saved_bytes
+    out = {k: 2 * held(_kept(k), _tp2(), compile=False) for k in keeps if k is not None}
+    out[None] = 2 * no_checkpoint_figures(_one_layer_plan(), (0, 0), 1, _tp2()).saved_bytes
     return out
 
 
@@ -365,21 +375,11 @@ def test_tensor_parallel_eager_offload_moves_each_ranks_shards_and_keeps_the_gra
 def _predicted_offloaded_per_rank() -> dict:
     """Per offloaded region: the bytes one of two ranks sends to the host for the two-layer stack
     run eagerly without sequence parallelism, as the planner predicts it."""
-    import sac_compile as sc
-    from sac_compile.planning import plan
-    from sac_compile.planning.devices import Target
     from sac_compile.planning.offload import offloaded_per_rank
-    from sac_compile.testing.tp import REGIONS, LlamaStack
 
-    torch.manual_seed(0)
-    stack = LlamaStack(n=1, d=32)
-    sc.declare_regions(stack, REGIONS)
-    x = torch.randn(2, 16, 32, requires_grad=True)
-    table = plan(stack.layers[0], x, memory=1.0, budgets=(None,), offload=True)
-    target = Target("cpu", tp=2, sequence_parallel=False, batch=2, seq=16, param_dtype=torch.float32)
     return {
-        min(offload): 2 * offloaded_per_rank(c, target, compile=False)
+        min(offload): 2 * offloaded_per_rank(c, _tp2(), compile=False)
         for keep, offload in OFFLOADS
-        for c in table.candidates
+        for c in _one_layer_plan().candidates
         if c.keep == frozenset(keep) and c.offload == frozenset(offload)
     }

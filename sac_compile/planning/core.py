@@ -336,18 +336,16 @@ def _candidates(
     for actions in configs:
         if not actions.offload:
             continue
-        # the eager engine holds on the device what keeping the same regions holds, and
-        # sends the host what keeping the offloaded ones too adds
-        on_device = held.get(Actions(actions.keep, actions.policy))
-        every = held.get(Actions(actions.saving, actions.policy))
+        # the eager engine holds on the device what keeping the same regions holds (inner), and
+        # sends the host what keeping the offloaded ones too (outer) adds
+        inner = plain.get(Actions(actions.keep, actions.policy))
+        outer = plain.get(Actions(actions.saving, actions.policy))
+        on_device = None if inner is None else inner.eager_bytes
+        every = None if outer is None else outer.eager_bytes
         c = _candidate(figures[actions], base, actions, on_device)
         host = None if on_device is None or every is None else max(every - on_device, 0)
-        copies = tuple(measured.copies.get(actions, ()))
-        inner, outer = (
-            plain.get(Actions(actions.keep, actions.policy)),
-            plain.get(Actions(actions.saving, actions.policy)),
-        )
         nested = None if inner is None or outer is None else (inner, outer)
+        copies = tuple(measured.copies.get(actions, ()))
         found.append(dataclasses.replace(c, eager_offloaded_bytes=host, copies=copies, nested=nested))
     return found
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from ..keep import Regions
 from .core import Candidate, Plan
 from .devices import Target
 from .figures import configured, configured_figures, figures_of, layer_figures, no_checkpoint_figures
@@ -138,7 +139,7 @@ class DevicePlan(ModelPlan):
         return super().apply(model, compile=self.compile if compile is None else compile, **options)
 
     def configuration(
-        self, keep: Any, budget: float | None = None, *, offload: Any = ()
+        self, keep: Any, budget: float | None = None, *, offload: Regions = ()
     ) -> tuple[Peak, StepTime]:
         """The predicted peak and step time of every layer running one configuration, from
         the same measurements: ``keep=None`` no checkpoint, ``()`` full recompute, a keep set
@@ -168,7 +169,7 @@ def predict(
     keep: Any,
     budget: float | None = None,
     *,
-    offload: Any = (),
+    offload: Regions = (),
     compile: bool,
 ) -> tuple[list[Peak], StepTime]:
     """Every layer running one configuration (:func:`~sac_compile.planning.figures.configured`),

@@ -12,14 +12,13 @@ from .candidates import Candidate
 from .core import Plan
 from .devices import Target
 from .model import LayerGroup
-from .parallel import eager_held, held, rank_share
+from .parallel import eager_held, rank_share
 from .peak import LayerFigures, ModelSizes, dtype_bytes
 
 __all__ = [
     "configured",
     "configured_figures",
     "figures_of",
-    "held",
     "layer_figures",
     "no_checkpoint_figures",
 ]
