@@ -683,3 +683,43 @@ def test_under_expert_parallelism_torchtitans_op_sac_holds_its_all_to_all_output
     assert held(ep, "torchtitan-op") - held(figures, "torchtitan-op") == exchanged
     for keep in (None, (), {"attn"}):
         assert held(ep, keep) == held(figures, keep), keep
+
+
+def test_under_context_parallelism_the_attention_backward_runs_as_a_ring():
+    """``graph_ring``: a backward graph's attention kernel becomes PyTorch's ring on ``cp``
+    ranks: the keys and values all-gathered (``cp`` copies of them) beside float32
+    accumulators; a graph without attention has none, and without CP nothing changes."""
+    import dataclasses
+
+    import sac_compile as sc
+    from sac_compile.planning.devices import Target
+    from sac_compile.planning.figures import no_checkpoint_figures, ring_transient
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(32, 96)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 4, 8)).permute(2, 0, 3, 1, 4).unbind(0)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return out.transpose(1, 2).flatten(2)
+
+    x = torch.randn(2, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    table = sc.plan(Attention().to(torch.bfloat16), x, memory=1.0, budgets=[None], eager=False)
+    base, per_rank = table.no_checkpoint_ring
+    kv = 2 * (2 * 4 * 64 * 8) * 2  # keys and values, bfloat16
+    assert per_rank == kv
+    assert base >= 4 * (kv // 2 * 3) // 2  # at least the float32 accumulators of q, k and v
+    mlp = sc.plan(torch.nn.Linear(32, 32).to(torch.bfloat16), x, memory=1.0, budgets=[None], eager=False)
+    assert mlp.no_checkpoint_ring == (0, 0)
+
+    plain = table.no_checkpoint_transient
+    one = Target("cpu", batch=2, seq=64)
+    assert ring_transient(plain, table.no_checkpoint_ring, one) == plain
+    figures = [
+        no_checkpoint_figures(table, (0, 0), 1, dataclasses.replace(one, cp=cp), compile=True).transient_bytes
+        for cp in (2, 4)
+    ]
+    assert figures[0] == max(plain, base + 2 * kv) > plain
+    assert figures[1] - figures[0] == 2 * kv  # two more ranks' keys and values gathered

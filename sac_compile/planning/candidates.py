@@ -72,6 +72,9 @@ class Candidate:
     # engine holds of them under TP, whole on every rank: planning.parallel.tensor_parallel_split)
     tp_row_outputs: int = 0
     offloaded_bytes: int = 0  # saved to host memory by the compiled partition (offloaded regions)
+    # its backward graph's attention run as ring attention on cp ranks: the transient is at
+    # least ring_transient[0] + cp * ring_transient[1] (peak.graph_ring)
+    ring_transient: tuple[int, int] = (0, 0)
     eager_offloaded_bytes: int | None = None  # what the eager engine copies to the host
     copies: tuple[Copies, ...] = ()  # per graph, its offload copies and the compute around them
     # (an offloading candidate) the candidates keeping its keep set and keeping its offloaded

@@ -78,6 +78,7 @@ class Plan:
     forward_traffic: int = 0  # bytes the forward's memory-bound ops move (inspection.flops.graph_traffic)
     no_checkpoint_traffic: int = 0  # the same for the no-checkpoint backward
     no_checkpoint_tp: tuple[int, int, int] = (0, 0, 0)  # its saved bytes' tp_split (Candidate)
+    no_checkpoint_ring: tuple[int, int] = (0, 0)  # its backward's ring attention (Candidate.ring_transient)
     # torchtitan's per-op selective AC measured on the same trace (planning.op_sac): a peer,
     # never chosen
     op_sac: Candidate | None = None
@@ -264,9 +265,10 @@ def plan(
 
     first = _first(module, example_args, example_kwargs)
     none = "none"
-    base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic, *base_tp, _ = (
+    base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic, *rest = (
         first.figures[none]
     )
+    base_tp, base_ring = rest[:3], rest[5:7]
     regions = first.regions
     target = _target(memory, base_bytes)
     actions, search = configurations(regions, budgets, policies, offload)
@@ -289,6 +291,7 @@ def plan(
         forward_traffic=forward_traffic,
         no_checkpoint_traffic=base_traffic,
         no_checkpoint_tp=(base_tp[0], base_tp[1], base_tp[2]),
+        no_checkpoint_ring=(base_ring[0], base_ring[1]),
         op_sac=_candidate(
             first.figures[TORCHTITAN_OP], first.figures[none], Actions(), first.eager.get(TORCHTITAN_OP)
         ),
@@ -358,7 +361,7 @@ def _candidate(
 ) -> Candidate:
     """A candidate from its :class:`~sac_compile.planning.measure.PartitionEach` figures,
     recompute counted over the no-checkpoint figures ``base``."""
-    saved, flops, transient, _, traffic, _, *split, offloaded = figures
+    saved, flops, transient, _, traffic, _, *split, offloaded, ring_base, ring_rank = figures
     return Candidate(
         actions,
         saved,
@@ -369,6 +372,7 @@ def _candidate(
         tp_split=(split[0], split[1], split[2]),
         tp_row_outputs=split[3],
         offloaded_bytes=offloaded,
+        ring_transient=(ring_base, ring_rank),
     )
 
 

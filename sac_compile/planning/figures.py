@@ -21,6 +21,7 @@ __all__ = [
     "figures_of",
     "layer_figures",
     "no_checkpoint_figures",
+    "ring_transient",
 ]
 
 
@@ -119,13 +120,18 @@ def figures_of(
     share = rank_share(c.saved_bytes, c.tp_split, target)
     if compile:
         return LayerFigures(
-            count, params[0], int(c.saved_bytes * share), c.transient_bytes // target.tp, params[1]
+            count,
+            params[0],
+            int(c.saved_bytes * share),
+            ring_transient(c.transient_bytes, c.ring_transient, target) // target.tp,
+            params[1],
         )
     plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * rank_share(
         table.no_checkpoint_bytes, table.no_checkpoint_tp, target
     )
     saved = eager_held(c, share, target)
-    transient = max(plain - saved, 0) + table.no_checkpoint_transient / target.tp
+    backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
+    transient = max(plain - saved, 0) + backward / target.tp
     return LayerFigures(count, params[0], int(saved), int(transient), params[1])
 
 
@@ -138,6 +144,13 @@ def no_checkpoint_figures(
         table.no_checkpoint_bytes if compile else table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
     )
     share = rank_share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target)
-    return LayerFigures(
-        count, params[0], int(plain * share), table.no_checkpoint_transient // target.tp, params[1]
-    )
+    backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
+    return LayerFigures(count, params[0], int(plain * share), backward // target.tp, params[1])
+
+
+def ring_transient(transient: int, ring: tuple[int, int], target: Target) -> int:
+    """A backward's transient on ``target``: with context parallelism at least what its
+    attention holds run as ring attention on ``cp`` ranks (:func:`~.peak.graph_ring`)."""
+    if target.cp == 1 or not ring[0]:
+        return transient
+    return max(transient, ring[0] + target.cp * ring[1])

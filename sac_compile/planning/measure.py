@@ -36,8 +36,9 @@ class PartitionEach:
         # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in
         # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
         # their tensor-parallel split (planning.parallel.tensor_parallel_split: four figures), and the
-        # bytes saved to host memory (a configuration's offloaded regions)
-        self.figures: dict[Any, list[int]] = {key: [0] * 11 for key in configs}
+        # bytes saved to host memory (a configuration's offloaded regions), and the backward's
+        # attention run as ring attention (peak.graph_ring: base and per-rank bytes)
+        self.figures: dict[Any, list[int]] = {key: [0] * 13 for key in configs}
         self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
         self.copies: dict[Any, list[Any]] = {}  # per offloading configuration: each graph's Copies
         self.regions: list[str] = []
@@ -51,7 +52,7 @@ class PartitionEach:
         from ..inspection.report import build_partition, param_input
         from .offload import graph_copies
         from .parallel import tensor_parallel_split
-        from .peak import graph_transient
+        from .peak import graph_ring, graph_transient
 
         unit = backends.new_unit(gm, example_inputs)
         trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
@@ -83,6 +84,7 @@ class PartitionEach:
                     self.copies.setdefault(key, []).append(graph_copies(fw, bw))
                 self.figures[key][1] += graph_costly_flops(bw)
                 self.figures[key][2] = max(self.figures[key][2], graph_transient(bw))
+                self.figures[key][11:13] = max(self.figures[key][11:13], list(graph_ring(bw)))
                 self.figures[key][3] += graph_costly_flops(fw)
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)
