@@ -130,12 +130,16 @@ def test_tensor_parallel_eager_every_keep_set():
     for keep in (("attn",), ("mlp",), ("attn", "mlp"), None):
         assert tp[keep][2] < whole[keep], (keep, tp[keep][2], whole[keep])
     # the planner's eager figure for a rank (one layer measured whole in this process) against
-    # what each rank held, without sequence parallelism: within 2% for every keep set (red
-    # before: keep mlp 0.81, attn+mlp 0.82, attn 0.92: the row-parallel projection's output
-    # before its all-reduce and the engine's RNG state were split like the partition's values)
-    predicted = _predicted_eager_per_rank(KEEPS)
-    table = {k: (predicted[k], results[0][False][k][2]) for k in KEEPS}
-    assert all(abs(p - m) <= 0.02 * m for p, m in table.values()), table
+    # what each rank held, both plans: every checkpointed keep set exact, no checkpoint within
+    # 1% without sequence parallelism and 6% with it (red before, without: keep mlp 0.81,
+    # attn+mlp 0.82, attn 0.92: the row-parallel projection's output before its all-reduce and
+    # the engine's RNG state were split like the partition's values; with: 0.64-1.19, what the
+    # engine holds split as the partition's values are, where only the layer input is split)
+    for sp, tolerance in ((False, 0.01), (True, 0.06)):
+        predicted = _predicted_eager_per_rank(KEEPS, sp)
+        table = {k: (predicted[k], results[0][sp][k][2]) for k in KEEPS}
+        assert all(p == m for k, (p, m) in table.items() if k is not None), (sp, table)
+        assert abs(table[None][0] - table[None][1]) <= tolerance * table[None][1], (sp, table)
 
 
 @pytest.mark.slow
@@ -203,15 +207,19 @@ def _predicted_per_rank(keeps: list) -> dict:
     return {sp: {k: 2 * per_rank_bytes(*split[k], 2, sp) for k in keeps} for sp in (False, True)}
 
 
-def _predicted_eager_per_rank(keeps: list) -> dict:
+def _predicted_eager_per_rank(keeps: list, sequence_parallel: bool) -> dict:
     """Per keep set: the bytes one of two ranks holds for the two-layer stack run eagerly,
-    without sequence parallelism, predicted from one layer planned whole (the planner's eager
-    figures: ``planning.parallel.held`` / ``planning.figures.no_checkpoint_figures``)."""
-    from sac_compile.planning.figures import no_checkpoint_figures
-    from sac_compile.planning.parallel import held
+    predicted from one layer planned whole (the planner's eager figures:
+    ``planning.figures.figures_of`` / ``no_checkpoint_figures``)."""
+    from sac_compile.planning.figures import figures_of, no_checkpoint_figures
 
-    out = {k: 2 * held(_kept(k), _tp2(), compile=False) for k in keeps if k is not None}
-    out[None] = 2 * no_checkpoint_figures(_one_layer_plan(), (0, 0), 1, _tp2()).saved_bytes
+    table, target = _one_layer_plan(), _tp2(sequence_parallel)
+    out = {
+        k: 2 * figures_of(_kept(k), table, (0, 0), 1, target, compile=False).saved_bytes
+        for k in keeps
+        if k is not None
+    }
+    out[None] = 2 * no_checkpoint_figures(table, (0, 0), 1, target).saved_bytes
     return out
 
 
@@ -365,20 +373,22 @@ def test_tensor_parallel_eager_offload_moves_each_ranks_shards_and_keeps_the_gra
                 assert loss_diff < 1e-4 and grad_diff < 1e-5, (sp, name, loss_diff, grad_diff)
                 assert whole[name] / 2 <= moved < whole[name], (sp, name, moved, whole[name])
     # the planner's per-rank figure (planning.offload.offloaded_per_rank, one layer planned whole
-    # in this process), without sequence parallelism: within 1% (red before: 0.67x and 0.84x,
-    # the offloaded bytes split tp ways)
-    predicted = _predicted_offloaded_per_rank()
-    table = {name: (predicted[name], results[0][False][name][2]) for name in predicted}
-    assert all(abs(p - m) <= 0.01 * m for p, m in table.values()), table
+    # in this process), both plans: within 1% (red before: without sequence parallelism 0.67x
+    # and 0.84x, the offloaded bytes split tp ways; with it 1.33x and 1.36x, split as the
+    # partition's values are)
+    for sp in (False, True):
+        predicted = _predicted_offloaded_per_rank(sp)
+        table = {name: (predicted[name], results[0][sp][name][2]) for name in predicted}
+        assert all(abs(p - m) <= 0.01 * m for p, m in table.values()), (sp, table)
 
 
-def _predicted_offloaded_per_rank() -> dict:
+def _predicted_offloaded_per_rank(sequence_parallel: bool) -> dict:
     """Per offloaded region: the bytes one of two ranks sends to the host for the two-layer stack
-    run eagerly without sequence parallelism, as the planner predicts it."""
+    run eagerly, as the planner predicts it."""
     from sac_compile.planning.offload import offloaded_per_rank
 
     return {
-        min(offload): 2 * offloaded_per_rank(c, _tp2(), compile=False)
+        min(offload): 2 * offloaded_per_rank(c, _tp2(sequence_parallel), compile=False)
         for keep, offload in OFFLOADS
         for c in _one_layer_plan().candidates
         if c.keep == frozenset(keep) and c.offload == frozenset(offload)

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import torch
 import torch.nn as nn
 
 from ..actions import Actions, validate_budget
@@ -79,6 +80,9 @@ class Plan:
     no_checkpoint_traffic: int = 0  # the same for the no-checkpoint backward
     no_checkpoint_tp: tuple[int, int, int] = (0, 0, 0)  # its saved bytes' tp_split (Candidate)
     no_checkpoint_ring: tuple[int, int] = (0, 0)  # its backward's ring attention (Candidate.ring_transient)
+    # the layer's first input (its residual stream), which sequence parallelism splits of what
+    # a checkpointed layer holds eagerly (planning.parallel.sequence_split_input)
+    stream_input_bytes: int = 0
     # torchtitan's per-op selective AC measured on the same trace (planning.op_sac): a peer,
     # never chosen
     op_sac: Candidate | None = None
@@ -292,6 +296,7 @@ def plan(
         no_checkpoint_traffic=base_traffic,
         no_checkpoint_tp=(base_tp[0], base_tp[1], base_tp[2]),
         no_checkpoint_ring=(base_ring[0], base_ring[1]),
+        stream_input_bytes=_stream_input_bytes(example_args, example_kwargs),
         op_sac=_candidate(
             first.figures[TORCHTITAN_OP], first.figures[none], Actions(), first.eager.get(TORCHTITAN_OP)
         ),
@@ -351,6 +356,13 @@ def _candidates(
         copies = tuple(measured.copies.get(actions, ()))
         found.append(dataclasses.replace(c, eager_offloaded_bytes=host, copies=copies, nested=nested))
     return found
+
+
+def _stream_input_bytes(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """The bytes of a layer's first floating tensor input (``hidden_states`` by keyword)."""
+    found = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    first = found[0] if found else kwargs.get("hidden_states")
+    return int(first.untyped_storage().nbytes()) if isinstance(first, torch.Tensor) else 0
 
 
 def _candidate(

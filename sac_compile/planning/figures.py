@@ -12,7 +12,7 @@ from .candidates import Candidate
 from .core import Plan
 from .devices import Target
 from .model import LayerGroup
-from .parallel import eager_held, rank_share
+from .parallel import held, rank_share, sequence_split_input
 from .peak import LayerFigures, ModelSizes, dtype_bytes
 
 __all__ = [
@@ -117,19 +117,18 @@ def figures_of(
     holds unchecked. Under tensor parallelism a rank's share (:mod:`.parallel`: the
     partition's saved values split by kind; the eager figures and the transients scaled
     alike). ``params``: one layer's (parameters, of them the routed experts')."""
-    share = rank_share(c.saved_bytes, c.tp_split, target)
     if compile:
         return LayerFigures(
             count,
             params[0],
-            int(c.saved_bytes * share),
+            held(c, target, compile=True),
             ring_transient(c.transient_bytes, c.ring_transient, target) // target.tp,
             params[1],
         )
     plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * rank_share(
         table.no_checkpoint_bytes, table.no_checkpoint_tp, target
     )
-    saved = eager_held(c, share, target)
+    saved = held(c, target, compile=False) - sequence_split_input(table.stream_input_bytes, target)
     backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
     transient = max(plain - saved, 0) + backward / target.tp
     return LayerFigures(count, params[0], int(saved), int(transient), params[1])

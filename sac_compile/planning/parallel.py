@@ -48,7 +48,16 @@ if TYPE_CHECKING:
     from .candidates import Candidate
     from .devices import Target
 
-__all__ = ["WHOLE_REGIONS", "eager_held", "held", "per_rank_bytes", "rank_share", "tensor_parallel_split"]
+__all__ = [
+    "WHOLE_REGIONS",
+    "eager_held",
+    "eager_share",
+    "held",
+    "per_rank_bytes",
+    "rank_share",
+    "sequence_split_input",
+    "tensor_parallel_split",
+]
 
 #: Regions whose values tensor parallelism leaves whole (the names ``hf.regions_for`` and the
 #: torchtitan plugin declare)
@@ -189,8 +198,25 @@ def held(c: Candidate, target: Target, compile: bool) -> int:
     """What a layer with candidate ``c`` holds per device of ``target`` (as
     :func:`~sac_compile.planning.figures.figures_of` counts it): under tensor parallelism a
     rank's share; eager, the engine's bytes (:func:`eager_held`)."""
-    share = rank_share(c.saved_bytes, c.tp_split, target)
-    return int(c.saved_bytes * share if compile else eager_held(c, share, target))
+    if compile:
+        return int(c.saved_bytes * rank_share(c.saved_bytes, c.tp_split, target))
+    return int(eager_held(c, eager_share(c, target), target))
+
+
+def eager_share(c: Candidate, target: Target) -> float:
+    """The share of ``c``'s bytes the eager engine holds on one tensor-parallel rank: split as
+    without sequence parallelism, which splits nothing it holds but the layer's input (the
+    checkpoint's; :func:`sequence_split_input`). Measured on two gloo ranks: under sequence
+    parallelism every keep set held exactly the bytes it held without, less half the input."""
+    return rank_share(c.saved_bytes, c.tp_split, target.replace(sequence_parallel=False))
+
+
+def sequence_split_input(stream_input_bytes: int, target: Target) -> int:
+    """What sequence parallelism takes off a checkpointed layer's eager bytes on one rank: the
+    part of its input (the residual stream, ``Plan.stream_input_bytes``) other ranks hold."""
+    if target.tp == 1 or not target.sequence_parallel:
+        return 0
+    return stream_input_bytes - stream_input_bytes // target.tp
 
 
 def eager_held(c: Candidate, share: float, target: Target) -> float:
