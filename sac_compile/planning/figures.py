@@ -138,13 +138,20 @@ def no_checkpoint_figures(
     table: Plan, params: tuple[int, int], count: int, target: Target, *, compile: bool = False
 ) -> LayerFigures:
     """One kind of layer's figures without a checkpoint, per device of ``target``: what the
-    compiled layer saves (``compile``), else what autograd holds eagerly where measured."""
+    compiled layer saves (``compile``), else what autograd holds eagerly where measured.
+    Compiled under context parallelism the layer also saves ``cp + 1`` copies of its keys and
+    values: the partitioner never recomputes a collective, so the ring backward's all-gather
+    of the keys and values (which reads no gradient) runs in the forward and its output is
+    saved, beside the ring's contiguous copies of them (read off the compiled forward graph on
+    two gloo ranks; ``benchmarks/context_parallel.py``)."""
     plain = (
         table.no_checkpoint_bytes if compile else table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
     )
-    share = rank_share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target)
+    saved = int(plain * rank_share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target))
+    if compile and target.cp > 1:
+        saved += (target.cp + 1) * table.no_checkpoint_ring[1] // target.tp
     backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
-    return LayerFigures(count, params[0], int(plain * share), backward // target.tp, params[1])
+    return LayerFigures(count, params[0], saved, backward // target.tp, params[1])
 
 
 def ring_transient(transient: int, ring: tuple[int, int], target: Target) -> int:
