@@ -75,6 +75,9 @@ class Candidate:
     # its backward graph's attention run as ring attention on cp ranks: the transient is at
     # least ring_transient[0] + cp * ring_transient[1] (peak.graph_ring)
     ring_transient: tuple[int, int] = (0, 0)
+    # offloaded_bytes split as tp_split and tp_row_outputs split what it saves (compiled: what a
+    # tensor-parallel rank sends to the host; planning.offload.offloaded_per_rank)
+    tp_offloaded_split: tuple[int, int, int, int] = (0, 0, 0, 0)
     eager_offloaded_bytes: int | None = None  # what the eager engine copies to the host
     copies: tuple[Copies, ...] = ()  # per graph, its offload copies and the compute around them
     # (an offloading candidate) the candidates keeping its keep set and keeping its offloaded

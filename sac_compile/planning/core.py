@@ -373,7 +373,8 @@ def _candidate(
 ) -> Candidate:
     """A candidate from its :class:`~sac_compile.planning.measure.PartitionEach` figures,
     recompute counted over the no-checkpoint figures ``base``."""
-    saved, flops, transient, _, traffic, _, *split, offloaded, ring_base, ring_rank = figures
+    saved, flops, transient, _, traffic, _, *split, offloaded, ring_base, ring_rank = figures[:13]
+    moved = figures[13:17]
     return Candidate(
         actions,
         saved,
@@ -385,6 +386,7 @@ def _candidate(
         tp_row_outputs=split[3],
         offloaded_bytes=offloaded,
         ring_transient=(ring_base, ring_rank),
+        tp_offloaded_split=(moved[0], moved[1], moved[2], moved[3]),
     )
 
 

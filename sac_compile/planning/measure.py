@@ -37,8 +37,9 @@ class PartitionEach:
         # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
         # their tensor-parallel split (planning.parallel.tensor_parallel_split: four figures), and the
         # bytes saved to host memory (a configuration's offloaded regions), and the backward's
-        # attention run as ring attention (peak.graph_ring: base and per-rank bytes)
-        self.figures: dict[Any, list[int]] = {key: [0] * 13 for key in configs}
+        # attention run as ring attention (peak.graph_ring: base and per-rank bytes), and the
+        # offloaded bytes' tensor-parallel split (four figures)
+        self.figures: dict[Any, list[int]] = {key: [0] * 17 for key in configs}
         self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
         self.copies: dict[Any, list[Any]] = {}  # per offloading configuration: each graph's Copies
         self.regions: list[str] = []
@@ -51,7 +52,6 @@ class PartitionEach:
         from ..inspection.flops import graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
         from .offload import graph_copies
-        from .parallel import tensor_parallel_split
         from .peak import graph_ring, graph_transient
 
         unit = backends.new_unit(gm, example_inputs)
@@ -89,16 +89,8 @@ class PartitionEach:
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
-                saving = actions.saving if actions is not None else frozenset()
-                split = tensor_parallel_split(
-                    fw,
-                    bw,
-                    is_param,
-                    functools.partial(_regions, node_regions),
-                    functools.partial(_saves, saving),
-                )
-                for i, part_bytes in enumerate(split):
-                    self.figures[key][6 + i] += part_bytes
+                for i, part_bytes in _splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes):
+                    self.figures[key][i] += part_bytes
                 if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)
                     self.eager[key] = self.eager.get(key, 0) + backend.held_eagerly(tagged, is_param)
                 for rec in one.records[-1:]:
@@ -118,6 +110,32 @@ class PartitionEach:
             partition_fn=partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+
+
+def _splits(
+    fw: torch.fx.GraphModule,
+    bw: torch.fx.GraphModule,
+    is_param: Callable[[str], bool],
+    node_regions: dict[str, tuple[str, ...]],
+    actions: Any,
+    offloaded: int,
+) -> list[tuple[int, int]]:
+    """``(figure index, bytes)``: the saved values' tensor-parallel split (figures 6-9) and, where
+    the partition offloads, the offloaded values' (13-16)."""
+    from .parallel import tensor_parallel_split
+
+    regions = functools.partial(_regions, node_regions)
+    saving = actions.saving if actions is not None else frozenset()
+    out = list(
+        enumerate(tensor_parallel_split(fw, bw, is_param, regions, functools.partial(_saves, saving)), 6)
+    )
+    if offloaded:
+        moved = actions.offload if actions is not None else frozenset()
+        split = tensor_parallel_split(
+            fw, bw, is_param, regions, functools.partial(_saves, moved), offloaded=True
+        )
+        out += list(enumerate(split, 13))
+    return out
 
 
 def _regions(node_regions: dict[str, tuple[str, ...]], name: str) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ import torch
 
 from .candidates import Copies
 from .host import HOST_EFFICIENCY
-from .parallel import held
+from .parallel import held, per_rank_bytes
 
 if TYPE_CHECKING:
     from .candidates import Candidate
@@ -74,12 +74,17 @@ def graph_copies(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> Copies:
 def offloaded_per_rank(c: Candidate | None, target: Target, compile: bool) -> float:
     """The bytes one layer with candidate ``c`` sends to the host per traced unit, per rank:
     compiled, its partition's offloaded values; eager, what the engine copies (as measured,
-    else the partition's). Under tensor parallelism: the difference of what a rank holds keeping
-    the offloaded regions too and keeping its keep set alone (``Candidate.nested``, each split as
-    :func:`~sac_compile.planning.parallel.held` splits it: eagerly within 1% of two gloo ranks
-    without sequence parallelism, tests/test_tensor_parallel.py); else ``1 / tp`` of it."""
+    else the partition's). Under tensor parallelism, compiled: the offloaded values split as
+    the saved ones are (``Candidate.tp_offloaded_split``); eager: the difference of what a rank
+    holds keeping the offloaded regions too and keeping its keep set alone
+    (``Candidate.nested``, each as :func:`~sac_compile.planning.parallel.held` counts it); both
+    checked on two gloo ranks, with and without sequence parallelism
+    (tests/test_tensor_parallel.py); else ``1 / tp`` of it."""
     if c is None or not c.offload:
         return 0.0
+    if target.tp > 1 and compile and any(c.tp_offloaded_split):
+        split = c.tp_offloaded_split[:3]
+        return float(per_rank_bytes(c.offloaded_bytes, split, target.tp, target.sequence_parallel))
     if target.tp > 1 and c.nested is not None:
         inner, outer = c.nested  # (what a rank holds keeping the offloaded regions too, less without)
         return max(held(outer, target, compile) - held(inner, target, compile), 0.0)

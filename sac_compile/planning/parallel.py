@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._compat.aot import is_tangent
+from .._compat.aot import is_tangent, offloaded_source
 from .._compat.ops import is_view_op
 from .._compat.tensors import storage_id
 
@@ -81,6 +81,7 @@ def tensor_parallel_split(
     is_param: Callable[[str], bool],
     regions: Callable[[str], tuple[str, ...]] = lambda name: (),
     saving: Callable[[tuple[str, ...]], bool] = lambda regions: False,
+    offloaded: bool = False,
 ) -> tuple[int, int, int, int]:
     """``(sharded, gathered, gathered_in_region, row_outputs)``: the bytes of the values ``bw`` reads from
     ``fw`` (distinct storages; parameters left out, as the planner's saved bytes leave them)
@@ -92,7 +93,54 @@ def tensor_parallel_split(
     belongs to. ``row_outputs``: the outputs of row-parallel projections in a region
     ``saving`` says is saved (kept or offloaded) that are not saved here: under tensor
     parallelism the eager engine holds each (before its all-reduce or reduce-scatter, whole on
-    every rank), because the collective TP adds reads it inside the region."""
+    every rank), because the collective TP adds reads it inside the region. ``offloaded``: the
+    same figures for the values ``bw`` brings back from host memory instead (what an offloaded
+    region sends, split as the values a rank holds are)."""
+    kind, rows, base, column_inputs = _classify(fw, is_param, regions)
+    nodes = {n.name: n for n in fw.graph.nodes}
+    sharded = gathered = 0
+    seen: set[torch.fx.Node] = set()
+    storages: set[int] = set()  # (a storage counts once, as the partition report counts it)
+    for p in bw.graph.nodes:
+        name = offloaded_source(p.name) if p.op == "placeholder" else p.name
+        if p.op != "placeholder" or is_tangent(p.name) or name not in nodes or offloaded != (name != p.name):
+            continue
+        node = nodes[name]
+        root = base.get(node, node)
+        val = node.meta.get("val")
+        if root in seen or not isinstance(val, torch.Tensor):
+            continue
+        seen.add(root)
+        seen.add(node)
+        if (key := storage_id(val.untyped_storage())) in storages:
+            continue
+        storages.add(key)
+        if kind.get(root) == _WEIGHT and root.op == "placeholder":
+            continue
+        nbytes = _nbytes(root)
+        if kind.get(node) in (_SHARDED, _WEIGHT) or kind.get(root) == _SHARDED:
+            sharded += nbytes
+        elif root in column_inputs:
+            gathered += nbytes
+    in_region = sum(
+        _nbytes(value)
+        for value, projections in column_inputs.items()
+        if value not in seen and any(n in seen for n in projections)
+    )
+    row_outputs = sum(_nbytes(n) for n in rows if n not in seen and saving(regions(n.name)))
+    return sharded, gathered, in_region, row_outputs
+
+
+def _classify(
+    fw: torch.fx.GraphModule, is_param: Callable[[str], bool], regions: Callable[[str], tuple[str, ...]]
+) -> tuple[
+    dict[torch.fx.Node, str],
+    list[torch.fx.Node],
+    dict[torch.fx.Node, torch.fx.Node],
+    dict[torch.fx.Node, list[torch.fx.Node]],
+]:
+    """Each forward node's kind (weight, sharded or stream), the row-parallel projections, each
+    view's base, and each stream value a column-parallel projection reads with those projections."""
     kind: dict[torch.fx.Node, str] = {}
     rows: list[torch.fx.Node] = []  # row-parallel projections
     base: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -124,37 +172,7 @@ def tensor_parallel_split(
             kind[n] = _SHARDED
         else:
             kind[n] = _STREAM
-    nodes = {n.name: n for n in fw.graph.nodes}
-    sharded = gathered = 0
-    seen: set[torch.fx.Node] = set()
-    storages: set[int] = set()  # (a storage counts once, as the partition report counts it)
-    for p in bw.graph.nodes:
-        if p.op != "placeholder" or is_tangent(p.name) or p.name not in nodes:
-            continue
-        node = nodes[p.name]
-        root = base.get(node, node)
-        val = node.meta.get("val")
-        if root in seen or not isinstance(val, torch.Tensor):
-            continue
-        seen.add(root)
-        seen.add(node)
-        if (key := storage_id(val.untyped_storage())) in storages:
-            continue
-        storages.add(key)
-        if kind.get(root) == _WEIGHT and root.op == "placeholder":
-            continue
-        nbytes = _nbytes(root)
-        if kind.get(node) in (_SHARDED, _WEIGHT) or kind.get(root) == _SHARDED:
-            sharded += nbytes
-        elif root in column_inputs:
-            gathered += nbytes
-    in_region = sum(
-        _nbytes(value)
-        for value, projections in column_inputs.items()
-        if value not in seen and any(n in seen for n in projections)
-    )
-    row_outputs = sum(_nbytes(n) for n in rows if n not in seen and saving(regions(n.name)))
-    return sharded, gathered, in_region, row_outputs
+    return kind, rows, base, column_inputs
 
 
 def _nbytes(node: torch.fx.Node) -> int:
