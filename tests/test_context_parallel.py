@@ -21,6 +21,8 @@ import torch
 
 from sac_compile.testing.ranks import run_ranks
 
+from .releases import every_release
+
 pytestmark = pytest.mark.distributed
 
 aten = torch.ops.aten
@@ -155,6 +157,7 @@ def _cp_step_peaks(rank: int, world_size: int, dtype: str, compile: bool = False
     return out
 
 
+@every_release
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_predicted_context_parallel_peak_matches_each_ranks_measured_peak(dtype):
     """The context-parallel terms of the predicted step peak (one rank's share of the

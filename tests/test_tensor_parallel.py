@@ -445,6 +445,7 @@ def _compiled_offloading(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.slow
+@every_release
 def test_tensor_parallel_compiled_offload_sends_each_ranks_split_and_keeps_the_gradients():
     """Both plans, ``keep={"attn"}, offload={"mlp"}`` and the reverse, each block compiled
     (PyTorch's partitioner offload pass on DTensor blocks): gradients equal the unwrapped
