@@ -285,12 +285,26 @@ def test_fsdp2_x_tensor_parallel_matches_a_single_process(keep, compile):
 OFFLOADS = [({"attn"}, {"mlp"}), ({"mlp"}, {"attn"})]
 
 
-def _offloaded_run(stack, x, keep, offload) -> tuple:
-    """``stack`` wrapped eagerly keeping ``keep`` and offloading ``offload`` (None: not
-    wrapped): the loss, the full gradients and the bytes the engine copied to the host."""
+def _offloaded_run(stack, x, keep, offload, compile: bool = False) -> tuple:
+    """``stack`` wrapped keeping ``keep`` and offloading ``offload`` (None: not wrapped), eagerly
+    or each block compiled (``aot_eager``, static shapes): the loss, the full gradients and the
+    bytes sent to the host (eager: what the engine copied; compiled: what the first block's
+    partition offloads, ``capture_partition``)."""
     import sac_compile as sc
     from sac_compile import seam
 
+    if keep is not None and compile:
+        backend = sc.make_sac_backend(keep=keep, offload=offload, inner="aot_eager")
+        moved = sc.inspection.capture_partition(stack.layers[0], x, backend=backend).offloaded_bytes
+        stack.zero_grad(set_to_none=True)  # (the capture ran a backward)
+        torch._dynamo.reset()
+        for layer in stack.layers:
+            options = {"inner": "aot_eager", "dynamic": False}
+            sc.apply_selective_checkpointing(layer, keep=keep, offload=offload, compile=options)
+        loss = stack(x).sum()
+        loss.backward()
+        grads = {n: getattr(p.grad, "full_tensor", p.grad.clone)() for n, p in stack.named_parameters()}
+        return getattr(loss, "full_tensor", loss.detach)().detach(), grads, moved
     if keep is not None:
         for layer in stack.layers:
             sc.apply_selective_checkpointing(layer, keep=keep, offload=offload)
@@ -314,9 +328,10 @@ def _offloaded_run(stack, x, keep, offload) -> tuple:
     return loss.detach(), grads, sum(copied)
 
 
-def _offloading(rank: int, world_size: int) -> dict:
+def _offloading(rank: int, world_size: int, compile: bool = False) -> dict:
     """Per plan (sequence parallel or not) and offload set: ``(loss difference, largest gradient
-    difference, bytes copied to the host)`` against the same sharded stack unwrapped."""
+    difference, bytes sent to the host)`` against the same sharded stack unwrapped
+    (:func:`_offloaded_run`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import sac_compile as sc
@@ -331,10 +346,11 @@ def _offloading(rank: int, world_size: int) -> dict:
             x = x.chunk(world_size, dim=1)[rank].contiguous()
         runs = {}
         for keep, offload in [(None, None), *OFFLOADS]:
+            torch._dynamo.reset()
             torch.manual_seed(0)
             stack = parallelize(LlamaStack(n=2, d=32), mesh, sequence_parallel=sp)
             sc.declare_regions(stack, REGIONS)
-            runs[None if offload is None else min(offload)] = _offloaded_run(stack, x, keep, offload)
+            runs[None if offload is None else min(offload)] = _offloaded_run(stack, x, keep, offload, compile)
         loss_ref, g_ref, _ = runs.pop(None)
         out[sp] = {
             name: (
@@ -395,55 +411,6 @@ def _predicted_offloaded_per_rank(sequence_parallel: bool) -> dict:
     }
 
 
-def _compiled_offloading(rank: int, world_size: int) -> dict:
-    """Per plan (sequence parallel or not) and offload set, each block compiled with the seam
-    (``aot_eager``, static shapes): ``(loss difference, largest gradient difference)`` against
-    the same sharded stack unwrapped, and the bytes one block's partition sends to the host
-    (``capture_partition`` on the first block: what a rank offloads)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import sac_compile as sc
-    from sac_compile.testing.tp import REGIONS, LlamaStack, parallelize
-
-    mesh = init_device_mesh("cpu", (world_size,))
-    out = {}
-    for sp in (False, True):
-        torch.manual_seed(1)
-        x = torch.randn(2, 16, 32)
-        if sp:
-            x = x.chunk(world_size, dim=1)[rank].contiguous()
-        runs = {}
-        for keep, offload in [(None, None), *OFFLOADS]:
-            torch._dynamo.reset()
-            torch.manual_seed(0)
-            stack = parallelize(LlamaStack(n=2, d=32), mesh, sequence_parallel=sp)
-            sc.declare_regions(stack, REGIONS)
-            moved = 0
-            if keep is not None:
-                backend = sc.make_sac_backend(keep=keep, offload=offload, inner="aot_eager")
-                moved = sc.inspection.capture_partition(stack.layers[0], x, backend=backend).offloaded_bytes
-                stack.zero_grad(set_to_none=True)  # (the capture ran a backward)
-                torch._dynamo.reset()
-                for layer in stack.layers:
-                    options = {"inner": "aot_eager", "dynamic": False}
-                    sc.apply_selective_checkpointing(layer, keep=keep, offload=offload, compile=options)
-            loss = stack(x).sum()
-            loss.backward()
-            grads = {n: getattr(p.grad, "full_tensor", p.grad.clone)() for n, p in stack.named_parameters()}
-            whole = getattr(loss, "full_tensor", loss.detach)().detach()
-            runs[None if offload is None else min(offload)] = (whole, grads, moved)
-        loss_ref, g_ref, _ = runs.pop(None)
-        out[sp] = {
-            name: (
-                (loss - loss_ref).abs().item(),
-                max((g[n] - g_ref[n]).abs().max().item() for n in g_ref),
-                moved,
-            )
-            for name, (loss, g, moved) in runs.items()
-        }
-    return out
-
-
 @pytest.mark.slow
 @every_release
 def test_tensor_parallel_compiled_offload_sends_each_ranks_split_and_keeps_the_gradients():
@@ -456,7 +423,7 @@ def test_tensor_parallel_compiled_offload_sends_each_ranks_split_and_keeps_the_g
     parallelism and 0.98 with it (the feed-forward's was exact)."""
     from sac_compile.planning.offload import offloaded_per_rank
 
-    results = run_ranks(_compiled_offloading)
+    results = run_ranks(_offloading, True)
     for sp in (False, True):
         for keep, offload in OFFLOADS:
             name = min(offload)
