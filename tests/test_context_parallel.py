@@ -157,6 +157,67 @@ def _cp_step_peaks(rank: int, world_size: int, dtype: str, compile: bool = False
     return out
 
 
+class _Holder(torch.nn.Module):
+    """A layer one module inside FSDP2's wrapping, as torchtitan nests a compiled block: FSDP2's
+    hooks then run outside the layer's compiled graph."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        return self.layer(*args, **kwargs)
+
+
+def _cp_seam_peaks(rank: int, world_size: int, dtype: str, keep: tuple[str, ...]) -> dict:
+    """:func:`_cp_step_peaks` with every layer compiled by the seam keeping ``keep``
+    (``aot_eager``, static shapes), FSDP2 on a module around each: the peak and mean loss."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    from sac_compile import hf
+
+    from .test_distributed import _step_peak
+
+    ring.custom_ops[FORWARD] = ring.custom_ops[BACKWARD] = _cpu_ring
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch._dynamo.reset()
+    model = _cp_llama(dtype, ring=True).train()
+    hf.config_for(model, keep=keep, compile={"inner": "aot_eager", "dynamic": False}).apply(model)
+    model.model.layers = torch.nn.ModuleList(_Holder(layer) for layer in model.model.layers)
+    for holder in model.model.layers:
+        fully_shard(holder, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    whole = torch.randint(0, 512, (CP_BATCH, CP_SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(CP_SEQ).expand(CP_BATCH, -1)
+    losses = []
+
+    def step():
+        ids, labels, where = whole.clone(), whole.clone(), positions.clone()
+        with context_parallel(
+            mesh,
+            buffers=[ids, labels, where],
+            buffer_seq_dims=[1, 1, 1],
+            no_restore_buffers={ids, labels, where},
+        ):
+            logits = model(input_ids=ids, position_ids=where, use_cache=False).logits
+            loss = _torchtitan_loss(logits, labels)
+            del logits
+            loss.backward()
+        losses.append(loss.detach().float())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    mean = losses[0].clone()
+    dist.all_reduce(mean)
+    return {"peak": _step_peak(step, model.parameters(), opt), "loss": (mean / world_size).item()}
+
+
 @every_release
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_predicted_context_parallel_peak_matches_each_ranks_measured_peak(dtype):
@@ -215,3 +276,52 @@ def test_compiled_layers_under_context_parallelism_save_the_gathered_keys_and_va
         got = rank["None"]
         assert abs(got["loss"] - got["alone"]) < 1e-4, got
         assert abs(predicted - got["peak"]) <= 0.10 * got["peak"], (predicted, measured)
+
+
+def _compiled_full_recompute(rank: int, world_size: int) -> dict:
+    """One decoder layer under PyTorch's ring attention, compiled with the seam keeping nothing
+    (``aot_eager``): the regions of the values its partition saves, and the largest gradient
+    difference to the same layer run eagerly without a checkpoint (same ranks, same shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+
+    import sac_compile as sc
+    from sac_compile import hf
+
+    ring.custom_ops[FORWARD] = ring.custom_ops[BACKWARD] = _cpu_ring
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = _cp_llama("float32", ring=True).train()
+    sc.declare_regions(model, hf.regions_for(model))
+    layer = model.model.layers[0]
+    where = torch.arange(CP_SEQ).expand(CP_BATCH, -1).clone()
+    with context_parallel(mesh, buffers=[where], buffer_seq_dims=[1], no_restore_buffers={where}):
+        h = torch.randn(CP_BATCH, CP_SEQ // world_size, 128, generator=torch.Generator().manual_seed(rank))
+        rope = model.model.rotary_emb(h, where)
+
+        def run(x):
+            return layer(x, attention_mask=None, position_ids=where, position_embeddings=rope)
+
+        backend = sc.make_sac_backend(keep=set(), inner="aot_eager")
+        report = sc.inspection.capture_partition(run, h.clone().requires_grad_(), backend=backend)
+        grads = []
+        for fn in (run, torch.compile(run, backend=backend, dynamic=False)):
+            layer.zero_grad(set_to_none=True)
+            torch._dynamo.reset()
+            x = h.clone().requires_grad_()
+            fn(x).pow(2).sum().backward()
+            grads.append([x.grad, *(p.grad for p in layer.parameters())])
+    worst = max((a - b).abs().max().item() for a, b in zip(*grads))
+    return {"regions": sorted({v.region for v in report.saved}), "grad": worst}
+
+
+def test_a_compiled_layer_keeping_nothing_under_context_parallelism_saves_only_its_inputs():
+    """PyTorch's partitioner saves every functional collective it is not told to recompute, so
+    the ring backward's all-gather of the keys and values (it reads no gradient) ran in the
+    forward and a layer compiled to recompute everything held ``cp`` ranks' keys and values and
+    two copies of its own (1,572,864 B a layer here, beside its 786,432 B of inputs; red before
+    ``passes.backward_collectives``). Now it saves its inputs (and RNG states) only, and its
+    gradients equal the eager layer's without a checkpoint."""
+    for rank in run_ranks(_compiled_full_recompute):
+        assert set(rank["regions"]) <= {"input", "param", "rng"}, rank
+        assert rank["grad"] < 1e-5, rank

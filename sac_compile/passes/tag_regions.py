@@ -67,7 +67,7 @@ from ..markers import ops
 from ..markers.context import NO_CONTEXT, Enclosing
 from ..markers.regions import WRAPPER_NAME
 from ..policy import checked_decision, policy_key, saves
-from . import hop_bodies, saving_rules
+from . import backward_collectives, hop_bodies, saving_rules
 from .hop_bodies import ERASED as _ERASED
 from .hop_bodies import INVOKE_SUBGRAPH as _INVOKE_SUBGRAPH
 from .saving_rules import TAGGED as _TAGGED
@@ -77,6 +77,7 @@ __all__ = ["TagRegionsPass", "tag_regions"]
 # Every source file whose code decides a tag (the seed-op list and the op types live in _compat).
 _SOURCE_FILES = (
     __file__,
+    backward_collectives.__file__,
     ops.__file__,
     records.__file__,
     keep.__file__,
@@ -186,6 +187,7 @@ def tag_regions(
         forward = _forward_nodes(nodes)
         rec.forward_nodes = {n.name for n in forward}
         _tag_forward(nodes, forward, actions, context, rec)
+        backward_collectives.keep_backward_collectives(nodes, forward)
     else:
         _scan_markers(markers, context, rec)
         for n in markers:
