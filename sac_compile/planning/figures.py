@@ -139,11 +139,13 @@ def no_checkpoint_figures(
 ) -> LayerFigures:
     """One kind of layer's figures without a checkpoint, per device of ``target``: what the
     compiled layer saves (``compile``), else what autograd holds eagerly where measured.
-    Compiled under context parallelism the layer also saves ``cp + 1`` copies of its keys and
-    values: the partitioner never recomputes a collective, so the ring backward's all-gather
-    of the keys and values (which reads no gradient) runs in the forward and its output is
-    saved, beside the ring's contiguous copies of them (read off the compiled forward graph on
-    two gloo ranks; ``benchmarks/context_parallel.py``)."""
+    Compiled under context parallelism (a plain ``torch.compile``: no tagging pass) the layer
+    also saves ``cp + 1`` copies of its keys and values: the partitioner saves every collective
+    it is not told to recompute, so the ring backward's all-gather of the keys and values
+    (which reads no gradient) runs in the forward and its output is held, beside the ring's
+    contiguous copies of them (read off the compiled forward graph on two gloo ranks;
+    ``benchmarks/context_parallel.py``; ``passes.backward_collectives`` keeps it in the
+    backward of the layers the seam compiles)."""
     plain = (
         table.no_checkpoint_bytes if compile else table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
     )
