@@ -96,15 +96,11 @@ def _cp_step_peaks(rank: int, world_size: int, dtype: str, compile: bool = False
     checkpoint and with full recompute (the eager engine), plus what was live before it; and
     the step's mean loss beside one process running the whole sequence. ``compile``: no
     checkpoint only, each layer compiled (``aot_eager``) inside FSDP2's wrapping."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
     from sac_compile import hf
-
-    from .test_distributed import _step_peak
 
     ring.custom_ops[FORWARD] = ring.custom_ops[BACKWARD] = _cpu_ring
     mesh = init_device_mesh("cpu", (world_size,))
@@ -123,37 +119,10 @@ def _cp_step_peaks(rank: int, world_size: int, dtype: str, compile: bool = False
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        whole = torch.randint(0, 512, (CP_BATCH, CP_SEQ), generator=torch.Generator().manual_seed(1))
-        positions = torch.arange(CP_SEQ).expand(CP_BATCH, -1)
-        losses = []
-
-        def step(model=model, opt=opt, whole=whole, positions=positions, losses=losses):
-            ids, labels, where = whole.clone(), whole.clone(), positions.clone()
-            with context_parallel(
-                mesh,
-                buffers=[ids, labels, where],
-                buffer_seq_dims=[1, 1, 1],
-                no_restore_buffers={ids, labels, where},
-            ):
-                logits = model(input_ids=ids, position_ids=where, use_cache=False).logits
-                loss = _torchtitan_loss(logits, labels)
-                del logits
-                loss.backward()
-            losses.append(loss.detach().float())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step()
-        mean = losses[0].clone()
-        dist.all_reduce(mean)
+        out[str(keep)] = _measured_step(model, mesh, world_size)
+        whole = _tokens()
         with torch.no_grad():
-            alone = _torchtitan_loss(reference(input_ids=whole).logits, whole).item()
-        out[str(keep)] = {
-            "peak": _step_peak(step, model.parameters(), opt),
-            "loss": (mean / world_size).item(),
-            "alone": alone,
-        }
+            out[str(keep)]["alone"] = _torchtitan_loss(reference(input_ids=whole).logits, whole).item()
     return out
 
 
@@ -172,15 +141,11 @@ class _Holder(torch.nn.Module):
 def _cp_seam_peaks(rank: int, world_size: int, dtype: str, keep: tuple[str, ...]) -> dict:
     """:func:`_cp_step_peaks` with every layer compiled by the seam keeping ``keep``
     (``aot_eager``, static shapes), FSDP2 on a module around each: the peak and mean loss."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
     from sac_compile import hf
-
-    from .test_distributed import _step_peak
 
     ring.custom_ops[FORWARD] = ring.custom_ops[BACKWARD] = _cpu_ring
     mesh = init_device_mesh("cpu", (world_size,))
@@ -191,9 +156,24 @@ def _cp_seam_peaks(rank: int, world_size: int, dtype: str, keep: tuple[str, ...]
     for holder in model.model.layers:
         fully_shard(holder, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return _measured_step(model, mesh, world_size)
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 512, (CP_BATCH, CP_SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def _measured_step(model: torch.nn.Module, mesh, world_size: int) -> dict:
+    """One AdamW step of ``model`` under ``context_parallel`` (its tokens, labels and positions
+    split over ``mesh``), then the allocator's peak over a second (``_step_peak``) and the first
+    step's loss averaged over the ranks."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from .test_distributed import _step_peak
+
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    whole = torch.randint(0, 512, (CP_BATCH, CP_SEQ), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(CP_SEQ).expand(CP_BATCH, -1)
+    whole, positions = _tokens(), torch.arange(CP_SEQ).expand(CP_BATCH, -1)
     losses = []
 
     def step():
