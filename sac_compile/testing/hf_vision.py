@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from .._compat.transformers import from_config
 
-__all__ = ["FAMILIES", "build"]
+__all__ = ["FAMILIES", "build", "build_from"]
 
 TEXT: dict[str, Any] = dict(
     vocab_size=128,
@@ -194,6 +194,13 @@ FAMILIES: dict[str, Callable[[], tuple[nn.Module, dict[str, Any]]]] = {
 
 def build(name: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """``(model in training mode, inputs)``; the same weights for the same ``seed``."""
+    return build_from(FAMILIES, name, seed=seed)
+
+
+def build_from(
+    families: dict[str, Callable[[], tuple[nn.Module, dict[str, Any]]]], name: str, *, seed: int = 0
+) -> tuple[nn.Module, dict[str, Any]]:
+    """:func:`build` from another table of families (the development fixtures' wider one)."""
     torch.manual_seed(seed)
-    model, inputs = FAMILIES[name]()
+    model, inputs = families[name]()
     return model.train(), inputs

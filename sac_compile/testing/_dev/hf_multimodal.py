@@ -327,6 +327,4 @@ FAMILIES: dict[str, Callable[[], tuple[nn.Module, dict[str, Any]]]] = {
 
 def build(name: str, *, seed: int = 0) -> tuple[nn.Module, dict[str, Any]]:
     """``(model in training mode, inputs)``; the same weights for the same ``seed``."""
-    torch.manual_seed(seed)
-    model, inputs = FAMILIES[name]()
-    return model.train(), inputs
+    return hf_vision.build_from(FAMILIES, name, seed=seed)
