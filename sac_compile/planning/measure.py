@@ -52,7 +52,7 @@ class PartitionEach:
         from ..inspection.flops import graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
         from .offload import graph_copies
-        from .peak import graph_ring, graph_transient
+        from .peak import backward_figures
 
         unit = backends.new_unit(gm, example_inputs)
         trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
@@ -83,8 +83,9 @@ class PartitionEach:
                 if part.offloaded_bytes:
                     self.copies.setdefault(key, []).append(graph_copies(fw, bw))
                 self.figures[key][1] += graph_costly_flops(bw)
-                self.figures[key][2] = max(self.figures[key][2], graph_transient(bw))
-                self.figures[key][11:13] = max(self.figures[key][11:13], list(graph_ring(bw)))
+                transient, ring = backward_figures(bw)
+                self.figures[key][2] = max(self.figures[key][2], transient)
+                self.figures[key][11:13] = max(self.figures[key][11:13], list(ring))
                 self.figures[key][3] += graph_costly_flops(fw)
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)
@@ -122,20 +123,15 @@ def _splits(
 ) -> list[tuple[int, int]]:
     """``(figure index, bytes)``: the saved values' tensor-parallel split (figures 6-9) and, where
     the partition offloads, the offloaded values' (13-16)."""
-    from .parallel import tensor_parallel_split
+    from .parallel import tensor_parallel_split, tensor_parallel_splits
 
     regions = functools.partial(_regions, node_regions)
-    saving = actions.saving if actions is not None else frozenset()
-    out = list(
-        enumerate(tensor_parallel_split(fw, bw, is_param, regions, functools.partial(_saves, saving)), 6)
-    )
-    if offloaded:
-        moved = actions.offload if actions is not None else frozenset()
-        split = tensor_parallel_split(
-            fw, bw, is_param, regions, functools.partial(_saves, moved), offloaded=True
-        )
-        out += list(enumerate(split, 13))
-    return out
+    saving = functools.partial(_saves, actions.saving if actions is not None else frozenset())
+    if not offloaded:
+        return list(enumerate(tensor_parallel_split(fw, bw, is_param, regions, saving), 6))
+    moving = functools.partial(_saves, actions.offload if actions is not None else frozenset())
+    held, moved = tensor_parallel_splits(fw, bw, is_param, regions, saving, moving)
+    return [*enumerate(held, 6), *enumerate(moved, 13)]
 
 
 def _regions(node_regions: dict[str, tuple[str, ...]], name: str) -> tuple[str, ...]:

@@ -57,6 +57,7 @@ __all__ = [
     "rank_share",
     "sequence_split_input",
     "tensor_parallel_split",
+    "tensor_parallel_splits",
 ]
 
 #: Regions whose values tensor parallelism leaves whole (the names ``hf.regions_for`` and the
@@ -64,6 +65,14 @@ __all__ = [
 WHOLE_REGIONS = frozenset({"router", "experts"})
 
 _WEIGHT, _SHARDED, _STREAM = "weight", "sharded", "stream"
+# a forward graph classified (parallel._classify): each node's kind, the row-parallel
+# projections, each view's base, each stream value a column-parallel projection reads -> those
+_Layout = tuple[
+    dict[torch.fx.Node, str],
+    list[torch.fx.Node],
+    dict[torch.fx.Node, torch.fx.Node],
+    dict[torch.fx.Node, list[torch.fx.Node]],
+]
 
 aten = torch.ops.aten
 # (op, index of the activation operand, index of the weight operand)
@@ -81,7 +90,6 @@ def tensor_parallel_split(
     is_param: Callable[[str], bool],
     regions: Callable[[str], tuple[str, ...]] = lambda name: (),
     saving: Callable[[tuple[str, ...]], bool] = lambda regions: False,
-    offloaded: bool = False,
 ) -> tuple[int, int, int, int]:
     """``(sharded, gathered, gathered_in_region, row_outputs)``: the bytes of the values ``bw`` reads from
     ``fw`` (distinct storages; parameters left out, as the planner's saved bytes leave them)
@@ -93,10 +101,42 @@ def tensor_parallel_split(
     belongs to. ``row_outputs``: the outputs of row-parallel projections in a region
     ``saving`` says is saved (kept or offloaded) that are not saved here: under tensor
     parallelism the eager engine holds each (before its all-reduce or reduce-scatter, whole on
-    every rank), because the collective TP adds reads it inside the region. ``offloaded``: the
-    same figures for the values ``bw`` brings back from host memory instead (what an offloaded
-    region sends, split as the values a rank holds are)."""
-    kind, rows, base, column_inputs = _classify(fw, is_param, regions)
+    every rank), because the collective TP adds reads it inside the region."""
+    layout = _classify(fw, is_param, regions)
+    return _count(layout, fw, bw, regions, saving, offloaded=False)
+
+
+def tensor_parallel_splits(
+    fw: torch.fx.GraphModule,
+    bw: torch.fx.GraphModule,
+    is_param: Callable[[str], bool],
+    regions: Callable[[str], tuple[str, ...]],
+    saving: Callable[[tuple[str, ...]], bool],
+    moving: Callable[[tuple[str, ...]], bool],
+) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """:func:`tensor_parallel_split` of the values ``bw`` reads from ``fw``, and the same figures
+    for the values it brings back from host memory (what an offloaded region sends, split as
+    the values a rank holds are; ``moving``: whether a region is offloaded), from one
+    classification of ``fw``."""
+    layout = _classify(fw, is_param, regions)
+    return (
+        _count(layout, fw, bw, regions, saving, offloaded=False),
+        _count(layout, fw, bw, regions, moving, offloaded=True),
+    )
+
+
+def _count(
+    layout: _Layout,
+    fw: torch.fx.GraphModule,
+    bw: torch.fx.GraphModule,
+    regions: Callable[[str], tuple[str, ...]],
+    saving: Callable[[tuple[str, ...]], bool],
+    *,
+    offloaded: bool,
+) -> tuple[int, int, int, int]:
+    """:func:`tensor_parallel_split`'s figures over ``bw``'s saved values, or (``offloaded``)
+    the values it brings back from the host."""
+    kind, rows, base, column_inputs = layout
     nodes = {n.name: n for n in fw.graph.nodes}
     sharded = gathered = 0
     seen: set[torch.fx.Node] = set()
@@ -133,12 +173,7 @@ def tensor_parallel_split(
 
 def _classify(
     fw: torch.fx.GraphModule, is_param: Callable[[str], bool], regions: Callable[[str], tuple[str, ...]]
-) -> tuple[
-    dict[torch.fx.Node, str],
-    list[torch.fx.Node],
-    dict[torch.fx.Node, torch.fx.Node],
-    dict[torch.fx.Node, list[torch.fx.Node]],
-]:
+) -> _Layout:
     """Each forward node's kind (weight, sharded or stream), the row-parallel projections, each
     view's base, and each stream value a column-parallel projection reads with those projections."""
     kind: dict[torch.fx.Node, str] = {}
