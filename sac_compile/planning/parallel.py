@@ -250,7 +250,10 @@ def rank_share(total: int, split: tuple[int, int, int], target: Target) -> float
 def held(c: Candidate, target: Target, compile: bool) -> int:
     """What a layer with candidate ``c`` holds per device of ``target`` (as
     :func:`~sac_compile.planning.figures.figures_of` counts it): under tensor parallelism a
-    rank's share; eager, the engine's bytes (:func:`eager_held`)."""
+    rank's share; eager, the engine's bytes (:func:`eager_held`), before ``figures_of`` takes
+    off the layer input's split under sequence parallelism (:func:`sequence_split_input`: the
+    same for every candidate of a layer, so the frontier's order and the offloaded
+    differences read from ``held`` do not depend on it)."""
     if compile:
         return int(c.saved_bytes * rank_share(c.saved_bytes, c.tp_split, target))
     return int(eager_held(c, eager_share(c, target), target))
