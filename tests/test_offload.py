@@ -345,7 +345,8 @@ def test_the_host_link_and_host_memory_decide_what_is_offloaded(device_plan):
 def test_the_copies_hide_behind_the_compute_around_them_in_their_own_graph():
     """``transfer``: a copy to the host starts after its value's last forward use and is
     hidden by the forward compute after it; a copy back is awaited at the value's first
-    backward use; eager, every copy is exposed."""
+    backward use; eager, a copy to the host hides behind the next layer's forward, a copy back
+    is exposed."""
     from sac_compile.actions import Actions
     from sac_compile.planning.candidates import Candidate, Copies
     from sac_compile.planning.devices import Target
@@ -376,8 +377,10 @@ def test_the_copies_hide_behind_the_compute_around_them_in_their_own_graph():
     # two copies queue on one stream: the second waits for the first
     two = c(((nbytes // 2, second, 0), (nbytes // 2, 0, 0)), ())
     assert transfer(two, target, True)[1] == pytest.approx(copy_s / 2, rel=1e-3)
-    # eager: every copy exposed, on the compute stream
+    # eager: the copies to the host hide behind the next layer's forward, the copies back do not
     assert transfer(hidden, target, False) == pytest.approx((2 * copy_s, 2 * copy_s))
+    assert transfer(hidden, target, False, 1.0) == pytest.approx((2 * copy_s, copy_s))
+    assert transfer(hidden, target, False, copy_s / 2) == pytest.approx((2 * copy_s, 1.5 * copy_s))
 
 
 @pytest.mark.slow
@@ -465,3 +468,84 @@ def test_with_cuda_inputs_a_copy_starts_where_pytorchs_pass_issues_it():
     assert issued[:2] == (a.nbytes, 2 * 64**3)  # the second matmul runs after the copy is issued
     (waited,) = graph_copies(graph(False), bw).forward
     assert waited == (a.nbytes, 0, 0)  # (synchronous: the copy where the pass puts it)
+
+
+class _StreamLike:
+    """A device's copies as a side stream runs them (``host_copy.DeviceCopies``): each copy is
+    queued and runs only when something waits for it, in issue order; until then its
+    destination holds garbage (NaN). A value served before its copy is awaited is wrong."""
+
+    def __init__(self) -> None:
+        self.queue: list = []
+        self.done = 0
+        self.offloaded: int | None = None
+        self.log: list[str] = []
+
+    @staticmethod
+    def _garbage(t: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(t, float("nan") if t.is_floating_point() else -1)
+
+    def _run(self, upto: int) -> None:
+        while self.done < upto:
+            self.queue[self.done]()
+            self.done += 1
+
+    def begin_offload(self) -> None:
+        if self.offloaded is not None:
+            self._run(self.offloaded)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        host = self._garbage(t)
+        self.queue.append(lambda: host.copy_(t))  # (holds t, as record_stream keeps its memory)
+        return host
+
+    def end_offload(self) -> None:
+        self.offloaded = len(self.queue)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        self.log.append("back")
+        dev = self._garbage(host)
+        self.queue.append(lambda: dev.copy_(host))
+        return dev
+
+    def mark(self) -> int:
+        return len(self.queue)
+
+    def wait(self, token: int, copies: list) -> None:
+        self.log.append("wait")
+        self._run(token)
+
+
+def test_the_eager_engines_copies_run_as_a_side_stream_runs_them(monkeypatch):
+    """The eager engine against a stream that runs each copy only when awaited (``_StreamLike``,
+    what CUDA's side stream allows): a layer's copies to the host start at its forward's end and
+    the next layer's waits for them (one layer's in flight); a layer's copies back all start
+    as its recompute starts and each is awaited where it is served: gradients bit-identical
+    to no checkpoint's (NaN where a value is read before its copy is done)."""
+    from sac_compile.eager import checkpoint_with_regions, host_copy
+
+    stream = _StreamLike()
+    monkeypatch.setattr(host_copy, "copies_for", lambda device: stream)
+
+    def stack():
+        torch.manual_seed(0)
+        return [Block(d=16) for _ in range(3)]
+
+    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    layers, h, stats = stack(), x, []
+    for layer in layers:
+        h = checkpoint_with_regions(layer, h, keep={"mlp"}, offload={"attn"}, stats_out=stats)
+    per_layer = len(stream.queue) // 3
+    assert per_layer > 1 and [s.offloaded_by_region["attn"] > 0 for s in stats] == [True] * 3
+    assert len(stream.queue) - stream.done == per_layer  # the last layer's copies in flight only
+    h.sum().backward()
+    assert stream.log == (["back"] * per_layer + ["wait"] * per_layer) * 3  # prefetched, then awaited
+    grads = [p.grad for layer in layers for p in layer.parameters()] + [x.grad]
+    plain, y = stack(), x.detach().clone().requires_grad_(True)
+    h = y
+    for layer in plain:
+        h = layer(h)
+    h.sum().backward()
+    want = [p.grad for layer in plain for p in layer.parameters()] + [y.grad]
+    for got, expected in zip(grads, want, strict=True):
+        assert torch.equal(got, expected)

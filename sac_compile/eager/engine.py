@@ -258,6 +258,7 @@ class _Pass:
             state.pack_hook = None  # (it holds the checkpoint's frame: no cycle through us)
             if not self.forward:
                 self.bodies.end_recompute()
+                state.end_recompute()
             # (the recompute stops early by raising once autograd has what it needs)
             session.end_span(aborted=True)
             self.spans.close()

@@ -21,6 +21,7 @@ from .._compat.ops import HigherOrderOperator, is_effectful
 from .._compat.tensors import storage_id
 from ..markers import ops
 from ..op_classes import MATMULS, communicates, is_collective, is_costly
+from .host_copy import HostCopy
 from .op_facts import (
     NO_WRITES,
     Geometry,
@@ -43,7 +44,7 @@ from .op_facts import (
     written_args,
 )
 from .session import SESSION
-from .state import EngineState, Entry, HostCopy
+from .state import EngineState, Entry
 
 # PyTorch's SAC ignores these (detach, prim.device, FunctionalTensor's metadata ops: run a
 # different number of times in the forward and the recompute); the markers are ours.

@@ -10,12 +10,13 @@ from typing import Any, cast
 import torch
 
 from .._compat.checkpoint import VersionWrapper as _VersionWrapper
-from .._compat.checkpoint import map_inner, storage_holders, storage_tensor
+from .._compat.checkpoint import storage_holders, storage_tensor
 from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
+from .host_copy import HostCopy, LayerOffload, offloading
 from .op_facts import Geometry, StorageSet, flat_leaves, map_leaves, storage_of, untyped_storage_of
 
-__all__ = ["EngineStats", "HostCopy"]
+__all__ = ["EngineStats"]
 
 
 class Entry:
@@ -123,6 +124,7 @@ class EngineState:
         self.write_targets = StorageSet()  # written by served writes (outside tensors)
         # (regions open) -> whether an op's cached value goes to host memory (Actions.offloads)
         self.offloads: Any = None
+        self.host_copies: list[HostCopy] = []  # the cached values it sent to host memory
         # (recompute) served writes into outside tensors still ahead:
         # storage -> [(the write, the byte span it writes there)]
         self.pending_writes: dict[int, list[tuple[Entry, tuple[int, int]]]] = {}
@@ -180,6 +182,8 @@ class EngineState:
         # forward's last write left it: a read sees what the forward read unless a served
         # write still ahead of it (in program order) writes bytes it reads. Each served
         # write stays pending until it is reached, with the bytes it writes.
+        for h in self.host_copies:
+            h.prefetch()  # (offloaded values: copied back as the recompute starts, host_copy)
         self.pending_writes = {}
         for e in self.order:
             if e.served_write is not None:
@@ -296,6 +300,11 @@ class EngineState:
                 e.cached, e.value, e.shrink_of = False, None, None
                 self.stats.mutated_recomputes += 1
 
+    def end_recompute(self) -> None:
+        """Let the copies back go that the recompute did not serve (it stopped early)."""
+        for h in self.host_copies:
+            h.drop()
+
     def finalize(self) -> None:
         """End of the forward: find the live recomputed ops, drop cached values nothing will read."""
         self.forward_done = True
@@ -322,42 +331,45 @@ class EngineState:
             e.skippable, e.value = False, None
             self.mark_needed(e.inputs)
         seen: set[int | None] = set()  # (s in self.produced is False for None)
-        for e in self.order:
-            if e.rng_after is not None:
-                if not (e.cached or e.dead or e.served_write is not None):
-                    e.rng_after = None  # it draws again in the recompute: in step by itself
-                else:
-                    nbytes = sum(t.numel() * t.element_size() for _, t in e.rng_after)
-                    self.stats.held_bytes += nbytes
-                    self.stats.held_by_region[RNG] += nbytes
-            if not e.cached:
-                continue
-            # Per output: a value is dropped when nothing reads it. Only
-            # floating-point values: Python can read integer results
-            # (indices) without an aten op (.tolist()), which we cannot see.
-            e.value = map_leaves(self._keep_or_drop, e.value)
-            if e.storages and not _cached_tensors(e.value):
-                e.dropped = True
-                self.stats.dropped_ops += 1
-                continue
-            host = self.offloads is not None and self.offloads(e.regions)
-            for t in _cached_tensors(e.value):
-                s = storage_of(t)
-                # a view of an input or parameter costs no memory of its own
-                if s not in seen and s in self.produced:
-                    seen.add(s)
-                    # (offloaded: the elements copied, of a DTensor its shard's)
-                    inner = storage_tensor(t)
-                    nbytes = inner.numel() * inner.element_size() if host else untyped_storage_of(t).nbytes()
-                    key = "+".join(e.regions) or NO_REGION
-                    if host:
-                        self.stats.offloaded_bytes += nbytes
-                        self.stats.offloaded_by_region[key] += nbytes
+        with offloading() as batch:  # (the copies to the host: host_copy)
+            for e in self.order:
+                if e.rng_after is not None:
+                    if not (e.cached or e.dead or e.served_write is not None):
+                        e.rng_after = None  # it draws again in the recompute: in step by itself
                     else:
+                        nbytes = sum(t.numel() * t.element_size() for _, t in e.rng_after)
                         self.stats.held_bytes += nbytes
-                        self.stats.held_by_region[key] += nbytes
-            if host:  # its device memory goes once nothing else holds it (the checkpoint does not)
-                e.value = map_leaves(_to_host, e.value)
+                        self.stats.held_by_region[RNG] += nbytes
+                if not e.cached:
+                    continue
+                # Per output: a value is dropped when nothing reads it. Only
+                # floating-point values: Python can read integer results
+                # (indices) without an aten op (.tolist()), which we cannot see.
+                e.value = map_leaves(self._keep_or_drop, e.value)
+                if e.storages and not _cached_tensors(e.value):
+                    e.dropped = True
+                    self.stats.dropped_ops += 1
+                    continue
+                host = self.offloads is not None and self.offloads(e.regions)
+                for t in _cached_tensors(e.value):
+                    s = storage_of(t)
+                    # a view of an input or parameter costs no memory of its own
+                    if s not in seen and s in self.produced:
+                        seen.add(s)
+                        # (offloaded: the elements copied, of a DTensor its shard's)
+                        inner = storage_tensor(t)
+                        nbytes = (
+                            inner.numel() * inner.element_size() if host else untyped_storage_of(t).nbytes()
+                        )
+                        key = "+".join(e.regions) or NO_REGION
+                        if host:
+                            self.stats.offloaded_bytes += nbytes
+                            self.stats.offloaded_by_region[key] += nbytes
+                        else:
+                            self.stats.held_bytes += nbytes
+                            self.stats.held_by_region[key] += nbytes
+                if host:  # its device memory goes once nothing else holds it (the checkpoint does not)
+                    e.value = map_leaves(lambda leaf: _to_host(leaf, batch, self.host_copies), e.value)
         self._release_forward_refs()
 
     def _release_forward_refs(self) -> None:
@@ -375,33 +387,10 @@ class EngineState:
         self.random_derived = StorageSet()
 
 
-class HostCopy:
-    """A cached value of an offloaded region, in host memory (pinned when it came from CUDA);
-    ``back()`` is the tensor on its device again, for the recompute. A ``DTensor`` is copied
-    shard by shard and keeps its placements (``map_inner``)."""
-
-    __slots__ = ("devices", "val")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.devices: list[torch.device] = []
-        self.val = map_inner(t.detach(), self._to_host)
-
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        self.devices.append(t.device)
-        if t.is_cuda:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True).copy_(
-                t, non_blocking=True
-            )
-        return t.clone()  # (on a CPU the host is the device: a copy all the same)
-
-    def back(self) -> torch.Tensor:
-        devices = iter(self.devices)
-        return map_inner(self.val, lambda t: t.to(next(devices), non_blocking=True))
-
-
-def _to_host(leaf: Any) -> Any:
+def _to_host(leaf: Any, batch: LayerOffload, copies: list[HostCopy]) -> Any:
     if isinstance(leaf, _VersionWrapper) and isinstance(leaf.val, torch.Tensor):
-        return HostCopy(leaf.get_val(False))  # (a value written since it was cached raises)
+        copies.append(HostCopy(leaf.get_val(False), batch))  # (a value written since it was cached raises)
+        return copies[-1]
     return leaf
 
 
