@@ -499,6 +499,9 @@ class _StreamLike:
         self.queue.append(lambda: host.copy_(t))  # (holds t, as record_stream keeps its memory)
         return host
 
+    def fence(self) -> None:
+        self._run(len(self.queue))
+
     def end_offload(self) -> None:
         self.offloaded = len(self.queue)
 
@@ -549,3 +552,42 @@ def test_the_eager_engines_copies_run_as_a_side_stream_runs_them(monkeypatch):
     want = [p.grad for layer in plain for p in layer.parameters()] + [y.grad]
     for got, expected in zip(grads, want, strict=True):
         assert torch.equal(got, expected)
+
+
+class _Tail(torch.nn.Module):
+    """An offloaded region's output returned to the caller; the recompute reads it (to rebuild
+    ``y + 1``, which ``sin`` saves) where autograd did not save it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        with sc.region("mlp"):
+            y = self.lin(x)
+        return y, (y + 1).sin()
+
+
+def test_an_offloaded_value_the_caller_holds_is_copied_before_the_caller_runs_on(monkeypatch):
+    """A value the caller still holds as the forward ends (the layer's output) may be written
+    next: its copy to the host is awaited before the forward returns, so the recompute serves
+    what the forward made, as the copy made at once does (a CPU's). Red without the fence: the
+    deferred copy reads the written value."""
+    from sac_compile.eager import checkpoint_with_regions, host_copy
+
+    def grads():
+        torch.manual_seed(0)
+        tail = _Tail()
+        x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y, z = checkpoint_with_regions(tail, x, keep=(), offload={"mlp"})
+        y.mul_(3)  # (autograd saved no y: no version error)
+        (y.sum() + z.sum()).backward()
+        return [tail.lin.weight.grad, tail.lin.bias.grad, x.grad]
+
+    at_once = grads()
+    stream = _StreamLike()
+    monkeypatch.setattr(host_copy, "copies_for", lambda device: stream)
+    deferred = grads()
+    assert stream.queue  # (the copies went through the stream)
+    for got, want in zip(deferred, at_once, strict=True):
+        assert torch.equal(got, want)

@@ -10,7 +10,9 @@ partitioner pass runs the compiled ones (``torch._functorch._activation_offloadi
   engine lets it go, is not handed out again before the copy has read it. The next layer's
   forward runs meanwhile. At most one layer's copies are in flight: before a layer starts its
   own, the compute stream waits for the previous layer's (which bounds what the device holds
-  for copies not yet done to one layer's offloaded values).
+  for copies not yet done to one layer's offloaded values). A value that a tensor outside the
+  engine still holds (the layer's output, say) may be written by what runs next: those are
+  copied first, and the compute stream waits for their copies at once (:meth:`LayerOffload.fence`).
 * **back**, at the start of the layer's recompute: every offloaded value of the layer is
   copied back on the side stream at once (prefetched); the compute stream waits for them only
   where the recompute first serves one, and the copies are recorded on the compute stream
@@ -41,6 +43,9 @@ class DeviceCopies(Protocol):
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying ``t`` to host memory; the host tensor (filled once the copy is done)."""
+
+    def fence(self) -> None:
+        """Make the compute stream wait for the copies to the host issued so far."""
 
     def end_offload(self) -> None:
         """After a layer's copies to the host."""
@@ -75,6 +80,9 @@ class CudaCopies:
             host.copy_(t, non_blocking=True)
         t.record_stream(self.stream)
         return host
+
+    def fence(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def end_offload(self) -> None:
         self.offloaded = self.stream.record_event()
@@ -119,6 +127,12 @@ class LayerOffload:
             c.begin_offload()
             self.begun.append(c)
         return c
+
+    def fence(self) -> None:
+        """The compute stream waits for the copies started so far (values a tensor outside
+        the engine holds: the forward's caller may write them next)."""
+        for c in self.begun:
+            c.fence()
 
 
 @contextmanager

@@ -331,46 +331,73 @@ class EngineState:
             e.skippable, e.value = False, None
             self.mark_needed(e.inputs)
         seen: set[int | None] = set()  # (s in self.produced is False for None)
-        with offloading() as batch:  # (the copies to the host: host_copy)
-            for e in self.order:
-                if e.rng_after is not None:
-                    if not (e.cached or e.dead or e.served_write is not None):
-                        e.rng_after = None  # it draws again in the recompute: in step by itself
+        offloaded: list[Entry] = []  # (entries whose cached values go to host memory)
+        for e in self.order:
+            if e.rng_after is not None:
+                if not (e.cached or e.dead or e.served_write is not None):
+                    e.rng_after = None  # it draws again in the recompute: in step by itself
+                else:
+                    nbytes = sum(t.numel() * t.element_size() for _, t in e.rng_after)
+                    self.stats.held_bytes += nbytes
+                    self.stats.held_by_region[RNG] += nbytes
+            if not e.cached:
+                continue
+            # Per output: a value is dropped when nothing reads it. Only
+            # floating-point values: Python can read integer results
+            # (indices) without an aten op (.tolist()), which we cannot see.
+            e.value = map_leaves(self._keep_or_drop, e.value)
+            if e.storages and not _cached_tensors(e.value):
+                e.dropped = True
+                self.stats.dropped_ops += 1
+                continue
+            host = self.offloads is not None and self.offloads(e.regions)
+            for t in _cached_tensors(e.value):
+                s = storage_of(t)
+                # a view of an input or parameter costs no memory of its own
+                if s not in seen and s in self.produced:
+                    seen.add(s)
+                    # (offloaded: the elements copied, of a DTensor its shard's)
+                    inner = storage_tensor(t)
+                    nbytes = inner.numel() * inner.element_size() if host else untyped_storage_of(t).nbytes()
+                    key = "+".join(e.regions) or NO_REGION
+                    if host:
+                        self.stats.offloaded_bytes += nbytes
+                        self.stats.offloaded_by_region[key] += nbytes
                     else:
-                        nbytes = sum(t.numel() * t.element_size() for _, t in e.rng_after)
                         self.stats.held_bytes += nbytes
-                        self.stats.held_by_region[RNG] += nbytes
-                if not e.cached:
-                    continue
-                # Per output: a value is dropped when nothing reads it. Only
-                # floating-point values: Python can read integer results
-                # (indices) without an aten op (.tolist()), which we cannot see.
-                e.value = map_leaves(self._keep_or_drop, e.value)
-                if e.storages and not _cached_tensors(e.value):
-                    e.dropped = True
-                    self.stats.dropped_ops += 1
-                    continue
-                host = self.offloads is not None and self.offloads(e.regions)
-                for t in _cached_tensors(e.value):
-                    s = storage_of(t)
-                    # a view of an input or parameter costs no memory of its own
-                    if s not in seen and s in self.produced:
-                        seen.add(s)
-                        # (offloaded: the elements copied, of a DTensor its shard's)
-                        inner = storage_tensor(t)
-                        nbytes = (
-                            inner.numel() * inner.element_size() if host else untyped_storage_of(t).nbytes()
-                        )
-                        key = "+".join(e.regions) or NO_REGION
-                        if host:
-                            self.stats.offloaded_bytes += nbytes
-                            self.stats.offloaded_by_region[key] += nbytes
-                        else:
-                            self.stats.held_bytes += nbytes
-                            self.stats.held_by_region[key] += nbytes
-                if host:  # its device memory goes once nothing else holds it (the checkpoint does not)
-                    e.value = map_leaves(lambda leaf: _to_host(leaf, batch, self.host_copies), e.value)
+                        self.stats.held_by_region[key] += nbytes
+            if host:
+                offloaded.append(e)
+        self._offload(offloaded)
         self._release_forward_refs()
+
+    def _offload(self, entries: list[Entry]) -> None:
+        """Send ``entries``' cached values to host memory (:mod:`.host_copy`): their device
+        memory goes once nothing else holds it (the checkpoint does not). A value whose storage
+        a tensor outside the engine still holds (the layer's output, say) may be written after
+        the forward: those are copied first, and the compute stream waits for their copies."""
+        ours: Counter[int | None] = Counter()
+        for e in self.order:
+            if e.cached:
+                for t in _cached_tensors(e.value):
+                    ours[storage_of(t)] += 1
+
+        def held_outside(e: Entry) -> bool:
+            for t in _cached_tensors(e.value):
+                s = storage_of(t)
+                ref = self.produced.ref(s)
+                if ref is None or storage_holders(ref) > ours[s]:  # (not made here: an input's)
+                    return True
+            return False
+
+        outside = [held_outside(e) for e in entries]
+        with offloading() as batch:
+            for fenced in (True, False):
+                for e, held in zip(entries, outside, strict=True):
+                    if held == fenced:
+                        e.value = map_leaves(lambda leaf: _to_host(leaf, batch, self.host_copies), e.value)
+                if fenced:
+                    batch.fence()
 
     def _release_forward_refs(self) -> None:
         """Drop the weak references only the forward reads (Note [weak references to storages])."""
