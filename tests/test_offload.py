@@ -591,3 +591,48 @@ def test_an_offloaded_value_the_caller_holds_is_copied_before_the_caller_runs_on
     assert stream.queue  # (the copies went through the stream)
     for got, want in zip(deferred, at_once, strict=True):
         assert torch.equal(got, want)
+
+
+def test_a_value_back_from_the_host_leaves_the_host_copy_as_it_was():
+    """What the recompute serves gets the recompute's ``grad_fn``: on a CPU (no copy back) it
+    must be a fresh alias of the host copy, or the host copy would hold the recompute's graph
+    (its saved tensors) for as long as the checkpoint lives, and serve it again."""
+    from torch.utils.checkpoint import checkpoint
+
+    from sac_compile.actions import Actions
+    from sac_compile.eager import engine_contexts
+
+    block = _block()
+    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    state, forward, recompute = engine_contexts(Actions.of({"attn"}, offload={"mlp"}))
+    y = checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward, recompute))
+    y.sum().backward()
+    assert state.host_copies
+    for h in state.host_copies:
+        assert h.val.grad_fn is None and not h.val.requires_grad
+
+
+def test_a_view_of_a_parameter_stays_on_the_device():
+    """Saving every op (``SAVE_ALL``) caches views of the parameters (``weight.t()``) in an
+    offloaded region too: they stay on the device (they cost it nothing), served as the
+    parameter's own bytes; the values the layer made go to the host."""
+    from torch.utils.checkpoint import checkpoint
+
+    from sac_compile.actions import Actions
+    from sac_compile.eager import engine_contexts
+    from sac_compile.eager.host_copy import HostCopy
+
+    block = _block()
+    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    state, forward, recompute = engine_contexts(Actions.of({"attn"}, sc.SAVE_ALL, offload={"mlp"}))
+    y = checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward, recompute))
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    views = [e for e in state.order if e.cached and "mlp" in e.regions and e.func is torch.ops.aten.t.default]
+    assert views and state.host_copies
+    for e in views:
+        assert not isinstance(e.value, HostCopy) and e.value.val.untyped_storage().data_ptr() in params
+    y.sum().backward()
+    want = _block()
+    want(x.detach().requires_grad_(True)).sum().backward()
+    for got, expected in zip(block.parameters(), want.parameters(), strict=True):
+        assert torch.equal(got.grad, expected.grad)

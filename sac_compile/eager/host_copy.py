@@ -5,18 +5,19 @@ On CUDA the copies run on a side stream of the device (:class:`CudaCopies`), as 
 partitioner pass runs the compiled ones (``torch._functorch._activation_offloading``):
 
 * **to the host**, at the end of a layer's forward: the side stream waits for the compute
-  stream (the values are made there) and copies each value into pinned memory; the value is
-  recorded on the side stream (``Tensor.record_stream``), so its device memory, freed when the
-  engine lets it go, is not handed out again before the copy has read it. The next layer's
-  forward runs meanwhile. At most one layer's copies are in flight: before a layer starts its
-  own, the compute stream waits for the previous layer's (which bounds what the device holds
-  for copies not yet done to one layer's offloaded values). A value that a tensor outside the
+  stream (the values are made there) and copies each value into pinned memory; the next
+  layer's forward runs meanwhile. The values are held (not ``Tensor.record_stream``, which
+  PyTorch's own offload ops avoid: with the CPU running ahead the allocator cannot reuse the
+  recorded blocks and grows) until the compute stream has waited for their copies: before the
+  next layer starts its own copies, or, for the last layer, as its recompute starts. So one
+  layer's offloaded values stay on the device beyond the layer's forward. A value that a tensor outside the
   engine still holds (the layer's output, say) may be written by what runs next: those are
   copied first, and the compute stream waits for their copies at once (:meth:`LayerOffload.fence`).
 * **back**, at the start of the layer's recompute: every offloaded value of the layer is
   copied back on the side stream at once (prefetched); the compute stream waits for them only
-  where the recompute first serves one, and the copies are recorded on the compute stream
-  (their memory came from the side stream's pool). A copy back the recompute did not serve
+  where the recompute first serves one. As in PyTorch's ``ao.reload`` the device tensor is
+  allocated on the compute stream, and the side stream waits for the compute stream before
+  copying into it. A copy back the recompute did not serve
   (it stopped early) is let go as the recompute ends; a second recompute copies back again.
 
 Elsewhere (a CPU: the host is the device) a value is cloned at once, and served as it is.
@@ -30,9 +31,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .._compat.checkpoint import map_inner
+from .._compat.checkpoint import VersionWrapper, map_inner
+from .op_facts import StorageSet, storage_of
 
-__all__ = ["CudaCopies", "DeviceCopies", "HostCopy", "LayerOffload", "copies_for", "offloading"]
+__all__ = ["CudaCopies", "DeviceCopies", "HostCopy", "LayerOffload", "copies_for", "offloading", "to_host"]
 
 
 class DeviceCopies(Protocol):
@@ -67,18 +69,24 @@ class CudaCopies:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.offloaded: torch.cuda.Event | None = None  # the last layer's copies to the host
+        self.sources: list[torch.Tensor] = []  # what they read, held until the compute stream waits
+
+    def _release(self) -> None:
+        """The compute stream waits for the last layer's copies; their sources may go."""
+        if self.offloaded is not None and self.sources:
+            torch.cuda.current_stream(self.device).wait_event(self.offloaded)
+            self.sources.clear()
 
     def begin_offload(self) -> None:
-        current = torch.cuda.current_stream(self.device)
-        if self.offloaded is not None:
-            current.wait_event(self.offloaded)
-        self.stream.wait_stream(current)
+        self._release()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        # (empty_like: a dense value's strides, else contiguous: no buffer sized to a view's gaps)
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
         with torch.cuda.stream(self.stream):
-            host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
-        t.record_stream(self.stream)
+        self.sources.append(t)
         return host
 
     def fence(self) -> None:
@@ -88,17 +96,19 @@ class CudaCopies:
         self.offloaded = self.stream.record_event()
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        self._release()
+        current = torch.cuda.current_stream(self.device)
+        dev = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=self.device)
+        self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            return host.to(self.device, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
+        return dev
 
     def mark(self) -> Any:
         return self.stream.record_event()
 
     def wait(self, token: Any, copies: list[torch.Tensor]) -> None:
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(token)
-        for t in copies:
-            t.record_stream(current)
+        torch.cuda.current_stream(self.device).wait_event(token)
 
 
 _CUDA: dict[torch.device, CudaCopies] = {}
@@ -110,9 +120,7 @@ def copies_for(device: torch.device) -> DeviceCopies | None:
         return None
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _CUDA:
-        _CUDA[device] = CudaCopies(device)
-    return _CUDA[device]
+    return _CUDA[device] if device in _CUDA else _CUDA.setdefault(device, CudaCopies(device))
 
 
 class LayerOffload:
@@ -152,15 +160,16 @@ class HostCopy:
     for the recompute. A ``DTensor`` is copied shard by shard and keeps its placements
     (``map_inner``)."""
 
-    __slots__ = ("devices", "ready", "val")
+    __slots__ = ("copies", "ready", "val")
 
     def __init__(self, t: torch.Tensor, batch: LayerOffload) -> None:
-        self.devices: list[torch.device] = []
+        # per inner tensor: its device's copies (the same stream both ways), or its device (a clone)
+        self.copies: list[DeviceCopies | torch.device] = []
         self.ready: tuple[torch.Tensor, list[tuple[DeviceCopies, Any, list[torch.Tensor]]]] | None = None
 
         def to_host(inner: torch.Tensor) -> torch.Tensor:
-            self.devices.append(inner.device)
             c = batch.copies(inner.device)
+            self.copies.append(inner.device if c is None else c)
             return inner.clone() if c is None else c.to_host(inner)
 
         self.val = map_inner(t.detach(), to_host)
@@ -169,14 +178,13 @@ class HostCopy:
         """Start copying back (once per recompute)."""
         if self.ready is not None:
             return
-        devices = iter(self.devices)
+        copies = iter(self.copies)
         started: list[tuple[DeviceCopies, torch.Tensor]] = []
 
         def back(host: torch.Tensor) -> torch.Tensor:
-            device = next(devices)
-            c = copies_for(device)
-            if c is None:
-                return host.to(device)
+            c = next(copies)
+            if isinstance(c, torch.device):
+                return host.to(c).detach()  # (a fresh alias: what the recompute serves gets a grad_fn)
             started.append((c, c.to_device(host)))
             return started[-1][1]
 
@@ -196,6 +204,20 @@ class HostCopy:
     def drop(self) -> None:
         """Let a copy back the recompute did not serve go."""
         self.ready = None
+
+
+def to_host(leaf: Any, batch: LayerOffload, copies: list[HostCopy], produced: StorageSet) -> Any:
+    """A cached leaf of an offloaded region, sent to host memory (appended to ``copies``) when
+    it is a tensor the layer made: a view of an input or a parameter stays (it costs the device
+    nothing, the host a copy); a value written since it was cached raises."""
+    if (
+        isinstance(leaf, VersionWrapper)
+        and isinstance(leaf.val, torch.Tensor)
+        and storage_of(leaf.val) in produced
+    ):
+        copies.append(HostCopy(leaf.get_val(False), batch))
+        return copies[-1]
+    return leaf
 
 
 def _distinct(items: Iterator[DeviceCopies]) -> list[DeviceCopies]:

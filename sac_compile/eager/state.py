@@ -13,7 +13,7 @@ from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.checkpoint import storage_holders, storage_tensor
 from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
-from .host_copy import HostCopy, LayerOffload, offloading
+from .host_copy import HostCopy, offloading, to_host
 from .op_facts import Geometry, StorageSet, flat_leaves, map_leaves, storage_of, untyped_storage_of
 
 __all__ = ["EngineStats"]
@@ -395,7 +395,9 @@ class EngineState:
             for fenced in (True, False):
                 for e, held in zip(entries, outside, strict=True):
                     if held == fenced:
-                        e.value = map_leaves(lambda leaf: _to_host(leaf, batch, self.host_copies), e.value)
+                        e.value = map_leaves(
+                            lambda leaf: to_host(leaf, batch, self.host_copies, self.produced), e.value
+                        )
                 if fenced:
                     batch.fence()
 
@@ -412,13 +414,6 @@ class EngineState:
         self.produced = StorageSet()
         self.saved_storages = StorageSet()
         self.random_derived = StorageSet()
-
-
-def _to_host(leaf: Any, batch: LayerOffload, copies: list[HostCopy]) -> Any:
-    if isinstance(leaf, _VersionWrapper) and isinstance(leaf.val, torch.Tensor):
-        copies.append(HostCopy(leaf.get_val(False), batch))  # (a value written since it was cached raises)
-        return copies[-1]
-    return leaf
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
