@@ -723,3 +723,18 @@ def test_under_context_parallelism_the_attention_backward_runs_as_a_ring():
     ]
     assert figures[0] == max(plain, base + 2 * kv) > plain
     assert figures[1] - figures[0] == 2 * kv  # two more ranks' keys and values gathered
+
+
+def test_the_last_layers_offloaded_values_stay_on_the_device_through_the_loss():
+    """The eager engine on a GPU holds a layer's offloaded values until the compute stream has
+    waited for their copies: the next layer's forward end, the last layer's recompute start.
+    The loss's backward holds the last layer's (``LayerFigures.offloaded_bytes``), once."""
+    from sac_compile.planning.devices import Target
+    from sac_compile.planning.peak import LayerFigures, ModelSizes, step_peak
+
+    sizes = ModelSizes(params=8 * 1000 + 600, head_saved_bytes=1 << 20, head_transient_bytes=1 << 20)
+    target = Target("h100-80gb", batch=8, seq=16, optimizer="sgd")
+    held = step_peak(sizes, [LayerFigures(8, 1000, 4096, 64)], target)
+    moved = step_peak(sizes, [LayerFigures(8, 1000, 4096, 64, offloaded_bytes=3000)], target)
+    assert held.phase == moved.phase == "loss backward"
+    assert moved.breakdown["activations"] - held.breakdown["activations"] == 3000

@@ -12,6 +12,7 @@ from .candidates import Candidate
 from .core import Plan
 from .devices import Target
 from .model import LayerGroup
+from .offload import offloaded_per_rank
 from .parallel import held, rank_share, sequence_split_input
 from .peak import LayerFigures, ModelSizes, dtype_bytes
 
@@ -114,7 +115,9 @@ def figures_of(
     """One kind of layer's figures for :func:`step_peak` with candidate ``c``, per device of
     ``target``: compiled, what its partition saves and its backward graph's transient; eager,
     what the eager engine holds (when measured) and the recompute's restoring what the layer
-    holds unchecked. Under tensor parallelism a rank's share (:mod:`.parallel`: the
+    holds unchecked; offloading on a GPU, the values it sends (the last layer's stay on the
+    device through the loss: the engine holds them until the compute stream waited for their
+    copies). Under tensor parallelism a rank's share (:mod:`.parallel`: the
     partition's saved values split by kind; the eager figures and the transients scaled
     alike). ``params``: one layer's (parameters, of them the routed experts')."""
     if compile:
@@ -131,7 +134,9 @@ def figures_of(
     saved = held(c, target, compile=False) - sequence_split_input(table.stream_input_bytes, target)
     backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
     transient = max(plain - saved, 0) + backward / target.tp
-    return LayerFigures(count, params[0], int(saved), int(transient), params[1])
+    # (on a GPU the engine holds a layer's offloaded values until their copies are awaited)
+    moved = offloaded_per_rank(c, target, compile=False) if target.device.cuda else 0  # type: ignore[union-attr]
+    return LayerFigures(count, params[0], int(saved), int(transient), params[1], int(moved))
 
 
 def no_checkpoint_figures(

@@ -71,6 +71,9 @@ class LayerFigures:
     saved_bytes: int
     transient_bytes: int
     expert_params: int = 0  # of ``params``, the routed experts' (split by expert parallelism)
+    # eager offload on a GPU: the layer's offloaded values, held on the device until the compute
+    # stream has waited for their copies (the last layer's through the loss: eager/host_copy.py)
+    offloaded_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,7 @@ class _Rank:
     acts: list[int]
     transients: list[int]
     outside: int  # the sharded gradients of the parameters outside the layers
+    last_offloaded: int  # the last layer's offloaded values, on the device through the loss
     root: int  # FSDP2's unsharded root parameters
     param_b: int
     reduce_b: int
@@ -196,6 +200,7 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         acts=[g.saved_bytes for g in order],
         transients=[g.transient_bytes for g in order],
         outside=int(outside * master / shard),
+        last_offloaded=order[0].offloaded_bytes if order else 0,
         # FSDP2 keeps the root's parameters (everything outside the layers) unsharded from
         # the forward to the end of the backward
         root=int(outside * param_b) if shard > 1 else 0,
@@ -252,7 +257,7 @@ def _backward_phases(
         extra = {
             "gradients": done if pipelined and not sharded else 0,
             "fsdp_buffers": rank.root + stage_buffers,
-            "activations": held + sum(rank.acts),
+            "activations": held + sum(rank.acts) + rank.last_offloaded,
             "logits_loss": _pipeline_head(model, target, head_in_flight)
             if pipelined
             else _head(model, target),
