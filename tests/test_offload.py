@@ -346,7 +346,7 @@ def test_the_copies_hide_behind_the_compute_around_them_in_their_own_graph():
     """``transfer``: a copy to the host starts after its value's last forward use and is
     hidden by the forward compute after it; a copy back is awaited at the value's first
     backward use; eager, a copy to the host hides behind the next layer's forward, a copy back
-    is exposed."""
+    behind the previous layer's backward."""
     from sac_compile.actions import Actions
     from sac_compile.planning.candidates import Candidate, Copies
     from sac_compile.planning.devices import Target
@@ -377,10 +377,13 @@ def test_the_copies_hide_behind_the_compute_around_them_in_their_own_graph():
     # two copies queue on one stream: the second waits for the first
     two = c(((nbytes // 2, second, 0), (nbytes // 2, 0, 0)), ())
     assert transfer(two, target, True)[1] == pytest.approx(copy_s / 2, rel=1e-3)
-    # eager: the copies to the host hide behind the next layer's forward, the copies back do not
+    # eager: the copies to the host hide behind the next layer's forward...
     assert transfer(hidden, target, False) == pytest.approx((2 * copy_s, 2 * copy_s))
     assert transfer(hidden, target, False, 1.0) == pytest.approx((2 * copy_s, copy_s))
     assert transfer(hidden, target, False, copy_s / 2) == pytest.approx((2 * copy_s, 1.5 * copy_s))
+    # ... and behind the backward of the layer after it, the copies back
+    assert transfer(hidden, target, False, 1.0, 1.0) == pytest.approx((2 * copy_s, 0.0))
+    assert transfer(hidden, target, False, 1.0, copy_s / 4) == pytest.approx((2 * copy_s, 0.75 * copy_s))
 
 
 @pytest.mark.slow
@@ -523,8 +526,9 @@ def test_the_eager_engines_copies_run_as_a_side_stream_runs_them(monkeypatch):
     """The eager engine against a stream that runs each copy only when awaited (``_StreamLike``,
     what CUDA's side stream allows): a layer's copies to the host start at its forward's end and
     the next layer's waits for them (one layer's in flight); a layer's copies back all start
-    as its recompute starts and each is awaited where it is served: gradients bit-identical
-    to no checkpoint's (NaN where a value is read before its copy is done)."""
+    as the layer after it starts its recompute and each is awaited where it is served:
+    gradients bit-identical to no checkpoint's (NaN where a value is read before its copy is
+    done)."""
     from sac_compile.eager import checkpoint_with_regions, host_copy
 
     stream = _StreamLike()
@@ -542,7 +546,10 @@ def test_the_eager_engines_copies_run_as_a_side_stream_runs_them(monkeypatch):
     assert per_layer > 1 and [s.offloaded_by_region["attn"] > 0 for s in stats] == [True] * 3
     assert len(stream.queue) - stream.done == per_layer  # the last layer's copies in flight only
     h.sum().backward()
-    assert stream.log == (["back"] * per_layer + ["wait"] * per_layer) * 3  # prefetched, then awaited
+    # each layer's copies back start as the layer after it starts its recompute (the last
+    # layer's with its own), and are awaited where its recompute serves them
+    k = per_layer
+    assert stream.log == ["back"] * 2 * k + ["wait"] * k + ["back"] * k + ["wait"] * 2 * k
     grads = [p.grad for layer in layers for p in layer.parameters()] + [x.grad]
     plain, y = stack(), x.detach().clone().requires_grad_(True)
     h = y
@@ -607,8 +614,8 @@ def test_a_value_back_from_the_host_leaves_the_host_copy_as_it_was():
     state, forward, recompute = engine_contexts(Actions.of({"attn"}, offload={"mlp"}))
     y = checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward, recompute))
     y.sum().backward()
-    assert state.host_copies
-    for h in state.host_copies:
+    assert state.offloaded.values
+    for h in state.offloaded.values:
         assert h.val.grad_fn is None and not h.val.requires_grad
 
 
@@ -628,7 +635,7 @@ def test_a_view_of_a_parameter_stays_on_the_device():
     y = checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward, recompute))
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     views = [e for e in state.order if e.cached and "mlp" in e.regions and e.func is torch.ops.aten.t.default]
-    assert views and state.host_copies
+    assert views and state.offloaded.values
     for e in views:
         assert not isinstance(e.value, HostCopy) and e.value.val.untyped_storage().data_ptr() in params
     y.sum().backward()

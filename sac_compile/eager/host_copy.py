@@ -10,24 +10,29 @@ partitioner pass runs the compiled ones (``torch._functorch._activation_offloadi
   PyTorch's own offload ops avoid: with the CPU running ahead the allocator cannot reuse the
   recorded blocks and grows) until the compute stream has waited for their copies: before the
   next layer starts its own copies, or, for the last layer, as its recompute starts. So one
-  layer's offloaded values stay on the device beyond the layer's forward. A value that a tensor outside the
-  engine still holds (the layer's output, say) may be written by what runs next: those are
-  copied first, and the compute stream waits for their copies at once (:meth:`LayerOffload.fence`).
-* **back**, at the start of the layer's recompute: every offloaded value of the layer is
-  copied back on the side stream at once (prefetched); the compute stream waits for them only
-  where the recompute first serves one. As in PyTorch's ``ao.reload`` the device tensor is
-  allocated on the compute stream, and the side stream waits for the compute stream before
-  copying into it. A copy back the recompute did not serve
-  (it stopped early) is let go as the recompute ends; a second recompute copies back again.
+  layer's offloaded values stay on the device beyond the layer's forward. A value that a
+  tensor outside the engine still holds (the layer's output, say) may be written by what runs
+  next: those are copied first, and the compute stream waits for their copies at once
+  (:meth:`LayerOffload.fence`).
+* **back**, ahead of the layer's recompute: as a layer's recompute starts, every offloaded
+  value of the layer the backward reaches next (the offloading layer before it in the forward,
+  :data:`_LAYERS`) is copied back on the side stream (prefetched), behind this layer's
+  backward; the compute stream waits for a value only where its recompute serves it. (The
+  first layer in the backward has nothing before it: its copies start with its recompute.)
+  As in PyTorch's ``ao.reload`` the device tensor is allocated on the compute stream, and the
+  side stream waits for the compute stream before copying into it. A copy back the recompute
+  did not serve (it stopped early) is awaited and let go as the recompute ends; a second
+  recompute (``retain_graph``) copies back again, with its own recompute.
 
 Elsewhere (a CPU: the host is the device) a value is cloned at once, and served as it is.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -124,10 +129,14 @@ def copies_for(device: torch.device) -> DeviceCopies | None:
 
 
 class LayerOffload:
-    """The devices one layer's copies to the host started on (:func:`offloading`)."""
+    """One layer's values sent to host memory (:func:`offloading`) and the devices their copies
+    started on."""
+
+    __slots__ = ("__weakref__", "begun", "values")
 
     def __init__(self) -> None:
         self.begun: list[DeviceCopies] = []
+        self.values: list[HostCopy] = []
 
     def copies(self, device: torch.device) -> DeviceCopies | None:
         c = copies_for(device)
@@ -142,6 +151,31 @@ class LayerOffload:
         for c in self.begun:
             c.fence()
 
+    def prefetch(self) -> None:
+        """As this layer's recompute starts: its values' copies back (if not started yet), and
+        those of the offloading layer the backward reaches next (the one before it in
+        :data:`_LAYERS`), which leaves that list with this one."""
+        for h in self.values:
+            h.prefetch()
+        alive = [r for r in _LAYERS if r() is not None]
+        here = next((i for i, r in enumerate(alive) if r() is self), None)
+        if here is not None:
+            if here > 0:
+                for h in cast(LayerOffload, alive[here - 1]()).values:
+                    h.prefetch()
+            del alive[here]
+        _LAYERS[:] = alive
+
+    def drop(self) -> None:
+        """As the recompute ends: let the copies back go that it did not serve."""
+        for h in self.values:
+            h.drop()
+
+
+#: The layers whose copies run on a side stream, in forward order, until their recompute starts
+#: (weakly: a forward whose backward never runs leaves nothing behind).
+_LAYERS: list[weakref.ref[LayerOffload]] = []
+
 
 @contextmanager
 def offloading() -> Iterator[LayerOffload]:
@@ -152,6 +186,8 @@ def offloading() -> Iterator[LayerOffload]:
     finally:
         for c in batch.begun:
             c.end_offload()
+        if batch.begun:
+            _LAYERS[:] = [r for r in _LAYERS if r() is not None] + [weakref.ref(batch)]
 
 
 class HostCopy:
@@ -202,12 +238,16 @@ class HostCopy:
         return value
 
     def drop(self) -> None:
-        """Let a copy back the recompute did not serve go."""
-        self.ready = None
+        """Let a copy back the recompute did not serve go, once the compute stream has waited
+        for it (its memory is the compute stream's to reuse)."""
+        if self.ready is not None:
+            for c, token, copies in self.ready[1]:
+                c.wait(token, copies)
+            self.ready = None
 
 
-def to_host(leaf: Any, batch: LayerOffload, copies: list[HostCopy], produced: StorageSet) -> Any:
-    """A cached leaf of an offloaded region, sent to host memory (appended to ``copies``) when
+def to_host(leaf: Any, batch: LayerOffload, produced: StorageSet) -> Any:
+    """A cached leaf of an offloaded region, sent to host memory (one of ``batch.values``) when
     it is a tensor the layer made: a view of an input or a parameter stays (it costs the device
     nothing, the host a copy); a value written since it was cached raises."""
     if (
@@ -215,8 +255,8 @@ def to_host(leaf: Any, batch: LayerOffload, copies: list[HostCopy], produced: St
         and isinstance(leaf.val, torch.Tensor)
         and storage_of(leaf.val) in produced
     ):
-        copies.append(HostCopy(leaf.get_val(False), batch))
-        return copies[-1]
+        batch.values.append(HostCopy(leaf.get_val(False), batch))
+        return batch.values[-1]
     return leaf
 
 

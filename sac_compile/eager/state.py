@@ -13,7 +13,7 @@ from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.checkpoint import storage_holders, storage_tensor
 from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
-from .host_copy import HostCopy, offloading, to_host
+from .host_copy import LayerOffload, offloading, to_host
 from .op_facts import Geometry, StorageSet, flat_leaves, map_leaves, storage_of, untyped_storage_of
 
 __all__ = ["EngineStats"]
@@ -124,7 +124,7 @@ class EngineState:
         self.write_targets = StorageSet()  # written by served writes (outside tensors)
         # (regions open) -> whether an op's cached value goes to host memory (Actions.offloads)
         self.offloads: Any = None
-        self.host_copies: list[HostCopy] = []  # the cached values it sent to host memory
+        self.offloaded: LayerOffload | None = None  # the cached values it sent to host memory
         # (recompute) served writes into outside tensors still ahead:
         # storage -> [(the write, the byte span it writes there)]
         self.pending_writes: dict[int, list[tuple[Entry, tuple[int, int]]]] = {}
@@ -182,8 +182,8 @@ class EngineState:
         # forward's last write left it: a read sees what the forward read unless a served
         # write still ahead of it (in program order) writes bytes it reads. Each served
         # write stays pending until it is reached, with the bytes it writes.
-        for h in self.host_copies:
-            h.prefetch()  # (offloaded values: copied back as the recompute starts, host_copy)
+        if self.offloaded is not None:
+            self.offloaded.prefetch()  # (copied back as the recompute starts, and the next layer's)
         self.pending_writes = {}
         for e in self.order:
             if e.served_write is not None:
@@ -302,8 +302,8 @@ class EngineState:
 
     def end_recompute(self) -> None:
         """Let the copies back go that the recompute did not serve (it stopped early)."""
-        for h in self.host_copies:
-            h.drop()
+        if self.offloaded is not None:
+            self.offloaded.drop()
 
     def finalize(self) -> None:
         """End of the forward: find the live recomputed ops, drop cached values nothing will read."""
@@ -392,12 +392,11 @@ class EngineState:
 
         outside = [held_outside(e) for e in entries]
         with offloading() as batch:
+            self.offloaded = batch
             for fenced in (True, False):
                 for e, held in zip(entries, outside, strict=True):
                     if held == fenced:
-                        e.value = map_leaves(
-                            lambda leaf: to_host(leaf, batch, self.host_copies, self.produced), e.value
-                        )
+                        e.value = map_leaves(lambda leaf: to_host(leaf, batch, self.produced), e.value)
                 if fenced:
                     batch.fence()
 

@@ -299,7 +299,7 @@ class StepFigures:
         self, keep: Keep | str | None = None, *, compile: bool = True, offload: Regions = ()
     ) -> StepTime:
         """The step's predicted time by term, tokens/s and MFU, every layer keeping ``keep``
-        and offloading ``offload`` (compiled, or eager: the copies back exposed)."""
+        and offloading ``offload`` (compiled or eager)."""
         return self._predict(keep, compile, offload)[1]
 
 

@@ -209,17 +209,21 @@ def _tp_layout(t: Target) -> str:
     return f" ({' and '.join(parts)} parallel)" if parts else " (no sequence or loss parallel)"
 
 
-def _cost(c: Candidate, target: Target, compile: bool, forward: float) -> float:
-    """What a candidate costs per traced unit: its measured step time (``estimator="time"``),
-    else its recomputed FLOPs; plus, offloading, the copies its compute (``forward``: the
-    traced layer's forward seconds; under CP without the ring's extra passes, which the step
-    estimate adds: a lower bound) does not hide (:mod:`.offload`), as seconds, or as the FLOPs the
-    device runs meanwhile at its efficiency. Never below the recompute: a plan allowed to
-    offload recomputes no more."""
+def _cost(c: Candidate, target: Target, compile: bool, table: Plan) -> float:
+    """What a candidate of ``table`` costs per traced unit: its measured step time
+    (``estimator="time"``), else its recomputed FLOPs; plus, offloading, the copies the
+    layer's compute (its traced forward and backward; under CP without the ring's extra
+    passes, which the step estimate adds: a lower bound) does not hide (:mod:`.offload`), as
+    seconds, or as the FLOPs the device runs meanwhile at its efficiency. Never below the
+    recompute: a plan allowed to offload recomputes no more."""
     base = c.step_time if c.step_time is not None else c.recompute_flops
     if not c.offload:
         return base
-    _, exposed = transfer(c, target, compile, forward)
+    forward = target.compute_seconds(table.forward_flops, table.forward_traffic)
+    backward = target.compute_seconds(
+        table.no_checkpoint_flops + c.recompute_flops, table.no_checkpoint_traffic + c.recompute_traffic
+    )
+    _, exposed = transfer(c, target, compile, forward, backward)
     if c.step_time is not None:
         return base + exposed
     device = target.device
@@ -234,8 +238,7 @@ def _frontier(table: Plan, compile: bool, target: Target, offload: bool) -> list
     if table.estimator == "time":
         pool = [c for c in pool if c.step_time is not None]
     bytes_of = {c: held(c, target, compile) for c in pool}
-    forward = target.compute_seconds(table.forward_flops, table.forward_traffic)
-    cost = {c: _cost(c, target, compile, forward) for c in pool}
+    cost = {c: _cost(c, target, compile, table) for c in pool}
     front: list[tuple[Candidate, float]] = []
     for c in sorted(
         pool, key=lambda c: (cost[c], bytes_of[c], c.budget is not None, len(c.offload), len(c.keep))

@@ -117,7 +117,7 @@ def figures_of(
     what the eager engine holds (when measured) and the recompute's restoring what the layer
     holds unchecked; offloading on a GPU, the values it sends (the last layer's stay on the
     device through the loss: the engine holds them until the compute stream waited for their
-    copies). Under tensor parallelism a rank's share (:mod:`.parallel`: the
+    copies) and, in its backward, the next layer's, brought back meanwhile. Under tensor parallelism a rank's share (:mod:`.parallel`: the
     partition's saved values split by kind; the eager figures and the transients scaled
     alike). ``params``: one layer's (parameters, of them the routed experts')."""
     if compile:
@@ -133,9 +133,10 @@ def figures_of(
     )
     saved = held(c, target, compile=False) - sequence_split_input(table.stream_input_bytes, target)
     backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
-    transient = max(plain - saved, 0) + backward / target.tp
-    # (on a GPU the engine holds a layer's offloaded values until their copies are awaited)
+    # (on a GPU the engine holds a layer's offloaded values until their copies are awaited, and
+    # brings the next layer's back during this one's backward: eager/host_copy.py)
     moved = offloaded_per_rank(c, target, compile=False) if target.device.cuda else 0  # type: ignore[union-attr]
+    transient = max(plain - saved, 0) + backward / target.tp + moved
     return LayerFigures(count, params[0], int(saved), int(transient), params[1], int(moved))
 
 

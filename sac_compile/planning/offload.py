@@ -16,11 +16,12 @@ copy is counted at the link's one-way bandwidth, at :data:`HOST_EFFICIENCY` of i
   own compute only: the last region of a layer (its MLP) has little forward after it and little
   backward before it.
 * **Eager** (on CUDA the engine copies its cache on a side stream at the end of the layer's
-  forward, and the next layer's forward waits for those copies at its own end:
+  forward, and the next layer's forward waits for those copies at its own end; it copies a
+  layer's values back as the layer after it starts its backward:
   ``sac_compile/eager/host_copy.py``): the copies to the host hide behind the next layer's
-  forward, a layer of the same kind (``forward_seconds``); the copies back start with the
-  layer's recompute and are counted exposed (the recompute's compute before a value's first
-  use is not measured eagerly).
+  forward, a layer of the same kind (``forward_seconds``), the copies back behind the previous
+  one's backward (``backward_seconds``). The first layer in the backward has no backward
+  before it: its copies back, one layer's a step, are counted hidden like the others.
 
 Host memory holds, per GPU, every offloaded layer's values of every microbatch in flight (the
 first pipeline stage's, the most); a plan that offloads fits only when they fit
@@ -97,18 +98,24 @@ def offloaded_per_rank(c: Candidate | None, target: Target, compile: bool) -> fl
 
 
 def transfer(
-    c: Candidate | None, target: Target, compile: bool, forward_seconds: float = 0.0
+    c: Candidate | None,
+    target: Target,
+    compile: bool,
+    forward_seconds: float = 0.0,
+    backward_seconds: float = 0.0,
 ) -> tuple[float, float]:
     """``(copying, exposed)`` seconds of one layer's offload with candidate ``c`` per traced
     unit on a rank of ``target``: every copy to the host and back, and what compute does not
     hide (the module docstring). Eager, the copies to the host hide behind
-    ``forward_seconds`` (a layer's forward), the copies back are exposed."""
+    ``forward_seconds`` (a layer's forward), the copies back behind ``backward_seconds`` (a
+    layer's backward, its recompute included)."""
     moved = offloaded_per_rank(c, target, compile)
     if not moved or c is None:
         return 0.0, 0.0
     link = target.host.bandwidth * HOST_EFFICIENCY
     if not compile:
-        return 2 * moved / link, max(moved / link - forward_seconds, 0.0) + moved / link
+        one = moved / link
+        return 2 * one, max(one - forward_seconds, 0.0) + max(one - backward_seconds, 0.0)
 
     def copy(nbytes: int) -> float:
         return nbytes / target.tp / link

@@ -182,7 +182,7 @@ def _layer(
         table.no_checkpoint_traffic + (c.recompute_traffic if c else 0),
     )
     total.compute += units * (forward + backward)
-    copying, exposed = transfer(c, target, compile, forward)
+    copying, exposed = transfer(c, target, compile, forward, backward)
     total.transfer += units * copying
     total.offload += units * exposed
     total.model += units * (table.forward_flops + table.no_checkpoint_flops + 3.5 * ring)
