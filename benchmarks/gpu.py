@@ -17,7 +17,8 @@ median of ``--iters`` interleaved steps, and the loss.
 Then, for the transformers models, the prediction checked: whole AdamW steps (causal-LM loss,
 parameters, gradients and optimizer state included) with no checkpoint, full recompute, every
 region kept and ``hf.plan_for(model, memory, device=...)`` for a memory between full
-recompute's and no checkpoint's predicted peaks; per configuration the predicted peak
+recompute's and no checkpoint's predicted peaks (on a GPU also attention kept and the
+feed-forward offloaded to this host's memory, compiled and with the eager engine); per configuration the predicted peak
 (:class:`sac_compile.hf.StepFigures`, for the device present: ``planning.devices.present()``)
 beside the measured one (``torch.cuda.max_memory_allocated`` from zero; on a CPU the
 allocator's timeline, ``sac_compile._compat.profiler.allocation_peak``, plus what was live),
@@ -289,6 +290,12 @@ def predicted_beside_measured(args, ids) -> list[str]:
             offloaded,
             figures.seconds({"attn"}, offload=ff),
         )
+        # the eager engine's copies on its side stream (sac_compile/eager/host_copy.py)
+        rows[f"eager: keep attn, offload {FEED_FORWARD[args.model]}"] = (
+            ("offload eagerly", ff),
+            figures.peak({"attn"}, compile=False, offload=ff),
+            figures.seconds({"attn"}, compile=False, offload=ff),
+        )
     steps, measured = {}, {}
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
         for name, (keep, _, _) in rows.items():
@@ -298,8 +305,11 @@ def predicted_beside_measured(args, ids) -> list[str]:
                 configurations(args, {})["no checkpoint"](model, layers)
             elif hasattr(keep, "apply"):
                 keep.apply(model, compile=options)
-            elif isinstance(keep, tuple) and keep[:1] == ("offload",):
-                sc.SacConfig(layers=layers, keep={"attn"}, offload=keep[1], compile=options).apply(model)
+            elif isinstance(keep, tuple) and keep[:1] in (("offload",), ("offload eagerly",)):
+                eager = keep[0] == "offload eagerly"
+                sc.SacConfig(
+                    layers=layers, keep={"attn"}, offload=keep[1], compile=False if eager else options
+                ).apply(model)
             else:
                 sc.SacConfig(layers=layers, keep=keep, compile=options).apply(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=cuda)
@@ -324,14 +334,14 @@ def predicted_beside_measured(args, ids) -> list[str]:
             del model, opt
             gc.collect()
         times = interleaved_times(steps, args.iters)
-    head = f"{'configuration':<24} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>6}  {'peak in':<22} {'est. s':>8} {'step s':>8}"
+    head = f"{'configuration':<32} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>6}  {'peak in':<22} {'est. s':>8} {'step s':>8}"
     print(head)
     print("-" * len(head))
     problems = []
     for name, (_, peak, seconds) in rows.items():
         ratio = peak.bytes / measured[name]
         print(
-            f"{name:<24} {peak.bytes / 2**20:>14.1f} {measured[name] / 2**20:>13.1f} {ratio:>6.3f}  {peak.phase:<22} "
+            f"{name:<32} {peak.bytes / 2**20:>14.1f} {measured[name] / 2**20:>13.1f} {ratio:>6.3f}  {peak.phase:<22} "
             f"{seconds:>8.4f} {statistics.median(times[name]):>8.4f}"
         )
         if abs(ratio - 1) > args.peak_tolerance:

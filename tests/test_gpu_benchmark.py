@@ -39,7 +39,7 @@ def test_the_gpu_benchmark_runs_every_configuration_on_a_cpu():
     held = {name: float(r[-4]) for name, r in rows.items() if name in ("no checkpoint", "full recompute")}
     assert held["full recompute"] < held["no checkpoint"] == 1.0  # held, relative to no checkpoint
     # the whole AdamW steps: predicted beside measured peak (the allocator's timeline on a CPU)
-    table = {line[:24].strip(): line[24:].split() for line in steps.splitlines()[3:7]}
+    table = {line[:32].strip(): line[32:].split() for line in steps.splitlines()[3:7]}
     assert set(table) == {"no checkpoint", "full recompute", "keep every region", "plan_for(memory)"}, steps
     for name, (predicted, _, ratio, *_) in table.items():
         assert float(predicted) > 0 and abs(float(ratio) - 1) <= 0.10, (name, steps)
