@@ -643,3 +643,63 @@ def test_a_view_of_a_parameter_stays_on_the_device():
     want(x.detach().requires_grad_(True)).sum().backward()
     for got, expected in zip(block.parameters(), want.parameters(), strict=True):
         assert torch.equal(got.grad, expected.grad)
+
+
+def test_two_forwards_then_their_backwards_leave_no_copy_back_waiting(monkeypatch):
+    """Two microbatches' forwards, then their backwards in the other order (a pipeline's or
+    gradient accumulation's), against the stream-like copies: the second's first layer in the
+    backward brings the first's last layer back early (it is before it in forward order), and
+    it is served there; gradients bit-identical to no checkpoint's, nothing left waiting."""
+    from sac_compile.eager import checkpoint_with_regions, host_copy
+
+    stream = _StreamLike()
+    monkeypatch.setattr(host_copy, "copies_for", lambda device: stream)
+
+    def stack():
+        torch.manual_seed(0)
+        return [Block(d=16) for _ in range(3)]
+
+    xs = [torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    layers, states = stack(), []
+    losses = []
+    for x in xs:
+        h = x
+        for layer in layers:
+            h = checkpoint_with_regions(layer, h, keep={"mlp"}, offload={"attn"}, stats_out=states)
+        losses.append(h.sum())
+    losses[1].backward()
+    waiting = [c for c in gc_objects(host_copy.HostCopy) if c.ready]
+    assert len(waiting) == stream.log.count("back") - stream.log.count("wait") > 0  # (the early one)
+    losses[0].backward()
+    assert not [c for c in gc_objects(host_copy.HostCopy) if c.ready]
+    plain = stack()
+    for x in xs:
+        h = x
+        for layer in plain:
+            h = layer(h)
+        h.sum().backward()
+    for got, want in zip(layers, plain, strict=True):
+        for a, b in zip(got.parameters(), want.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+
+
+def gc_objects(kind):
+    import gc
+
+    return [
+        o for o in gc.get_objects() if type(o) is kind
+    ]  # (every one alive; not isinstance: a dead proxy raises)
+
+
+def test_a_copy_back_let_go_unserved_is_awaited_first(monkeypatch):
+    """A copy back started and never served (its recompute failed to start, or its graph went
+    first) is awaited before its memory goes back to the compute stream."""
+    from sac_compile.eager import host_copy
+
+    stream = _StreamLike()
+    monkeypatch.setattr(host_copy, "copies_for", lambda device: stream)
+    h = host_copy.HostCopy(torch.randn(4), host_copy.LayerOffload())
+    h.prefetch()
+    assert stream.log == ["back"]
+    del h
+    assert stream.log == ["back", "wait"]

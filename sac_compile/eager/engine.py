@@ -257,8 +257,8 @@ class _Pass:
         finally:
             state.pack_hook = None  # (it holds the checkpoint's frame: no cycle through us)
             if not self.forward:
-                self.bodies.end_recompute()
                 state.end_recompute()
+                self.bodies.end_recompute()
             # (the recompute stops early by raising once autograd has what it needs)
             session.end_span(aborted=True)
             self.spans.close()

@@ -29,6 +29,7 @@ Elsewhere (a CPU: the host is the device) a value is cloned at once, and served 
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,16 +76,18 @@ class CudaCopies:
         self.stream = torch.cuda.Stream(device)
         self.offloaded: torch.cuda.Event | None = None  # the last layer's copies to the host
         self.sources: list[torch.Tensor] = []  # what they read, held until the compute stream waits
+        self.compute: torch.cuda.Stream | None = None  # the stream that made (and frees) them
 
     def _release(self) -> None:
-        """The compute stream waits for the last layer's copies; their sources may go."""
+        """The stream that made the last layer's sources waits for their copies; they may go."""
         if self.offloaded is not None and self.sources:
-            torch.cuda.current_stream(self.device).wait_event(self.offloaded)
+            cast(torch.cuda.Stream, self.compute).wait_event(self.offloaded)
             self.sources.clear()
 
     def begin_offload(self) -> None:
         self._release()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(self.compute)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         # (empty_like: a dense value's strides, else contiguous: no buffer sized to a view's gaps)
@@ -157,14 +160,13 @@ class LayerOffload:
         :data:`_LAYERS`), which leaves that list with this one."""
         for h in self.values:
             h.prefetch()
-        alive = [r for r in _LAYERS if r() is not None]
-        here = next((i for i, r in enumerate(alive) if r() is self), None)
-        if here is not None:
-            if here > 0:
-                for h in cast(LayerOffload, alive[here - 1]()).values:
-                    h.prefetch()
-            del alive[here]
-        _LAYERS[:] = alive
+        with _REGISTRY:
+            alive = [layer for layer in (r() for r in _LAYERS) if layer is not None]
+            _LAYERS[:] = [weakref.ref(layer) for layer in alive if layer is not self]
+        here = next((i for i, layer in enumerate(alive) if layer is self), 0)
+        if here > 0:
+            for h in alive[here - 1].values:
+                h.prefetch()
 
     def drop(self) -> None:
         """As the recompute ends: let the copies back go that it did not serve."""
@@ -173,8 +175,12 @@ class LayerOffload:
 
 
 #: The layers whose copies run on a side stream, in forward order, until their recompute starts
-#: (weakly: a forward whose backward never runs leaves nothing behind).
+#: (weakly: a forward whose backward never runs leaves nothing behind once its graph goes). The
+#: layer before another here is the one the backward reaches next when the two are one
+#: forward's; when they are not (two forwards, then their backwards; a forward never run
+#: backward), one layer's values come back early and wait on the device for their recompute.
 _LAYERS: list[weakref.ref[LayerOffload]] = []
+_REGISTRY = threading.Lock()
 
 
 @contextmanager
@@ -187,7 +193,8 @@ def offloading() -> Iterator[LayerOffload]:
         for c in batch.begun:
             c.end_offload()
         if batch.begun:
-            _LAYERS[:] = [r for r in _LAYERS if r() is not None] + [weakref.ref(batch)]
+            with _REGISTRY:
+                _LAYERS[:] = [r for r in _LAYERS if r() is not None] + [weakref.ref(batch)]
 
 
 class HostCopy:
@@ -244,6 +251,14 @@ class HostCopy:
             for c, token, copies in self.ready[1]:
                 c.wait(token, copies)
             self.ready = None
+
+    def __del__(self) -> None:
+        # (a copy back started and never served nor dropped: a recompute that failed to start,
+        # or a graph that went before its recompute ran)
+        try:
+            self.drop()
+        except Exception:  # (at interpreter exit torch may be gone)
+            pass
 
 
 def to_host(leaf: Any, batch: LayerOffload, produced: StorageSet) -> Any:
