@@ -376,6 +376,8 @@ class EngineState:
         memory goes once nothing else holds it (the checkpoint does not). A value whose storage
         a tensor outside the engine still holds (the layer's output, say) may be written after
         the forward: those are copied first, and the compute stream waits for their copies."""
+        if not entries:
+            return
         ours: Counter[int | None] = Counter()
         for e in self.order:
             if e.cached:
