@@ -117,9 +117,9 @@ def figures_of(
     what the eager engine holds (when measured) and the recompute's restoring what the layer
     holds unchecked; offloading on a GPU, the values it sends (the last layer's stay on the
     device through the loss: the engine holds them until the compute stream waited for their
-    copies) and, in its backward, the next layer's, brought back meanwhile. Under tensor parallelism a rank's share (:mod:`.parallel`: the
-    partition's saved values split by kind; the eager figures and the transients scaled
-    alike). ``params``: one layer's (parameters, of them the routed experts')."""
+    copies) and, in its backward, the next layer's, brought back meanwhile. Under tensor
+    parallelism a rank's share (:mod:`.parallel`: the partition's saved values split by kind;
+    the eager figures and the transients scaled alike). ``params``: one layer's (parameters, of them the routed experts')."""
     if compile:
         return LayerFigures(
             count,
