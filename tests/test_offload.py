@@ -517,7 +517,7 @@ class _StreamLike:
     def mark(self) -> int:
         return len(self.queue)
 
-    def wait(self, token: int, copies: list) -> None:
+    def wait(self, token: int) -> None:
         self.log.append("wait")
         self._run(token)
 

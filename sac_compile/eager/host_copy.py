@@ -64,8 +64,8 @@ class DeviceCopies(Protocol):
     def mark(self) -> Any:
         """A token for the copies issued so far (:meth:`wait` for them)."""
 
-    def wait(self, token: Any, copies: list[torch.Tensor]) -> None:
-        """Make the compute stream wait for the copies up to ``token``, which it then reads."""
+    def wait(self, token: Any) -> None:
+        """Make the compute stream wait for the copies up to ``token`` (it then reads them)."""
 
 
 class CudaCopies:
@@ -115,7 +115,7 @@ class CudaCopies:
     def mark(self) -> Any:
         return self.stream.record_event()
 
-    def wait(self, token: Any, copies: list[torch.Tensor]) -> None:
+    def wait(self, token: Any) -> None:
         torch.cuda.current_stream(self.device).wait_event(token)
 
 
@@ -143,7 +143,7 @@ class LayerOffload:
 
     def copies(self, device: torch.device) -> DeviceCopies | None:
         c = copies_for(device)
-        if c is not None and not any(b is c for b in self.begun):
+        if c is not None and c not in self.begun:
             c.begin_offload()
             self.begun.append(c)
         return c
@@ -208,7 +208,7 @@ class HostCopy:
     def __init__(self, t: torch.Tensor, batch: LayerOffload) -> None:
         # per inner tensor: its device's copies (the same stream both ways), or its device (a clone)
         self.copies: list[DeviceCopies | torch.device] = []
-        self.ready: tuple[torch.Tensor, list[tuple[DeviceCopies, Any, list[torch.Tensor]]]] | None = None
+        self.ready: tuple[torch.Tensor, list[tuple[DeviceCopies, Any]]] | None = None  # (value, waits)
 
         def to_host(inner: torch.Tensor) -> torch.Tensor:
             c = batch.copies(inner.device)
@@ -222,34 +222,33 @@ class HostCopy:
         if self.ready is not None:
             return
         copies = iter(self.copies)
-        started: list[tuple[DeviceCopies, torch.Tensor]] = []
+        started: dict[DeviceCopies, None] = {}  # (the devices copying back, in order)
 
         def back(host: torch.Tensor) -> torch.Tensor:
             c = next(copies)
             if isinstance(c, torch.device):
                 return host.to(c).detach()  # (a fresh alias: what the recompute serves gets a grad_fn)
-            started.append((c, c.to_device(host)))
-            return started[-1][1]
+            started[c] = None
+            return c.to_device(host)
 
         value = map_inner(self.val, back)
-        waits = [(c, c.mark(), [t for d, t in started if d is c]) for c in _distinct(d for d, _ in started)]
-        self.ready = (value, waits)
+        self.ready = (value, [(c, c.mark()) for c in started])
 
     def back(self) -> torch.Tensor:
         """The value on its device, the copies back awaited (started here if not prefetched)."""
         self.prefetch()
         value, waits = self.ready  # type: ignore[misc]  # (set by prefetch)
         self.ready = None
-        for c, token, copies in waits:
-            c.wait(token, copies)
+        for c, token in waits:
+            c.wait(token)
         return value
 
     def drop(self) -> None:
         """Let a copy back the recompute did not serve go, once the compute stream has waited
         for it (its memory is the compute stream's to reuse)."""
         if self.ready is not None:
-            for c, token, copies in self.ready[1]:
-                c.wait(token, copies)
+            for c, token in self.ready[1]:
+                c.wait(token)
             self.ready = None
 
     def __del__(self) -> None:
@@ -273,11 +272,3 @@ def to_host(leaf: Any, batch: LayerOffload, produced: StorageSet) -> Any:
         batch.values.append(HostCopy(leaf.get_val(False), batch))
         return batch.values[-1]
     return leaf
-
-
-def _distinct(items: Iterator[DeviceCopies]) -> list[DeviceCopies]:
-    out: list[DeviceCopies] = []
-    for c in items:
-        if not any(o is c for o in out):
-            out.append(c)
-    return out
