@@ -147,11 +147,7 @@ class EngineState:
         Nothing outside the span can read a storage no tensor holds any more except through
         what autograd saved (seen by the pack hook) or our own cached aliases; every other
         storage the span made may be read by unwatched ops later (see :meth:`_escaped_needed`)."""
-        ours: Counter[Any] = Counter()
-        for e in self.span_entries:
-            if e.cached:
-                for t in _cached_tensors(e.value):
-                    ours[storage_of(t)] += 1
+        ours = _our_aliases(self.span_entries)
         for s in self.span_produced:
             ref = self.produced.ref(s)
             if ref is not None and storage_holders(ref) > ours[s]:
@@ -378,11 +374,7 @@ class EngineState:
         the forward: those are copied first, and the compute stream waits for their copies."""
         if not entries:
             return
-        ours: Counter[int | None] = Counter()
-        for e in self.order:
-            if e.cached:
-                for t in _cached_tensors(e.value):
-                    ours[storage_of(t)] += 1
+        ours = _our_aliases(self.order)
 
         def held_outside(e: Entry) -> bool:
             for t in _cached_tensors(e.value):
@@ -415,6 +407,17 @@ class EngineState:
         self.produced = StorageSet()
         self.saved_storages = StorageSet()
         self.random_derived = StorageSet()
+
+
+def _our_aliases(entries: list[Entry]) -> Counter[int | None]:
+    """Per storage, how many of the cached aliases of ``entries`` hold it (a storage a tensor
+    holds beyond these, ``storage_holders``, is held outside the engine)."""
+    ours: Counter[int | None] = Counter()
+    for e in entries:
+        if e.cached:
+            for t in _cached_tensors(e.value):
+                ours[storage_of(t)] += 1
+    return ours
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
