@@ -340,13 +340,17 @@ def graph_transient(gm: torch.fx.GraphModule) -> int:
     no device memory until it is brought back, which allocates it. Returns
     ``max(live) - inputs``: what the backward of a layer adds on top of what the layer held
     on the device, at its peak."""
-    return backward_figures(gm)[0]
+    return _transient(*_timeline(gm))
 
 
 def backward_figures(gm: torch.fx.GraphModule) -> tuple[int, tuple[int, int]]:
     """:func:`graph_transient` and :func:`graph_ring` of one backward graph, from one walk."""
     inputs, timeline = _timeline(gm)
-    return max([live for _, live in timeline] + [inputs]) - inputs, _ring(inputs, timeline)
+    return _transient(inputs, timeline), _ring(inputs, timeline)
+
+
+def _transient(inputs: int, timeline: list[tuple[torch.fx.Node, int]]) -> int:
+    return max([live for _, live in timeline] + [inputs]) - inputs
 
 
 #: The attention kernels' backward ops context parallelism runs as a ring (PyTorch's
@@ -375,7 +379,7 @@ def graph_ring(gm: torch.fx.GraphModule) -> tuple[int, int]:
     measured on gloo ranks, 20 and 27 at four against 21-23 and 24-29; a whole step:
     ``tests/test_context_parallel.py``. Gloo's all-gather allocates temporaries of its own
     (in the forward, gone before the kernel runs) that NCCL's does not."""
-    return backward_figures(gm)[1]
+    return _ring(*_timeline(gm))
 
 
 def _ring(inputs: int, timeline: list[tuple[torch.fx.Node, int]]) -> tuple[int, int]:
