@@ -522,6 +522,25 @@ class _StreamLike:
         self._run(token)
 
 
+def _blocks():
+    torch.manual_seed(0)
+    return [Block(d=16) for _ in range(3)]
+
+
+def _engine_forward(policy):
+    """The eager engine's forward over one block, keep attn, offload mlp under ``policy``:
+    ``(its state, the block, the output)``."""
+    from torch.utils.checkpoint import checkpoint
+
+    from sac_compile.actions import Actions
+    from sac_compile.eager import engine_contexts
+
+    block = _block()
+    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    state, forward, recompute = engine_contexts(Actions.of({"attn"}, policy, offload={"mlp"}))
+    return state, block, checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward, recompute))
+
+
 def test_the_eager_engines_copies_run_as_a_side_stream_runs_them(monkeypatch):
     """The eager engine against a stream that runs each copy only when awaited (``_StreamLike``,
     what CUDA's side stream allows): a layer's copies to the host start at its forward's end and
@@ -534,12 +553,8 @@ def test_the_eager_engines_copies_run_as_a_side_stream_runs_them(monkeypatch):
     stream = _StreamLike()
     monkeypatch.setattr(host_copy, "copies_for", lambda device: stream)
 
-    def stack():
-        torch.manual_seed(0)
-        return [Block(d=16) for _ in range(3)]
-
     x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    layers, h, stats = stack(), x, []
+    layers, h, stats = _blocks(), x, []
     for layer in layers:
         h = checkpoint_with_regions(layer, h, keep={"mlp"}, offload={"attn"}, stats_out=stats)
     per_layer = len(stream.queue) // 3
@@ -551,7 +566,7 @@ def test_the_eager_engines_copies_run_as_a_side_stream_runs_them(monkeypatch):
     k = per_layer
     assert stream.log == ["back"] * 2 * k + ["wait"] * k + ["back"] * k + ["wait"] * 2 * k
     grads = [p.grad for layer in layers for p in layer.parameters()] + [x.grad]
-    plain, y = stack(), x.detach().clone().requires_grad_(True)
+    plain, y = _blocks(), x.detach().clone().requires_grad_(True)
     h = y
     for layer in plain:
         h = layer(h)
@@ -604,15 +619,7 @@ def test_a_value_back_from_the_host_leaves_the_host_copy_as_it_was():
     """What the recompute serves gets the recompute's ``grad_fn``: on a CPU (no copy back) it
     must be a fresh alias of the host copy, or the host copy would hold the recompute's graph
     (its saved tensors) for as long as the checkpoint lives, and serve it again."""
-    from torch.utils.checkpoint import checkpoint
-
-    from sac_compile.actions import Actions
-    from sac_compile.eager import engine_contexts
-
-    block = _block()
-    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    state, forward, recompute = engine_contexts(Actions.of({"attn"}, offload={"mlp"}))
-    y = checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward, recompute))
+    state, _, y = _engine_forward(sc.SAVE_COSTLY)
     y.sum().backward()
     assert state.offloaded.values
     for h in state.offloaded.values:
@@ -623,16 +630,10 @@ def test_a_view_of_a_parameter_stays_on_the_device():
     """Saving every op (``SAVE_ALL``) caches views of the parameters (``weight.t()``) in an
     offloaded region too: they stay on the device (they cost it nothing), served as the
     parameter's own bytes; the values the layer made go to the host."""
-    from torch.utils.checkpoint import checkpoint
-
-    from sac_compile.actions import Actions
-    from sac_compile.eager import engine_contexts
     from sac_compile.eager.host_copy import HostCopy
 
-    block = _block()
+    state, block, y = _engine_forward(sc.SAVE_ALL)
     x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    state, forward, recompute = engine_contexts(Actions.of({"attn"}, sc.SAVE_ALL, offload={"mlp"}))
-    y = checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward, recompute))
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     views = [e for e in state.order if e.cached and "mlp" in e.regions and e.func is torch.ops.aten.t.default]
     assert views and state.offloaded.values
@@ -655,12 +656,8 @@ def test_two_forwards_then_their_backwards_leave_no_copy_back_waiting(monkeypatc
     stream = _StreamLike()
     monkeypatch.setattr(host_copy, "copies_for", lambda device: stream)
 
-    def stack():
-        torch.manual_seed(0)
-        return [Block(d=16) for _ in range(3)]
-
     xs = [torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
-    layers, states = stack(), []
+    layers, states = _blocks(), []
     losses = []
     for x in xs:
         h = x
@@ -672,7 +669,7 @@ def test_two_forwards_then_their_backwards_leave_no_copy_back_waiting(monkeypatc
     assert len(waiting) == stream.log.count("back") - stream.log.count("wait") > 0  # (the early one)
     losses[0].backward()
     assert not [c for c in gc_objects(host_copy.HostCopy) if c.ready]
-    plain = stack()
+    plain = _blocks()
     for x in xs:
         h = x
         for layer in plain:
