@@ -119,7 +119,8 @@ def figures_of(
     device through the loss: the engine holds them until the compute stream waited for their
     copies) and, in its backward, the next layer's, brought back meanwhile. Under tensor
     parallelism a rank's share (:mod:`.parallel`: the partition's saved values split by kind;
-    the eager figures and the transients scaled alike). ``params``: one layer's (parameters, of them the routed experts')."""
+    the eager figures and the transients scaled alike). ``params``: one layer's (parameters,
+    of them the routed experts')."""
     if compile:
         return LayerFigures(
             count,
