@@ -8,8 +8,9 @@ full AC, or torchtitan's per-op SAC: ``planning.op_sac``) on the run's layout. O
 measurement per (config, batch, seq, compile) serves every run that shares it.
 
 Published memory is the allocator's max *reserved* (torchtitan's tables) or what the source
-names; float8 runs (``float8`` column) convert their linear layers, which the planner does
-not model: their memory is compared, their tokens/s is not. A run marked ``calibrates``
+names; float8 runs (``float8`` column) convert their linear layers and are planned as the bf16
+model (``benchmarks/float8_layers.py`` shows what float8 changes): their memory is compared,
+their tokens/s is not. A run marked ``calibrates``
 set its device's ``efficiency`` (``planning.devices``): its tokens/s ratio is 1 by
 construction and checks nothing.
 
@@ -40,6 +41,16 @@ AO_MX = "torchao prototype/mx_formats README (torchtitan components/quantization
 # logged at step 20: "memory: 73.32GiB(92.70%) tps: 11,758"; the local batch lowered from 8 to
 # an unstated value: 4 by the log's step time (1.394 s x 11,758 tps = 16,390 tokens = 4 x 4096),
 # the default the fix of the issue set
+# torchtitan's llama3_8b.toml at the PR (batch 1, seq 8192, per-op SAC, FSDP 8 on one node) run with
+# --training.compile on 8 H100s of 95 GiB (47.65 GiB = 50.16%: the 96 GB HBM2e part), the loss
+# eager; each logged at step 20-30: "memory: 47.65GiB(50.16%) tps: 5,760" (bf16), "47.77GiB ...
+# 6,468" (float8 rowwise), "47.32GiB ... 7,186" (float8 tensorwise, float8 all-gather)
+TT_808 = "github.com/pytorch/torchtitan/pull/808 (2025-01-27): Llama 3 8B, 8 H100s, FSDP 8, batch 1, per-op SAC, compiled"
+# torchao's float8 TP fix, checked in torchtitan with llama3_8b.toml (batch 1, seq 8192, per-op SAC)
+# on 8 H100s of 95 GiB with --training.tensor_parallel_degree 2 --training.compile (FSDP 4 x TP
+# 2), the loss eager; logged at step 40: "memory: 35.56GiB(37.43%) tps: 1,669 mfu: 9.77%"
+# (bf16), "35.57GiB ... tps: 2,141" (float8 tensorwise)
+AO_1718 = "github.com/pytorch/ao/pull/1718 (2025-02-14): Llama 3 8B, 8 H100s, FSDP 4 x TP 2, batch 1, per-op SAC, compiled"
 TT_DSV3_16B = "github.com/pytorch/torchtitan/issues/1789 (2025-10-02): DeepSeek-V3 16B, 8 H100s, FSDP 8, EP 8, per-op SAC"
 
 
@@ -119,6 +130,71 @@ RUNS = (
         6514,
         TT_2412 + " Table 3",
         fsdp=128,
+    ),
+    Run(
+        "8B FSDP 8, batch 1, SAC",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        8192,
+        "torchtitan-op",
+        47.65,
+        5760,
+        TT_808 + " (bf16)",
+        fsdp=8,
+    ),
+    Run(
+        "8B FSDP 8, batch 1, SAC, float8 rowwise",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        8192,
+        "torchtitan-op",
+        47.77,
+        6468,
+        TT_808 + " (float8 rowwise)",
+        fsdp=8,
+        float8=True,
+    ),
+    Run(
+        "8B FSDP 8, batch 1, SAC, float8 tensorwise",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        8192,
+        "torchtitan-op",
+        47.32,
+        7186,
+        TT_808 + " (float8 tensorwise, float8 all-gather)",
+        fsdp=8,
+        float8=True,
+    ),
+    Run(
+        "8B FSDP 4 x TP 2, batch 1, SAC",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        8192,
+        "torchtitan-op",
+        35.56,
+        1669,
+        AO_1718 + " (bf16)",
+        fsdp=4,
+        tp=2,
+    ),
+    Run(
+        "8B FSDP 4 x TP 2, batch 1, SAC, float8",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        8192,
+        "torchtitan-op",
+        35.57,
+        2141,
+        AO_1718 + " (float8 tensorwise)",
+        fsdp=4,
+        tp=2,
+        float8=True,
     ),
     Run(
         "8B FSDP 8 x TP 8, SAC",
