@@ -522,8 +522,17 @@ def _pipeline_step_peaks(rank: int, world_size: int, schedule: str) -> dict:
             opt.zero_grad(set_to_none=True)
 
         step()
-        peaks[str(keep)] = _step_peak(step, module.parameters(), opt)
+        peaks[str(keep)] = _step_peak(step, [*module.parameters(), *_receive_buffers(stages)], opt)
     return peaks
+
+
+def _receive_buffers(stages) -> list:
+    """The receive buffers PyTorch's pipelining preallocated for every microbatch's input and
+    output gradient on the first step, live through the next: not in that step's timeline."""
+    infos = [
+        i for s in stages for book in (s.args_recv_info, s.grad_recv_info) for t in book.values() for i in t
+    ]
+    return [i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor)]
 
 
 # extended: GPipe (its first and second backward); CI checks 1F1B, the schedule torchtitan defaults to
@@ -531,10 +540,13 @@ def _pipeline_step_peaks(rank: int, world_size: int, schedule: str) -> dict:
 def test_the_predicted_pipeline_stage_peaks_match_each_ranks_measured_peak(schedule):
     """The pipeline terms of the predicted peak (a stage's layers and its end of the model,
     the microbatches its schedule keeps in flight, the gradients accumulated over the earlier
-    ones, the last stage's outputs kept to their backward) against each rank's allocator peak,
-    PyTorch's pipelining on two gloo ranks, no checkpoint and full recompute: within 10%
-    (1F1B: 0.96-1.00, GPipe: 0.97-1.05 here; red before the last stage's kept outputs and
-    the accumulated gradients were counted: 1F1B's last stage at 0.77-0.79)."""
+    ones, the last stage's outputs kept to their backward, the pipeline's receive buffers and
+    kept stage outputs) against each rank's allocator peak and the receive buffers live from
+    the step before, PyTorch's pipelining on two gloo ranks, no checkpoint and full recompute:
+    1F1B within 5% (0.97-1.00 here), GPipe and interleaved 1F1B within 10% (0.99-1.06,
+    0.96-0.98). Red before the last stage's kept outputs and the accumulated gradients were
+    counted (1F1B's last stage at 0.77-0.79), and before the pipeline's buffers were (1F1B's
+    first stage at 0.935, interleaved at 0.88-0.93)."""
     from sac_compile import hf
     from sac_compile.planning.devices import Target
 
@@ -552,4 +564,5 @@ def test_the_predicted_pipeline_stage_peaks_match_each_ranks_measured_peak(sched
     for keep in (None, ()):
         predicted = [p.bytes for p in figures.stages(keep)]
         for stage_peak, rank in zip(predicted, measured):
-            assert abs(stage_peak - rank[str(keep)]) <= 0.10 * rank[str(keep)], (keep, predicted, measured)
+            bar = 0.05 if schedule == "1f1b" else 0.10
+            assert abs(stage_peak - rank[str(keep)]) <= bar * rank[str(keep)], (keep, predicted, measured)

@@ -44,6 +44,7 @@ _FIX = {
     "activations": "a shorter sequence or smaller batch per device (every layer is already fully recomputed)",
     "backward_transient": "a shorter sequence or smaller batch per device, or a larger tp degree",
     "logits_loss": "a shorter sequence or smaller batch per device, or a chunked loss",
+    "pipeline_buffers": "fewer, larger microbatches (pipeline parallelism keeps buffers per microbatch)",
     "other": "an optimizer without temporaries (fused)",
 }
 

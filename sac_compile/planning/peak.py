@@ -57,6 +57,7 @@ TERMS = (
     "activations",
     "backward_transient",
     "logits_loss",
+    "pipeline_buffers",
     "other",
 )
 
@@ -220,7 +221,13 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     # size of the parameters; the single-tensor loop (CPU's default) one of the largest.
     largest = max([g.params for g in layers] + [0]) / tp
     temp = params_all if target.device.cuda else int(largest * master / shard)  # type: ignore[union-attr]
-    phases.append(("optimizer step", _terms(**rank.base, gradients=done, other=temp if states else 0)))
+    buffers = _pipeline_buffers(model, target, stage, 0.0, param_b)  # (the receive buffers stay)
+    phases.append(
+        (
+            "optimizer step",
+            _terms(**rank.base, gradients=done, other=temp if states else 0, pipeline_buffers=buffers),
+        )
+    )
     phase, breakdown = max(phases, key=lambda p: sum(p[1].values()))
     reserved = sum(breakdown.values())
     if shard > 1:  # FSDP2's all-gathers and reduce-scatters allocate in their own streams' pools
@@ -262,6 +269,7 @@ def _backward_phases(
             if pipelined
             else _head(model, target),
         }
+        extra["pipeline_buffers"] = _pipeline_buffers(model, target, stage, in_flight, rank.param_b)
         phases.append(("loss backward", _terms(**rank.base, **extra)))
     for i, gathered in enumerate(rank.gathered):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
@@ -274,6 +282,7 @@ def _backward_phases(
             "fsdp_buffers": rank.root + stage_buffers + one,
             "activations": held + sum(rank.acts[i:]),
             "backward_transient": rank.transients[i],
+            "pipeline_buffers": _pipeline_buffers(model, target, stage, in_flight, rank.param_b),
         }
         phases.append((f"backward of layer {stage.stop - 1 - i}", _terms(**rank.base, **extra)))
         if not pipelined:
@@ -290,6 +299,27 @@ def _pipeline_head(model: ModelSizes, target: Target, in_flight: float) -> int:
     saved = model.logits_bytes if kind in ("transformers", "torchtitan") else 0  # (the log-softmax)
     now = _head(model, target) + (output if kind != "transformers" else 0) // _logits_split(target)
     return int(now + (in_flight - 1) * (output + saved) / _logits_split(target))
+
+
+def _pipeline_buffers(
+    model: ModelSizes, target: Target, stage: _Stage, in_flight: float, param_b: int
+) -> int:
+    """What PyTorch's pipelining (``PipelineStage``) holds on a rank beyond its layers' saved
+    values, in residual-stream units (one microbatch's stage input, one rank's share: split
+    ``tp`` ways with sequence parallelism, as torchtitan's stages pass it): a stage that is not
+    the first preallocates a receive buffer for every microbatch's input, one that is not the
+    last one for every microbatch's output gradient, both kept for the whole run; a stage
+    that is not the last keeps each microbatch's output from its forward to its backward
+    (``fwd_cache``). An in-flight microbatch's input buffer is its first layer's saved input,
+    counted there. With ``v`` stages a rank the in-flight chunks are spread evenly over them."""
+    if target.pp == 1:
+        return 0
+    stream = model.tokens * model.hidden_size * param_b // (target.tp if target.sequence_parallel else 1)
+    v, n = PP_SCHEDULES[target.pp_schedule], target.microbatches
+    inputs, gradients = v - stage.embed, v - stage.head  # its stages that receive each
+    chunks = in_flight * v
+    held = n * (inputs + gradients) + chunks * (gradients - inputs) / v
+    return int(held * stream)
 
 
 def _logits_split(target: Target) -> int:
