@@ -208,7 +208,7 @@ def _measured_step(model: torch.nn.Module, mesh, world_size: int) -> dict:
 def test_the_predicted_context_parallel_peak_matches_each_ranks_measured_peak(dtype):
     """The context-parallel terms of the predicted step peak (one rank's share of the
     sequence through every layer, parameters sharded over the CP ranks, the attention's
-    backward run as a ring: ``planning.peak.graph_ring``) against each rank's allocator peak,
+    backward run as a ring: ``planning.graph_memory.graph_ring``) against each rank's allocator peak,
     PyTorch's ring attention on two gloo ranks, no checkpoint and full recompute: within 10%
     (float32 0.94-1.00, bfloat16 0.92-1.00 here), where the same step predicted without the
     sequence split (FSDP over the two ranks, the whole sequence on each) is 1.6-1.9x off (red

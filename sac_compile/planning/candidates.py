@@ -73,7 +73,7 @@ class Candidate:
     tp_row_outputs: int = 0
     offloaded_bytes: int = 0  # saved to host memory by the compiled partition (offloaded regions)
     # its backward graph's attention run as ring attention on cp ranks: the transient is at
-    # least ring_transient[0] + cp * ring_transient[1] (peak.graph_ring)
+    # least ring_transient[0] + cp * ring_transient[1] (graph_memory.graph_ring)
     ring_transient: tuple[int, int] = (0, 0)
     # offloaded_bytes split as tp_split and tp_row_outputs split what it saves (compiled: what a
     # tensor-parallel rank sends to the host; planning.offload.offloaded_per_rank)

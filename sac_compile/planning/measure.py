@@ -37,7 +37,7 @@ class PartitionEach:
         # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
         # their tensor-parallel split (planning.parallel.tensor_parallel_split: four figures), and the
         # bytes saved to host memory (a configuration's offloaded regions), and the backward's
-        # attention run as ring attention (peak.graph_ring: base and per-rank bytes), and the
+        # attention run as ring attention (graph_memory.graph_ring: base and per-rank bytes), and the
         # offloaded bytes' tensor-parallel split (four figures)
         self.figures: dict[Any, list[int]] = {key: [0] * 17 for key in configs}
         self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
@@ -52,7 +52,7 @@ class PartitionEach:
         from ..inspection.flops import graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
         from .offload import graph_copies
-        from .peak import backward_figures
+        from .graph_memory import backward_figures
 
         unit = backends.new_unit(gm, example_inputs)
         trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)

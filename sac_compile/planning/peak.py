@@ -29,10 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._compat.aot import offloaded_source
-from .._compat.ops import is_view_op
-from ..inspection.flops import val_bytes
 from .devices import OPTIMIZER_STATES, PP_SCHEDULES, Target, parse_loss
+from .graph_memory import backward_figures, graph_ring, graph_transient
 
 __all__ = [
     "TERMS",
@@ -360,105 +358,3 @@ def _head(model: ModelSizes, target: Target) -> int:
         # values the output, all-gathered for the column-parallel output projection, is whole
         stream = stream // 3 + 2 * stream // 3 // tp
     return logits + stream
-
-
-def graph_transient(gm: torch.fx.GraphModule) -> int:
-    """The most bytes a backward graph allocates beyond its inputs while it runs: each op's
-    outputs (views and aliases allocate nothing; a view keeps its base alive) live from the op
-    to their last use, inputs (saved values, incoming gradients) freed after theirs, outputs
-    (the gradients it returns) live to the end. A saved value offloaded to the host takes
-    no device memory until it is brought back, which allocates it. Returns
-    ``max(live) - inputs``: what the backward of a layer adds on top of what the layer held
-    on the device, at its peak."""
-    return _transient(*_timeline(gm))
-
-
-def backward_figures(gm: torch.fx.GraphModule) -> tuple[int, tuple[int, int]]:
-    """:func:`graph_transient` and :func:`graph_ring` of one backward graph, from one walk."""
-    inputs, timeline = _timeline(gm)
-    return _transient(inputs, timeline), _ring(inputs, timeline)
-
-
-def _transient(inputs: int, timeline: list[tuple[torch.fx.Node, int]]) -> int:
-    return max([live for _, live in timeline] + [inputs]) - inputs
-
-
-#: The attention kernels' backward ops context parallelism runs as a ring (PyTorch's
-#: ``context_parallel`` routes the CUDA kernels; the planner's flash stand-in and the CPU's
-#: flash kernel are those a trace has): ``(grad, query, key, value, ...)``.
-RING_BACKWARDS = (
-    "aten._scaled_dot_product_flash_attention_backward.default",
-    "aten._scaled_dot_product_efficient_attention_backward.default",
-    "aten._scaled_dot_product_cudnn_attention_backward.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-    "sac_compile_plan.flash_attention_backward.default",
-)
-
-
-def graph_ring(gm: torch.fx.GraphModule) -> tuple[int, int]:
-    """What a backward graph's attention adds run as PyTorch's ring attention
-    (``_templated_ring_attention_backward``, all-gather rotation, ``convert_to_f32``) on ``cp``
-    ranks: its transient becomes at least ``base + cp * per_rank``; returns ``(base,
-    per_rank)`` (``(0, 0)`` without such an op). Beside the one kernel's outputs, the ring
-    holds float32 gradient accumulators for the query, keys and values, the keys and values
-    concatenated to send (``p kv``) and every rank's all-gathered (``cp p kv``), the previous
-    step's kernel gradients while the next runs (``p (q + kv)``), and the float32 key and value
-    gradients concatenated and received around the ring (``2 x 4 kv``): ``q`` and ``kv`` the
-    query's and the keys' and values' elements, ``p`` their width. For one attention that is
-    16 (float32) and 23 (bfloat16) query sizes at two ranks against 14.5-15 and 20-22
-    measured on gloo ranks, 20 and 27 at four against 21-23 and 24-29; a whole step:
-    ``tests/test_context_parallel.py``. Gloo's all-gather allocates temporaries of its own
-    (in the forward, gone before the kernel runs) that NCCL's does not."""
-    return _ring(*_timeline(gm))
-
-
-def _ring(inputs: int, timeline: list[tuple[torch.fx.Node, int]]) -> tuple[int, int]:
-    best = (0, 0)
-    for node, live in timeline:
-        if str(node.target) not in RING_BACKWARDS:
-            continue
-        query, key, value = (val_bytes(a.meta.get("val")) for a in node.args[1:4])  # type: ignore[union-attr]
-        width = node.args[1].meta["val"].dtype.itemsize  # type: ignore[union-attr]
-        kv = key + value
-        accumulators = (query + kv) * 4 // width
-        base = live - inputs + accumulators + kv + (query + kv) + 2 * kv * 4 // width
-        best = max(best, (base, kv), key=lambda b: b[0] + 2 * b[1])
-    return best
-
-
-def _timeline(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[torch.fx.Node, int]]]:
-    """A backward graph's input bytes, and per op the bytes live once its outputs are
-    allocated (before what it last reads is freed): :func:`graph_transient`'s accounting."""
-    nodes = list(gm.graph.nodes)
-    base: dict[torch.fx.Node, torch.fx.Node] = {}
-    size: dict[torch.fx.Node, int] = {}
-    for n in nodes:
-        if (
-            n.op == "call_function"
-            and is_view_op(n.target)
-            and n.args
-            and isinstance(n.args[0], torch.fx.Node)
-        ):
-            base[n] = base.get(n.args[0], n.args[0])
-        elif n.op == "placeholder" and offloaded_source(n.name) != n.name:
-            size[n] = 0  # (on the host)
-        elif n.op in ("placeholder", "call_function"):
-            size[n] = val_bytes(n.meta.get("val"))
-    last: dict[torch.fx.Node, int] = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            root = base.get(a, a)
-            last[root] = i if n.op != "output" else len(nodes)
-    inputs = sum(size[n] for n in nodes if n.op == "placeholder")
-    live = inputs
-    timeline = []
-    for i, n in enumerate(nodes):
-        if n in size and n.op == "call_function":
-            live += size[n]
-            timeline.append((n, live))
-        for a in n.all_input_nodes:
-            root = base.get(a, a)
-            if last.get(root) == i and root in size:
-                live -= size[root]
-                last.pop(root)
-    return inputs, timeline
