@@ -24,6 +24,9 @@ partitioner pass runs the compiled ones (``torch._functorch._activation_offloadi
   did not serve (it stopped early) is awaited and let go as the recompute ends; a second
   recompute (``retain_graph``) copies back again, with its own recompute.
 
+Views of one storage the layer cached (``SAVE_ALL`` caches a view beside its base) travel as
+one copy of the span they cover and come back as views of one buffer (:class:`HostView`).
+
 Elsewhere (a CPU: the host is the device) a value is cloned at once, and served as it is.
 """
 
@@ -40,7 +43,17 @@ import torch
 from .._compat.checkpoint import VersionWrapper, map_inner
 from .op_facts import StorageSet, storage_of
 
-__all__ = ["CudaCopies", "DeviceCopies", "HostCopy", "LayerOffload", "copies_for", "offloading", "to_host"]
+__all__ = [
+    "CudaCopies",
+    "DeviceCopies",
+    "HostCopy",
+    "HostView",
+    "LayerOffload",
+    "copies_for",
+    "offloading",
+    "shared_spans",
+    "to_host",
+]
 
 
 class DeviceCopies(Protocol):
@@ -135,11 +148,15 @@ class LayerOffload:
     """One layer's values sent to host memory (:func:`offloading`) and the devices their copies
     started on."""
 
-    __slots__ = ("__weakref__", "begun", "values")
+    __slots__ = ("__weakref__", "begun", "shared", "spans", "values")
 
     def __init__(self) -> None:
         self.begun: list[DeviceCopies] = []
         self.values: list[HostCopy] = []
+        # storages several cached views of which travel as one span (:func:`shared_spans`),
+        # and each one's copy once made
+        self.spans: dict[int | None, tuple[int, int]] = {}
+        self.shared: dict[int | None, HostCopy] = {}
 
     def copies(self, device: torch.device) -> DeviceCopies | None:
         c = copies_for(device)
@@ -203,12 +220,13 @@ class HostCopy:
     for the recompute. A ``DTensor`` is copied shard by shard and keeps its placements
     (``map_inner``)."""
 
-    __slots__ = ("copies", "ready", "val")
+    __slots__ = ("copies", "ready", "shared", "val")
 
-    def __init__(self, t: torch.Tensor, batch: LayerOffload) -> None:
+    def __init__(self, t: torch.Tensor, batch: LayerOffload, shared: bool = False) -> None:
         # per inner tensor: its device's copies (the same stream both ways), or its device (a clone)
         self.copies: list[DeviceCopies | torch.device] = []
         self.ready: tuple[torch.Tensor, list[tuple[DeviceCopies, Any]]] | None = None  # (value, waits)
+        self.shared = shared  # (a span several views are served from: kept until dropped)
 
         def to_host(inner: torch.Tensor) -> torch.Tensor:
             c = batch.copies(inner.device)
@@ -235,10 +253,11 @@ class HostCopy:
         self.ready = (value, [(c, c.mark()) for c in started])
 
     def back(self) -> torch.Tensor:
-        """The value on its device, the copies back awaited (started here if not prefetched)."""
+        """The value on its device, the copies back awaited (started here if not prefetched).
+        A shared span stays served, for its other views, until the recompute ends (:meth:`drop`)."""
         self.prefetch()
         value, waits = self.ready  # type: ignore[misc]  # (set by prefetch)
-        self.ready = None
+        self.ready = (value, []) if self.shared else None
         for c, token in waits:
             c.wait(token)
         return value
@@ -260,15 +279,67 @@ class HostCopy:
             pass
 
 
+class HostView:
+    """A cached view of a storage whose span travels as one copy (:func:`shared_spans`): served
+    as the same view of that copy back, so the views come back sharing one storage, as the
+    forward made them."""
+
+    __slots__ = ("copy", "geometry")
+
+    def __init__(self, copy: HostCopy, t: torch.Tensor, lo: int) -> None:
+        self.copy = copy
+        self.geometry = (tuple(t.shape), tuple(t.stride()), t.storage_offset() - lo)
+
+    def back(self) -> torch.Tensor:
+        size, stride, offset = self.geometry
+        return self.copy.back().as_strided(size, stride, offset)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of its storage ``t`` reaches past its offset."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+
+
+def shared_spans(tensors: list[torch.Tensor]) -> dict[int | None, tuple[int, int]]:
+    """Per storage two or more of ``tensors`` read (plain tensors of one dtype and device: the
+    views ``SAVE_ALL`` caches beside their base), the elements ``[lo, hi)`` they cover, where
+    copying that span once moves no more than copying each of them."""
+    groups: dict[int | None, list[torch.Tensor]] = {}
+    for t in tensors:
+        if type(t) is torch.Tensor:
+            groups.setdefault(storage_of(t), []).append(t)
+    spans: dict[int | None, tuple[int, int]] = {}
+    for s, ts in groups.items():
+        if s is None or len(ts) < 2 or len({(t.dtype, t.device) for t in ts}) > 1:
+            continue
+        lo = min(t.storage_offset() for t in ts)
+        hi = max(t.storage_offset() + _extent(t) for t in ts)
+        if hi - lo <= sum(t.numel() for t in ts):
+            spans[s] = (int(lo), int(hi))
+    return spans
+
+
 def to_host(leaf: Any, batch: LayerOffload, produced: StorageSet) -> Any:
     """A cached leaf of an offloaded region, sent to host memory (one of ``batch.values``) when
     it is a tensor the layer made: a view of an input or a parameter stays (it costs the device
-    nothing, the host a copy); a value written since it was cached raises."""
+    nothing, the host a copy); a value written since it was cached raises. Views of a storage
+    in ``batch.spans`` travel as one copy of its span (:class:`HostView`)."""
     if (
         isinstance(leaf, VersionWrapper)
         and isinstance(leaf.val, torch.Tensor)
         and storage_of(leaf.val) in produced
     ):
-        batch.values.append(HostCopy(leaf.get_val(False), batch))
-        return batch.values[-1]
+        t = leaf.get_val(False)
+        s = storage_of(t)
+        span = batch.spans.get(s) if type(t) is torch.Tensor else None
+        if span is None:
+            batch.values.append(HostCopy(t, batch))
+            return batch.values[-1]
+        if s not in batch.shared:
+            lo, hi = span
+            batch.shared[s] = HostCopy(t.as_strided((hi - lo,), (1,), lo), batch, shared=True)
+            batch.values.append(batch.shared[s])
+        return HostView(batch.shared[s], t, span[0])
     return leaf

@@ -21,7 +21,7 @@ from .._compat.ops import HigherOrderOperator, is_effectful
 from .._compat.tensors import storage_id
 from ..markers import ops
 from ..op_classes import MATMULS, communicates, is_collective, is_costly
-from .host_copy import HostCopy
+from .host_copy import HostCopy, HostView
 from .op_facts import (
     NO_WRITES,
     Geometry,
@@ -361,7 +361,7 @@ class WatchMode(_EngineMode):
 
 
 def _serve_leaf(leaf: Any, st: EngineState) -> Any:
-    if isinstance(leaf, HostCopy):
+    if isinstance(leaf, (HostCopy, HostView)):
         return leaf.back()
     if isinstance(leaf, _VersionWrapper):
         val = leaf.get_val(False)

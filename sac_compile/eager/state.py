@@ -13,7 +13,7 @@ from .._compat.checkpoint import VersionWrapper as _VersionWrapper
 from .._compat.checkpoint import storage_holders, storage_tensor
 from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
-from .host_copy import LayerOffload, offloading, to_host
+from .host_copy import LayerOffload, offloading, shared_spans, to_host
 from .op_facts import Geometry, StorageSet, flat_leaves, map_leaves, storage_of, untyped_storage_of
 
 __all__ = ["EngineStats"]
@@ -387,6 +387,8 @@ class EngineState:
         outside = [held_outside(e) for e in entries]
         with offloading() as batch:
             self.offloaded = batch
+            made = [t for e in entries for t in _cached_tensors(e.value) if storage_of(t) in self.produced]
+            batch.spans = shared_spans(made)
             for fenced in (True, False):
                 for e, held in zip(entries, outside, strict=True):
                     if held == fenced:

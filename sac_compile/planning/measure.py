@@ -51,8 +51,8 @@ class PartitionEach:
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
-        from .offload import graph_copies
         from .graph_memory import backward_figures
+        from .offload import graph_copies
 
         unit = backends.new_unit(gm, example_inputs)
         trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
