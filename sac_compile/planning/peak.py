@@ -14,7 +14,9 @@ following the step in time:
   gradients of the layers after it and of the head, layer ``i``'s transient, and under FSDP
   layer ``i``'s unsharded parameters and gradients;
 * the optimizer step: parameters, every gradient, optimizer state and the optimizer's
-  temporaries (``other``).
+  temporaries (``other``);
+* with pipeline parallelism, in every phase, what PyTorch's pipelining keeps per microbatch
+  (``pipeline_buffers``).
 
 The step's peak is the largest; :class:`Peak` holds it and the terms at that moment.
 Gradients are freed before the next forward (``zero_grad(set_to_none=True)``).
@@ -258,6 +260,7 @@ def _backward_phases(
     # stage runs each microbatch's backward right after its forward; with interleaving its
     # rank's other stages hold the rest of in_flight)
     head_in_flight = in_flight if target.pp_schedule == "gpipe" else 1.0
+    buffers = _pipeline_buffers(model, target, stage, in_flight, rank.param_b)
     if stage.head:
         extra = {
             "gradients": done if pipelined and not sharded else 0,
@@ -267,7 +270,7 @@ def _backward_phases(
             if pipelined
             else _head(model, target),
         }
-        extra["pipeline_buffers"] = _pipeline_buffers(model, target, stage, in_flight, rank.param_b)
+        extra["pipeline_buffers"] = buffers
         phases.append(("loss backward", _terms(**rank.base, **extra)))
     for i, gathered in enumerate(rank.gathered):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
@@ -280,7 +283,7 @@ def _backward_phases(
             "fsdp_buffers": rank.root + stage_buffers + one,
             "activations": held + sum(rank.acts[i:]),
             "backward_transient": rank.transients[i],
-            "pipeline_buffers": _pipeline_buffers(model, target, stage, in_flight, rank.param_b),
+            "pipeline_buffers": buffers,
         }
         phases.append((f"backward of layer {stage.stop - 1 - i}", _terms(**rank.base, **extra)))
         if not pipelined:
