@@ -601,6 +601,25 @@ def test_pipeline_stages_hold_the_microbatches_their_schedule_keeps_in_flight():
     assert gpipe.breakdown["activations"] == 8 * 2 * 4096
 
 
+def test_with_many_microbatches_a_middle_stage_holds_the_most():
+    """Every pipeline stage is predicted: a stage between the first and the last keeps a
+    receive buffer per microbatch for its input and for its output's gradient (PyTorch's
+    ``PipelineStage``), which with 32 microbatches outweighs the first stage's extra one in
+    flight; the step's peak is that stage's, where first and last alone would miss it."""
+    from sac_compile.planning.devices import Target
+    from sac_compile.planning.peak import stage_peaks, step_peak
+
+    layers, sizes = _pipeline_model(tokens=16, hidden_size=64)
+    target = Target("h100-80gb", batch=32, seq=16, pp=4, optimizer="sgd")
+    stream = 16 * 64 * 2  # one microbatch's residual stream, bf16
+    peaks = stage_peaks(sizes, layers, target)
+    assert len(peaks) == 4
+    assert [p.breakdown["pipeline_buffers"] for p in peaks][:2] == [(32 + 4) * stream, 2 * 32 * stream]
+    top = max(range(4), key=lambda r: peaks[r].reserved)
+    assert 0 < top < 3 and peaks[top].reserved > max(peaks[0].reserved, peaks[3].reserved)
+    assert step_peak(sizes, layers, target) == peaks[top]
+
+
 def test_context_parallel_traces_a_share_of_the_sequence_and_shards_over_fsdp_x_cp():
     from sac_compile.planning.devices import Target
     from sac_compile.planning.peak import step_peak

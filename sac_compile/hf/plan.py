@@ -276,8 +276,8 @@ class StepFigures:
     def stages(
         self, keep: Keep | str | None = None, *, compile: bool = False, offload: Regions = ()
     ) -> list[Peak]:
-        """:meth:`peak` per rank it may fall on (with pipeline parallelism the first stage's
-        and the last's: :func:`sac_compile.planning.peak.stage_peaks`)."""
+        """:meth:`peak` per rank (with pipeline parallelism each stage's, in pipeline order:
+        :func:`sac_compile.planning.peak.stage_peaks`)."""
         return self._predict(keep, compile, offload)[0]
 
     def _predict(

@@ -124,21 +124,26 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target) -> Peak:
     """The predicted peak of one training step on ``target`` (per device): with pipeline
-    parallelism, the larger of the first and the last stage's (:func:`stage_peaks`)."""
+    parallelism, the largest of its stages' (:func:`stage_peaks`)."""
     return max(stage_peaks(model, layers, target), key=lambda p: p.reserved)
 
 
 def stage_peaks(model: ModelSizes, layers: Sequence[LayerFigures], target: Target) -> list[Peak]:
-    """The predicted peak of each rank the step's peak may fall on: without pipeline
-    parallelism the one; with it the first stage's (embeddings, the most microbatches in
-    flight) and the last stage's (the head, its loss), in that order."""
+    """The predicted peak of each rank: without pipeline parallelism the one; with it each
+    stage's in pipeline order, ``ceil(layers / pp)`` layers a stage (the last takes the last
+    ones): the first holds the embeddings and the most microbatches in flight, the last the
+    head and its loss, one between them a receive buffer per microbatch both ways
+    (:func:`_pipeline_buffers`), which with many microbatches outweighs an in-flight one."""
     order = [dataclasses.replace(g, count=1) for g in layers for _ in range(g.count)]  # forward order
     if target.pp == 1:
         return [_rank_peak(model, order, target, _Stage(0, len(order), True, True, 1.0))]
-    per = math.ceil(len(order) / target.pp)
-    first = _Stage(0, per, True, False, in_flight(target, 0))
-    last = _Stage(len(order) - per, len(order), False, True, in_flight(target, target.pp - 1))
-    return [_rank_peak(model, order, target, first), _rank_peak(model, order, target, last)]
+    per, pp = math.ceil(len(order) / target.pp), target.pp
+    stages = [
+        _Stage(r * per, min((r + 1) * per, len(order)), r == 0, False, in_flight(target, r))
+        for r in range(pp - 1)
+    ]
+    stages.append(_Stage(max(len(order) - per, 0), len(order), False, True, in_flight(target, pp - 1)))
+    return [_rank_peak(model, order, target, stage) for stage in stages]
 
 
 @dataclass(frozen=True)
