@@ -44,8 +44,11 @@ def measure(args: argparse.Namespace, float8: bool) -> dict:
     start = time.perf_counter()
     plan = hf.plan_for(model, None, device=target, include=())
     seconds = time.perf_counter() - start
-    (group,) = plan.groups  # (one kind of layer)
-    table = group.plan
+    if len(plan.groups) != 1:
+        raise SystemExit(
+            f"{args.config}: {len(plan.groups)} kinds of layer; this benchmark compares one (a dense model)"
+        )
+    table = plan.groups[0].plan
     layer = {
         "none": (table.no_checkpoint_bytes, table.no_checkpoint_transient),
         "full": next(
