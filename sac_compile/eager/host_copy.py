@@ -41,7 +41,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from .._compat.checkpoint import VersionWrapper, map_inner
-from .op_facts import StorageSet, storage_of
+from .op_facts import StorageSet, byte_span, storage_of
 
 __all__ = [
     "CudaCopies",
@@ -295,13 +295,6 @@ class HostView:
         return self.copy.back().as_strided(size, stride, offset)
 
 
-def _extent(t: torch.Tensor) -> int:
-    """Elements of its storage ``t`` reaches past its offset."""
-    if t.numel() == 0:
-        return 0
-    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-
-
 def shared_spans(tensors: list[torch.Tensor]) -> dict[int | None, tuple[int, int]]:
     """Per storage two or more of ``tensors`` read (plain tensors of one dtype and device: the
     views ``SAVE_ALL`` caches beside their base), the elements ``[lo, hi)`` they cover, where
@@ -314,10 +307,11 @@ def shared_spans(tensors: list[torch.Tensor]) -> dict[int | None, tuple[int, int
     for s, ts in groups.items():
         if s is None or len(ts) < 2 or len({(t.dtype, t.device) for t in ts}) > 1:
             continue
-        lo = min(t.storage_offset() for t in ts)
-        hi = max(t.storage_offset() + _extent(t) for t in ts)
+        size = ts[0].element_size()
+        lo = min(cast(int, t.storage_offset()) for t in ts)
+        hi = max(byte_span(t)[1] // size if t.numel() else cast(int, t.storage_offset()) for t in ts)
         if hi - lo <= sum(t.numel() for t in ts):
-            spans[s] = (int(lo), int(hi))
+            spans[s] = (lo, hi)
     return spans
 
 

@@ -5,7 +5,7 @@ waits, autocast's weight casts."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -23,6 +23,17 @@ def untyped_storage_of(t: torch.Tensor) -> Any:
         return storage_tensor(t).untyped_storage()
     except (NotImplementedError, RuntimeError):
         return None
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``t`` can reach: ``[start, end)`` (empty for no element)."""
+    if t.numel() == 0:
+        return (0, 0)
+    size = t.element_size()
+    first = cast(int, t.storage_offset())  # a real tensor (the eager engine): never a SymInt
+    last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st > 0)
+    first += sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st < 0)
+    return (first * size, (last + 1) * size)
 
 
 def storage_of(t: torch.Tensor) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -14,7 +14,7 @@ from .._compat.checkpoint import storage_holders, storage_tensor
 from .._compat.tensors import storage_id, version
 from ..keep import NO_REGION, RNG
 from .host_copy import LayerOffload, offloading, shared_spans, to_host
-from .op_facts import Geometry, StorageSet, flat_leaves, map_leaves, storage_of, untyped_storage_of
+from .op_facts import Geometry, StorageSet, byte_span, flat_leaves, map_leaves, storage_of, untyped_storage_of
 
 __all__ = ["EngineStats"]
 
@@ -34,7 +34,7 @@ class Entry:
     rng_after: Any = None
     served_write: Any = None  # (args, kwargs) -> result, for kept writes into outside tensors
     write_refs: tuple[Any, ...] = ()  # (of a served write) the storages it wrote, weakly
-    write_spans: tuple[Any, ...] = ()  # (of a served write) the byte span it wrote in each: _byte_span
+    write_spans: tuple[Any, ...] = ()  # (of a served write) the byte span it wrote in each: byte_span
 
     def __init__(
         self,
@@ -169,7 +169,7 @@ class EngineState:
         for t in targets:
             self.write_targets.add_tensor(t)
         e.write_refs = tuple(self.write_targets.ref(storage_of(t)) for t in targets)
-        e.write_spans = tuple(_byte_span(t) for t in targets)
+        e.write_spans = tuple(byte_span(t) for t in targets)
 
     # -- recompute -----------------------------------------------------------
     def start_recompute(self) -> bool:
@@ -210,7 +210,7 @@ class EngineState:
         raise if one of them writes bytes ``t`` spans (in the forward it read them before
         that write; here it would read them after). Byte spans, not elements: a read that
         interleaves with a write (every other column) without sharing an element raises too."""
-        start, end = _byte_span(t)
+        start, end = byte_span(t)
         for e, (w_start, w_end) in self.pending_writes[storage]:
             if start < w_end and w_start < end:
                 self._read_before_served_write(e, reader)
@@ -420,17 +420,6 @@ def _our_aliases(entries: list[Entry]) -> Counter[int | None]:
             for t in _cached_tensors(e.value):
                 ours[storage_of(t)] += 1
     return ours
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage ``t`` can reach: ``[start, end)`` (empty for no element)."""
-    if t.numel() == 0:
-        return (0, 0)
-    size = t.element_size()
-    first = cast(int, t.storage_offset())  # a real tensor (the eager engine): never a SymInt
-    last = first + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st > 0)
-    first += sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if st < 0)
-    return (first * size, (last + 1) * size)
 
 
 def _cached_bytes(e: Entry) -> int:
