@@ -32,7 +32,7 @@ from .model import LayerGroup, ModelPlan
 from .offload import host_bytes, offloaded_per_rank, transfer
 from .parallel import held
 from .peak import ModelSizes, Peak, stage_peaks, step_peak
-from .step_time import StepTime, step_time
+from .step_time import StepTime, layer_seconds, step_time
 
 __all__ = ["DevicePlan", "choose", "configured", "figures_of", "layer_figures", "no_checkpoint_figures"]
 
@@ -220,11 +220,7 @@ def _cost(c: Candidate, target: Target, compile: bool, table: Plan) -> float:
     base = c.step_time if c.step_time is not None else c.recompute_flops
     if not c.offload:
         return base
-    forward = target.compute_seconds(table.forward_flops, table.forward_traffic)
-    backward = target.compute_seconds(
-        table.no_checkpoint_flops + c.recompute_flops, table.no_checkpoint_traffic + c.recompute_traffic
-    )
-    _, exposed = transfer(c, target, compile, forward, backward)
+    _, exposed = transfer(c, target, compile, *layer_seconds(table, c, target))
     if c.step_time is not None:
         return base + exposed
     device = target.device

@@ -43,7 +43,7 @@ from .devices import PP_SCHEDULES, Target, parse_loss
 from .offload import transfer
 from .peak import ModelSizes, dtype_bytes
 
-__all__ = ["LINK_EFFICIENCY", "StepTime", "step_time"]
+__all__ = ["LINK_EFFICIENCY", "StepTime", "layer_seconds", "step_time"]
 
 #: the fraction of a link's bandwidth a large ring collective reaches (NCCL's bus bandwidth
 #: in nccl-tests on NVLink and 400 Gb/s InfiniBand is about 80-90% of the link's)
@@ -159,6 +159,21 @@ def step_time(
     )
 
 
+def layer_seconds(table: Plan, c: Candidate | None, target: Target, ring: float = 0.0) -> tuple[float, float]:
+    """One traced unit of a layer's forward and backward seconds on ``target`` with candidate
+    ``c`` (its recompute in the backward), at the rate published runs reach; ``ring``: the
+    attention FLOPs context parallelism adds to the forward (the backward runs 2.5 times as
+    many, and the recompute its share)."""
+    recompute = c.recompute_flops if c else 0
+    redo = recompute / table.forward_flops if table.forward_flops else 0.0
+    forward = target.compute_seconds(table.forward_flops + ring, table.forward_traffic)
+    backward = target.compute_seconds(
+        table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring,
+        table.no_checkpoint_traffic + (c.recompute_traffic if c else 0),
+    )
+    return forward, backward
+
+
 def _layer(
     total: _Sum,
     units: float,
@@ -176,11 +191,7 @@ def _layer(
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
     # context parallelism: each rank attends to the whole sequence, cp times the traced attention
     ring = (cp - 1) * sizes.attention_flops
-    forward = target.compute_seconds(table.forward_flops + ring, table.forward_traffic)
-    backward = target.compute_seconds(
-        table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring,
-        table.no_checkpoint_traffic + (c.recompute_traffic if c else 0),
-    )
+    forward, backward = layer_seconds(table, c, target, ring)
     total.compute += units * (forward + backward)
     copying, exposed = transfer(c, target, compile, forward, backward)
     total.transfer += units * copying
