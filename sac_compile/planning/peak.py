@@ -5,8 +5,8 @@ and optimizer state (sharded by FSDP), FSDP's unsharded buffers while a layer ru
 layer holds for the backward, the backward's transient (the layer being recomputed and its
 gradients), and logits and loss. :func:`step_peak` composes those terms from figures the
 planner measures per kind of layer (the bytes a layer holds for the backward, and the
-transient of its backward graph: :func:`graph_transient`) and from the model's sizes,
-following the step in time:
+transient of its backward graph: :func:`~.graph_memory.graph_transient`) and from the
+model's sizes, following the step in time:
 
 * the loss's backward: every layer's activations held, the head's saved values and its
   backward temporaries (``logits_loss``);
@@ -32,16 +32,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .devices import OPTIMIZER_STATES, PP_SCHEDULES, Target, parse_loss
-from .graph_memory import backward_figures, graph_ring, graph_transient
 
 __all__ = [
     "TERMS",
     "LayerFigures",
     "ModelSizes",
     "Peak",
-    "backward_figures",
-    "graph_ring",
-    "graph_transient",
     "head_logits_bytes",
     "in_flight",
     "stage_peaks",
@@ -274,8 +270,8 @@ def _backward_phases(
             "logits_loss": _pipeline_head(model, target, head_in_flight)
             if pipelined
             else _head(model, target),
+            "pipeline_buffers": buffers,
         }
-        extra["pipeline_buffers"] = buffers
         phases.append(("loss backward", _terms(**rank.base, **extra)))
     for i, gathered in enumerate(rank.gathered):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
