@@ -541,6 +541,16 @@ def _engine_forward(policy):
     return state, block, checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward, recompute))
 
 
+def _assert_plain_grads(block) -> None:
+    """``block``'s gradients after :func:`_engine_forward`'s backward are bit-identical to the
+    same block's without a checkpoint, on the same input."""
+    want = _block()
+    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    want(x).sum().backward()
+    for got, expected in zip(block.parameters(), want.parameters(), strict=True):
+        assert torch.equal(got.grad, expected.grad)
+
+
 def test_the_eager_engines_copies_run_as_a_side_stream_runs_them(monkeypatch):
     """The eager engine against a stream that runs each copy only when awaited (``_StreamLike``,
     what CUDA's side stream allows): a layer's copies to the host start at its forward's end and
@@ -633,17 +643,13 @@ def test_a_view_of_a_parameter_stays_on_the_device():
     from sac_compile.eager.host_copy import HostCopy
 
     state, block, y = _engine_forward(sc.SAVE_ALL)
-    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     views = [e for e in state.order if e.cached and "mlp" in e.regions and e.func is torch.ops.aten.t.default]
     assert views and state.offloaded.values
     for e in views:
         assert not isinstance(e.value, HostCopy) and e.value.val.untyped_storage().data_ptr() in params
     y.sum().backward()
-    want = _block()
-    want(x.detach().requires_grad_(True)).sum().backward()
-    for got, expected in zip(block.parameters(), want.parameters(), strict=True):
-        assert torch.equal(got.grad, expected.grad)
+    _assert_plain_grads(block)
 
 
 def test_views_of_one_storage_travel_to_the_host_once(monkeypatch):
@@ -652,13 +658,12 @@ def test_views_of_one_storage_travel_to_the_host_once(monkeypatch):
     same views of one copy, where each view was copied and brought back on its own (twice the
     host bytes, and each its own device buffer in the recompute). Against the stream-like
     copies: gradients bit-identical to no checkpoint's."""
+    from sac_compile._compat.checkpoint import tree_leaves
     from sac_compile.eager import host_copy
 
     stream = _StreamLike()
     monkeypatch.setattr(host_copy, "copies_for", lambda device: stream)
     state, block, y = _engine_forward(sc.SAVE_ALL)
-    from torch.utils._pytree import tree_leaves
-
     sent = [leaf for e in state.order for leaf in tree_leaves(e.value) if hasattr(leaf, "back")]
     views = [leaf for leaf in sent if isinstance(leaf, host_copy.HostView)]
     copies = state.offloaded.values
@@ -668,11 +673,7 @@ def test_views_of_one_storage_travel_to_the_host_once(monkeypatch):
     # each storage once: the host holds the bytes the engine counts
     assert sum(h.val.numel() * h.val.element_size() for h in copies) == state.stats.offloaded_bytes
     y.sum().backward()
-    want = _block()
-    x = torch.randn(*X_SHAPE, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    want(x.detach().requires_grad_(True)).sum().backward()
-    for got, expected in zip(block.parameters(), want.parameters(), strict=True):
-        assert torch.equal(got.grad, expected.grad)
+    _assert_plain_grads(block)
 
 
 def test_two_forwards_then_their_backwards_leave_no_copy_back_waiting(monkeypatch):
