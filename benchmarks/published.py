@@ -5,14 +5,15 @@ Each run is planned as ``python -m sac_compile plan`` plans it (the model from i
 ``config.json`` on the meta device, one layer of each kind traced with the target's kernels),
 then ``DevicePlan.configuration`` predicts the run's own activation checkpointing (no AC,
 full AC, or torchtitan's per-op SAC: ``planning.op_sac``) on the run's layout. One
-measurement per (config, batch, seq, compile) serves every run that shares it.
+measurement per (config, batch, seq) serves every run that shares it, eager or compiled.
 
 Published memory is the allocator's max *reserved* (torchtitan's tables) or what the source
 names; float8 runs (``float8`` column) convert their linear layers and are planned as the bf16
 model (``benchmarks/float8_layers.py`` shows what float8 changes): their memory is compared,
 their tokens/s is not. A run marked ``calibrates``
-set its device's ``efficiency`` (``planning.devices``): its tokens/s ratio is 1 by
-construction and checks nothing.
+set its device's ``efficiency`` or ``EAGER_SLOWDOWN`` (``planning.devices``): its tokens/s
+ratio is 1 by construction and checks nothing. A run published as out of memory (``oom``)
+checks that the prediction exceeds the device's memory.
 
     python benchmarks/published.py [--match REGEX] [--json PATH]
 """
@@ -51,6 +52,20 @@ TT_808 = "github.com/pytorch/torchtitan/pull/808 (2025-01-27): Llama 3 8B, 8 H10
 # 2), the loss eager; logged at step 40: "memory: 35.56GiB(37.43%) tps: 1,669 mfu: 9.77%"
 # (bf16), "35.57GiB ... tps: 2,141" (float8 tensorwise)
 AO_1718 = "github.com/pytorch/ao/pull/1718 (2025-02-14): Llama 3 8B, 8 H100s, FSDP 4 x TP 2, batch 1, per-op SAC, compiled"
+# torchtitan's llama3_8b.toml at the PR (batch 1, seq 8192; compile off: layers and loss eager) run on
+# 4 H100s of 95 GiB (44.84 GiB = 47.19%) with --model.flavor 8B_flex_attn (FlexAttention, compiled
+# on its own) --activation_checkpoint.mode full --parallelism.context_parallel_degree 2 (FSDP 2 x
+# CP 2, parameters sharded 4 ways); logged at step 10: "memory: 44.84GiB(47.19%) tps: 5,615
+# tflops: 325.20 mfu: 32.88%" (tps per GPU: 8,192 tokens / 2 CP ranks a step)
+TT_1884 = "github.com/pytorch/torchtitan/pull/1884 (2025-10-15): Llama 3 8B, 4 H100s, FSDP 2 x CP 2, batch 1, full AC, eager, FlexAttention"
+# torchtitan's docs/performance.md as of 2024-08-22 (#554, #556): Llama 3.1 405B on 128 H100s of 95
+# GB (HBM2e, lower TDP), FSDP 16 x TP 8, llama3_405b.toml of the time (batch 2 x 8192, full AC,
+# compile off, loss parallel on): "109 WPS, 29.0% MFU" (bf16; the float8 rows: tokens/s only);
+# and (1ea476e, 2024-04-24) Llama 3 8B / 70B on 64 A100s of 80 GB, FSDP 64, batch 1 x 8192, compile
+# off: 8B per-op SAC (the every-second-mm policy of 0.3.0) 2,973 WPS, 70B full AC 331 WPS; Llama 2
+# (llama2_13b.toml / llama2_70b.toml of the time: seq 4096) 13B batch 2 no AC 2,162 WPS, per-op
+# SAC 1,904; 70B batch 1 per-op SAC 355, batch 2 full AC 353
+TT_PERF = "torchtitan docs/performance.md"
 TT_DSV3_16B = "github.com/pytorch/torchtitan/issues/1789 (2025-10-02): DeepSeek-V3 16B, 8 H100s, FSDP 8, EP 8, per-op SAC"
 
 
@@ -77,6 +92,7 @@ class Run:
     calibrates: bool = False
     loss: str = "torchtitan"  # torchtitan compiles its loss with the model since 2025-04: "compiled"
     memory_unit: float = 2**30  # the published memory's unit
+    oom: bool = False  # published as running out of memory: the prediction must exceed the device's
 
 
 RUNS = (
@@ -92,6 +108,7 @@ RUNS = (
         TT_2412 + " Table 1",
         fsdp=8,
         compile=False,
+        calibrates=True,  # (EAGER_SLOWDOWN)
     ),
     Run(
         "8B FSDP 8, SAC",
@@ -251,6 +268,141 @@ RUNS = (
         fsdp=8,
         calibrates=True,
         loss="compiled",
+    ),
+    Run(
+        "8B FSDP 2, CP 2, full AC, eager",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        8192,
+        "full",
+        44.84,
+        5615,
+        TT_1884,
+        fsdp=2,
+        cp=2,
+        compile=False,
+    ),
+    Run(
+        "405B FSDP 16 x TP 8, full AC, eager",
+        "llama3_405b",
+        "h100-96gb",
+        2,
+        8192,
+        "full",
+        None,
+        109,
+        TT_PERF + " (2024-08-22, bf16)",
+        fsdp=16,
+        tp=8,
+        compile=False,
+    ),
+    Run(
+        "405B FSDP 128, batch 1, full AC, eager",
+        "llama3_405b",
+        "h100-96gb",
+        1,
+        8192,
+        "full",
+        None,
+        None,
+        TT_PERF + " (2024-08-22: 1D runs out of memory at batch 1)",
+        fsdp=128,
+        compile=False,
+        oom=True,
+    ),
+    Run(
+        "8B FSDP 64, batch 1, SAC, eager (A100)",
+        "llama3_8b",
+        "a100-80gb",
+        1,
+        8192,
+        "torchtitan-op",
+        None,
+        2973,
+        TT_PERF + " (2024-04-24)",
+        fsdp=64,
+        compile=False,
+        calibrates=True,
+    ),
+    Run(
+        "70B FSDP 64, batch 1, full AC, eager (A100)",
+        "llama3_70b",
+        "a100-80gb",
+        1,
+        8192,
+        "full",
+        None,
+        331,
+        TT_PERF + " (2024-04-24)",
+        fsdp=64,
+        compile=False,
+    ),
+    Run(
+        "Llama 2 13B FSDP 64, batch 2, no AC, eager (A100)",
+        "llama2_13b",
+        "a100-80gb",
+        2,
+        4096,
+        "none",
+        None,
+        2162,
+        TT_PERF + " (2024-04-24)",
+        fsdp=64,
+        compile=False,
+    ),
+    Run(
+        "Llama 2 13B FSDP 64, batch 2, SAC, eager (A100)",
+        "llama2_13b",
+        "a100-80gb",
+        2,
+        4096,
+        "torchtitan-op",
+        None,
+        1904,
+        TT_PERF + " (2024-04-24)",
+        fsdp=64,
+        compile=False,
+    ),
+    Run(
+        "Llama 2 70B FSDP 64, batch 1, SAC, eager (A100)",
+        "llama2_70b",
+        "a100-80gb",
+        1,
+        4096,
+        "torchtitan-op",
+        None,
+        355,
+        TT_PERF + " (2024-04-24)",
+        fsdp=64,
+        compile=False,
+    ),
+    Run(
+        "Llama 2 70B FSDP 64, batch 2, SAC, eager (A100)",
+        "llama2_70b",
+        "a100-80gb",
+        2,
+        4096,
+        "torchtitan-op",
+        None,
+        None,
+        TT_PERF + " (2024-04-24: runs out of memory, footnote 3)",
+        fsdp=64,
+        compile=False,
+        oom=True,
+    ),
+    Run(
+        "Llama 2 70B FSDP 64, batch 2, full AC, eager (A100)",
+        "llama2_70b",
+        "a100-80gb",
+        2,
+        4096,
+        "full",
+        None,
+        353,
+        TT_PERF + " (2024-04-24)",
+        fsdp=64,
+        compile=False,
     ),
     Run(
         "8B FSDP 8, CP 1, full AC, float8",
@@ -468,10 +620,10 @@ def _measured(run: Run, cache: dict) -> object:
     from sac_compile.__main__ import _model
 
     target = _target(run, memory=1 << 60)
-    key = (run.config, run.device, target.traced, run.compile)
+    key = (run.config, run.device, target.traced)  # (measured compiled: eager's candidates and more)
     if key not in cache:
         model = _model(os.path.join(CONFIGS, run.config + ".json"))
-        cache[key] = hf.plan_for(model, None, device=target, compile=run.compile, include=())
+        cache[key] = hf.plan_for(model, None, device=target, include=())
         del model
         gc.collect()
     return cache[key]
@@ -479,10 +631,11 @@ def _measured(run: Run, cache: dict) -> object:
 
 def predict(run: Run, cache: dict) -> dict:
     measured = _measured(run, cache)
-    plan = dataclasses.replace(measured, target=_target(run))
+    plan = dataclasses.replace(measured, target=_target(run), compile=run.compile)
     peak, step = plan.configuration(None if run.ac == "none" else () if run.ac == "full" else run.ac)
     gib = peak.reserved / 2**30
     published = run.published_gib * run.memory_unit / 2**30 if run.published_gib else None
+    capacity = run.oom and plan.target.device.memory / 2**30
     return {
         "run": run.name,
         "source": run.source,
@@ -492,6 +645,7 @@ def predict(run: Run, cache: dict) -> dict:
         "allocated_gib": peak.bytes / 2**30,
         "published_gib": published,
         "memory_ratio": gib / published if published else None,
+        "oom_predicted": gib > capacity if capacity else None,
         "phase": peak.phase,
         "breakdown_gib": {k: v / 2**30 for k, v in peak.breakdown.items() if v},
         "predicted_tps": step.tokens_per_second,
@@ -535,9 +689,12 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for run, row in zip(runs, rows):
         mark = " (float8)" if run.float8 else " (calibrates)" if run.calibrates else ""
+        published, ratio = _cell(row["published_gib"], ".1f"), _cell(row["memory_ratio"], ".2f")
+        if run.oom:  # (an out-of-memory run: the prediction exceeds the device, or misses)
+            published, ratio = "OOM", "over" if row["oom_predicted"] else "fits (miss)"
         print(
-            f"| {run.name}{mark} | {run.device} | {row['predicted_gib']:.1f} | {_cell(row['published_gib'], '.1f')} | "
-            f"{_cell(row['memory_ratio'], '.2f')} | {row['predicted_tps']:,.0f} | {_cell(run.published_tps, ',.0f')} | "
+            f"| {run.name}{mark} | {run.device} | {row['predicted_gib']:.1f} | {published} | "
+            f"{ratio} | {row['predicted_tps']:,.0f} | {_cell(run.published_tps, ',.0f')} | "
             f"{_cell(row['tps_ratio'], '.2f')} | {row['mfu']:.1%} |"
         )
     for run, row in zip(runs, rows):

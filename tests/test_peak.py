@@ -641,7 +641,7 @@ def test_context_parallel_traces_a_share_of_the_sequence_and_shards_over_fsdp_x_
 def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     from sac_compile.actions import Actions
     from sac_compile.planning.core import Candidate, Plan
-    from sac_compile.planning.devices import DEVICES, Target
+    from sac_compile.planning.devices import DEVICES, EAGER_SLOWDOWN, Target
     from sac_compile.planning.step_time import LINK_EFFICIENCY, step_time
 
     full = Candidate(Actions(), 0, recompute_flops=10**12)
@@ -658,6 +658,11 @@ def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     assert alone.fsdp == alone.tp == alone.bubble == 0 and alone.seconds == alone.compute
     assert alone.tokens_per_second == pytest.approx(8 * 8192 / alone.seconds)
     assert alone.mfu == pytest.approx(8 * 3 * 10**12 / alone.seconds / h100.bf16_flops)
+    # eager layers run EAGER_SLOWDOWN times as long (a published pair of runs); the model's
+    # FLOPs, hence the MFU, follow the step
+    eager = step_time(layers, sizes, Target("h100-80gb", batch=8, seq=8192), compile=False)
+    assert EAGER_SLOWDOWN > 1.1 and eager.compute == pytest.approx(alone.compute * EAGER_SLOWDOWN)
+    assert eager.mfu == pytest.approx(alone.mfu / EAGER_SLOWDOWN)
     # TP: compute split, the stream's collectives exposed (over NVLink inside a node)
     tp = step(tp=8)
     assert tp.compute == pytest.approx(alone.compute / 8) and tp.tp > 0

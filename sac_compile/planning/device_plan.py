@@ -220,7 +220,7 @@ def _cost(c: Candidate, target: Target, compile: bool, table: Plan) -> float:
     base = c.step_time if c.step_time is not None else c.recompute_flops
     if not c.offload:
         return base
-    _, exposed = transfer(c, target, compile, *layer_seconds(table, c, target))
+    _, exposed = transfer(c, target, compile, *layer_seconds(table, c, target, compile=compile))
     if c.step_time is not None:
         return base + exposed
     device = target.device

@@ -8,7 +8,8 @@ One model for every configuration (:func:`step_time`):
   other ops move at its memory bandwidth — divided by the device's ``efficiency``: the
   fraction of that roofline a whole compiled step of a published run reached
   (:attr:`~sac_compile.planning.devices.Device.efficiency_source` names the run). Split
-  ``tp`` ways.
+  ``tp`` ways. Eager layers take :data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times
+  as long (from a published pair of runs, eager and compiled).
 * **FSDP**: each layer's parameters all-gathered in the forward and again in the backward
   (FSDP2 reshards after the forward), its gradients reduce-scattered in ``reduce_dtype``; a
   ring moves ``(n - 1) / n`` of the unsharded bytes per rank. They overlap the neighbouring
@@ -39,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .core import Candidate, Plan
-from .devices import PP_SCHEDULES, Target, parse_loss
+from .devices import EAGER_SLOWDOWN, PP_SCHEDULES, Target, parse_loss
 from .offload import transfer
 from .peak import ModelSizes, dtype_bytes
 
@@ -159,9 +160,12 @@ def step_time(
     )
 
 
-def layer_seconds(table: Plan, c: Candidate | None, target: Target, ring: float = 0.0) -> tuple[float, float]:
+def layer_seconds(
+    table: Plan, c: Candidate | None, target: Target, ring: float = 0.0, compile: bool = True
+) -> tuple[float, float]:
     """One traced unit of a layer's forward and backward seconds on ``target`` with candidate
-    ``c`` (its recompute in the backward), at the rate published runs reach; ``ring``: the
+    ``c`` (its recompute in the backward), at the rate published runs reach, compiled or
+    eager (:data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times as long); ``ring``: the
     attention FLOPs context parallelism adds to the forward (the backward runs 2.5 times as
     many, and the recompute its share)."""
     recompute = c.recompute_flops if c else 0
@@ -171,7 +175,8 @@ def layer_seconds(table: Plan, c: Candidate | None, target: Target, ring: float 
         table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring,
         table.no_checkpoint_traffic + (c.recompute_traffic if c else 0),
     )
-    return forward, backward
+    slowdown = 1.0 if compile else EAGER_SLOWDOWN
+    return forward * slowdown, backward * slowdown
 
 
 def _layer(
@@ -191,7 +196,7 @@ def _layer(
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
     # context parallelism: each rank attends to the whole sequence, cp times the traced attention
     ring = (cp - 1) * sizes.attention_flops
-    forward, backward = layer_seconds(table, c, target, ring)
+    forward, backward = layer_seconds(table, c, target, ring, compile)
     total.compute += units * (forward + backward)
     copying, exposed = transfer(c, target, compile, forward, backward)
     total.transfer += units * copying
