@@ -658,6 +658,66 @@ def predict(run: Run, cache: dict) -> dict:
     }
 
 
+def _seconds(run: Run, cache: dict, device: object = None) -> float:
+    """The run's predicted step seconds, on ``device`` (a ``Device``) where given."""
+    target = _target(run) if device is None else _target(run).replace(device=device)
+    plan = dataclasses.replace(_measured(run, cache), target=target, compile=run.compile)
+    return plan.configuration(None if run.ac == "none" else () if run.ac == "full" else run.ac)[1].seconds
+
+
+def _solve(seconds, goal: float, lo: float, hi: float) -> float:
+    """The value in ``[lo, hi]`` at which the monotone ``seconds(value)`` meets ``goal``."""
+    rising = seconds(hi) > seconds(lo)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if (seconds(mid) < goal) == rising:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def calibrate(cache: dict) -> dict[str, float]:
+    """The constants the calibrating runs set, in turn (each with the ones before it): a
+    compiled run its device's ``efficiency``; an eager run on a device a compiled run set,
+    ``EAGER_SLOWDOWN``; another eager run its device's ``efficiency``, over the slowdown.
+    Devices sharing a calibrated device's efficiency take it too. ``planning.devices`` is
+    left as it was."""
+    from sac_compile.planning import devices, step_time
+
+    saved = dict(devices.DEVICES), step_time.EAGER_SLOWDOWN
+    try:
+        return _calibrate(cache, devices, step_time)
+    finally:
+        devices.DEVICES.update(saved[0])
+        step_time.EAGER_SLOWDOWN = saved[1]
+
+
+def _calibrate(cache: dict, devices, step_time) -> dict[str, float]:
+    found: dict[str, float] = {}
+    runs = sorted((r for r in RUNS if r.calibrates), key=lambda r: not r.compile)
+    for run in runs:
+        goal = run.batch * run.seq / run.published_tps / (run.tp * run.cp * run.pp)
+        device = devices.DEVICES[run.device]
+        if not run.compile and run.device in found:
+
+            def slowed(s: float, r: Run = run) -> float:
+                step_time.EAGER_SLOWDOWN = s
+                return _seconds(r, cache)
+
+            step_time.EAGER_SLOWDOWN = found["EAGER_SLOWDOWN"] = _solve(slowed, goal, 1.0, 3.0)
+            continue
+
+        def seconds(e: float, d=device, r: Run = run) -> float:
+            return _seconds(r, cache, dataclasses.replace(d, efficiency=e))
+
+        efficiency = found[run.device] = _solve(seconds, goal, 0.05, 2.0)
+        for name, other in list(devices.DEVICES.items()):
+            if other.efficiency == device.efficiency:  # (the H100's: the H200's and MI300X's too)
+                devices.DEVICES[name] = dataclasses.replace(other, efficiency=efficiency)
+    return found
+
+
 def _cell(value: float | None, form: str) -> str:
     return "-" if value is None else format(value, form)
 
@@ -670,6 +730,11 @@ def main(argv: list[str] | None = None) -> int:
         "--match", default=None, help="a regular expression: the runs whose name it finds (default all)"
     )
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="first print the constants the runs marked calibrates set (planning.devices' are the table's)",
+    )
     args = parser.parse_args(argv)
     import logging
     import warnings
@@ -678,6 +743,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     runs = RUNS if args.match is None else tuple(r for r in RUNS if re.search(args.match, r.name))
     cache: dict = {}
+    if args.calibrate:
+        for name, value in calibrate(cache).items():
+            print(f"  {name}: {value:.4f}", file=sys.stderr)
     rows = []
     start = time.perf_counter()
     for run in runs:

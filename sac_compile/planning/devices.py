@@ -44,12 +44,17 @@ class Device:
     efficiency: float = 1.0
     efficiency_source: str = "none: the roofline itself"
     host_link: str = "pcie5"  # its link to the host's memory (planning.host.HOST_LINKS)
+    # FLOP/s its flash-attention kernel sustains as PyTorch's SDPA calls it, measured
+    # (attention_source; 0: attention at the roofline's efficiency like every matmul)
+    attention_flops: float = 0.0
+    attention_source: str = ""
 
 
-#: The fraction of the roofline a compiled training step of a published run reached (the
-#: time benchmarks/published.py predicts with efficiency 1, over the published step time less
-#: its exposed communication)
-H100_EFFICIENCY = 0.655
+#: The fraction of the roofline a compiled training step of a published run reached, its
+#: attention at the measured rate (H100_ATTENTION): ``python benchmarks/published.py
+#: --calibrate`` solves it (and EAGER_SLOWDOWN, the B200's and the A100's) from the runs
+#: marked ``calibrates``
+H100_EFFICIENCY = 0.738
 H100_SOURCE = (
     "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1: Llama-3.1-8B on 8 H100s (96 GB, 500 W), "
     "FSDP 8, batch 2 x 8192, per-op SAC, compiled: 6,667 tokens/s per GPU (benchmarks/published.py)"
@@ -57,12 +62,22 @@ H100_SOURCE = (
 
 #: How much longer a step's layers run eager than compiled (``torch.compile``: Inductor fuses the
 #: memory-bound ops): torchtitan's two Table 1 runs of one configuration, eager and compiled, the
-#: loss eager in both (the layers' seconds, the loss's and the exposed FSDP time taken out, by
-#: benchmarks/published.py). One factor for every device: no other pair found.
-EAGER_SLOWDOWN = 1.165
+#: loss eager in both (``benchmarks/published.py --calibrate``). One factor for every device:
+#: no other pair found.
+EAGER_SLOWDOWN = 1.164
 EAGER_SOURCE = (
     "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1: Llama-3.1-8B on 8 H100s, FSDP 8, batch "
     "2 x 8192, per-op SAC: 5,762 tokens/s per GPU eager, 6,667 compiled"
+)
+
+#: PyTorch's SDPA (its flash kernel) measured on an H100, forward, head dim 128, sequences of
+#: 1,024 to 16,384: 287-304 TFLOP/s, about 30% of the dense peak, where a step's matmuls reach
+#: more than twice that fraction of their roofline
+H100_ATTENTION = 293e12
+H100_ATTENTION_SOURCE = (
+    "github.com/pytorch/benchmark/pull/2296 (2024-06): the flash_attention operator on an H100, sdpa, batch 128 "
+    "x 8 heads x head dim 128, seq 1,024-16,384: 287.5, 293.2, 298.4, 287.7, 304.2 TFLOP/s (the median taken; "
+    "forward: the backward taken at the same rate)"
 )
 
 #: Datasheet figures, dense (the sparse figures are twice these).
@@ -79,6 +94,8 @@ DEVICES: dict[str, Device] = {
             link=450e9,
             efficiency=H100_EFFICIENCY,
             efficiency_source=H100_SOURCE,
+            attention_flops=H100_ATTENTION,
+            attention_source=H100_ATTENTION_SOURCE,
             # (the published run's H100s ran at 500 W: an SXM5 at 700 W is faster)
         ),
         Device(
@@ -92,6 +109,8 @@ DEVICES: dict[str, Device] = {
             link=450e9,
             efficiency=H100_EFFICIENCY,
             efficiency_source=H100_SOURCE,
+            attention_flops=H100_ATTENTION,
+            attention_source=H100_ATTENTION_SOURCE,
         ),
         Device(
             "h200",
@@ -103,6 +122,8 @@ DEVICES: dict[str, Device] = {
             link=450e9,
             efficiency=H100_EFFICIENCY,
             efficiency_source=H100_SOURCE,
+            attention_flops=H100_ATTENTION,
+            attention_source=H100_ATTENTION_SOURCE,
             # (no published bf16 run on an H200 found: the H100's, the same compute die)
         ),
         Device(
@@ -403,6 +424,12 @@ class Target:
         efficiency a published run reached (:mod:`.step_time`)."""
         d = self.device
         return (flops / d.bf16_flops + traffic / d.bandwidth) / d.efficiency / self.tp  # type: ignore[union-attr]
+
+    def attention_seconds(self, flops: float) -> float:
+        """Seconds one rank runs ``flops`` attention FLOPs (split ``tp`` ways): at the rate
+        the device's attention kernel was measured at, else as :meth:`compute_seconds`."""
+        rate = self.device.attention_flops  # type: ignore[union-attr]
+        return flops / rate / self.tp if rate else self.compute_seconds(flops)
 
     @property
     def usable(self) -> int:

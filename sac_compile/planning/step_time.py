@@ -161,20 +161,32 @@ def step_time(
 
 
 def layer_seconds(
-    table: Plan, c: Candidate | None, target: Target, ring: float = 0.0, compile: bool = True
+    table: Plan,
+    c: Candidate | None,
+    target: Target,
+    ring: float = 0.0,
+    compile: bool = True,
+    attention: float = 0.0,
 ) -> tuple[float, float]:
     """One traced unit of a layer's forward and backward seconds on ``target`` with candidate
     ``c`` (its recompute in the backward), at the rate published runs reach, compiled or
     eager (:data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times as long); ``ring``: the
     attention FLOPs context parallelism adds to the forward (the backward runs 2.5 times as
-    many, and the recompute its share)."""
+    many, and the recompute its share); ``attention``: the traced forward's own attention
+    FLOPs. Attention runs at the device's measured attention rate
+    (:meth:`~sac_compile.planning.devices.Target.attention_seconds`), the rest at its roofline."""
     recompute = c.recompute_flops if c else 0
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
-    forward = target.compute_seconds(table.forward_flops + ring, table.forward_traffic)
+    forward_flops = table.forward_flops + ring
+    backward_flops = table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring
+    attend = min(attention + ring, forward_flops)  # (at most the layer's: attention is the decoder's)
+    attend_back = min((2.5 + redo) * attend, backward_flops)
+    forward = target.compute_seconds(forward_flops - attend, table.forward_traffic)
     backward = target.compute_seconds(
-        table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring,
-        table.no_checkpoint_traffic + (c.recompute_traffic if c else 0),
+        backward_flops - attend_back, table.no_checkpoint_traffic + (c.recompute_traffic if c else 0)
     )
+    forward += target.attention_seconds(attend)
+    backward += target.attention_seconds(attend_back)
     slowdown = 1.0 if compile else EAGER_SLOWDOWN
     return forward * slowdown, backward * slowdown
 
@@ -196,7 +208,7 @@ def _layer(
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
     # context parallelism: each rank attends to the whole sequence, cp times the traced attention
     ring = (cp - 1) * sizes.attention_flops
-    forward, backward = layer_seconds(table, c, target, ring, compile)
+    forward, backward = layer_seconds(table, c, target, ring, compile, sizes.attention_flops)
     total.compute += units * (forward + backward)
     copying, exposed = transfer(c, target, compile, forward, backward)
     total.transfer += units * copying
@@ -223,7 +235,7 @@ def _layer(
         total.ep += units * (2 + redo) * moved / _link(target, ep, tp)
     if cp > 1:  # keys and values around the ring (and their gradients back), beside the attention
         passes = (cp - 1) * sizes.kv_bytes / tp * (1 + 2 + redo) / _link(target, cp, tp)
-        hidden = target.compute_seconds(4.5 * ring)
+        hidden = target.attention_seconds(4.5 * ring)
         total.cp += units * max(passes - hidden, 0.0)
 
 
