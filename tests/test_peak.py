@@ -638,6 +638,18 @@ def test_context_parallel_traces_a_share_of_the_sequence_and_shards_over_fsdp_x_
         Target("h100-80gb", pp=2, pp_schedule="zb")
 
 
+def test_a_layers_attention_flops_are_read_off_its_trace():
+    """``Plan.forward_attention_flops`` (what runs at the device's attention rate and what
+    context parallelism multiplies): the traced forward's attention kernels alone, here the
+    planner's causal flash stand-in for an H100 (half of ``4 b s^2 heads d``), a part of the
+    layer's forward FLOPs."""
+    figures = hf.step_figures(tiny_llama(), Target("h100-80gb", batch=2, seq=128))
+    (group,) = figures.plan.groups
+    table = group.plan
+    assert table.forward_attention_flops == 2 * 2 * 128 * 128 * 4 * 16
+    assert table.forward_attention_flops < table.forward_flops / 2
+
+
 def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     from sac_compile.actions import Actions
     from sac_compile.planning.core import Candidate, Plan
@@ -645,8 +657,18 @@ def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     from sac_compile.planning.step_time import LINK_EFFICIENCY, step_time
 
     full = Candidate(Actions(), 0, recompute_flops=10**12)
-    table = Plan(1, full, (full,), 0, (), "exhaustive", forward_flops=10**12, no_checkpoint_flops=2 * 10**12)
-    _, sizes = _pipeline_model(tokens=8192, hidden_size=4096, attention_flops=10**11, kv_bytes=2**24)
+    table = Plan(
+        1,
+        full,
+        (full,),
+        0,
+        (),
+        "exhaustive",
+        forward_flops=10**12,
+        no_checkpoint_flops=2 * 10**12,
+        forward_attention_flops=10**11,
+    )
+    _, sizes = _pipeline_model(tokens=8192, hidden_size=4096, kv_bytes=2**24)
     layers = [(8, table, full, (10**9, 0))]
 
     def step(**kw):

@@ -226,19 +226,15 @@ def _embedding_params(root: nn.Module) -> int:
 
 
 def _attention_sizes(text: Any, target: Target, width: int) -> dict[str, int]:
-    """One layer's forward attention FLOPs (causal: half of ``4 b s^2 heads d``) and its keys
-    and values, at the traced shape, from the config (what context parallelism adds and
-    passes around the ring: ``planning.step_time``)."""
+    """One layer's keys and values at the traced shape, from the config (what context
+    parallelism passes around the ring: ``planning.step_time``)."""
     heads = getattr(text, "num_attention_heads", 0) or 0
     if not heads:
         return {}
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     batch, seq = target.traced
-    return {
-        "attention_flops": 2 * batch * seq * seq * heads * head_dim,
-        "kv_bytes": 2 * batch * seq * kv_heads * head_dim * width,
-    }
+    return {"kv_bytes": 2 * batch * seq * kv_heads * head_dim * width}
 
 
 def predict_peak(

@@ -20,6 +20,7 @@ from .._compat.ops import HigherOrderOperator, OpOverload, is_view_op, op_name
 __all__ = [
     "CountFlops",
     "costly_flops",
+    "graph_attention_flops",
     "graph_costly_flops",
     "graph_traffic",
     "node_cost",
@@ -96,6 +97,20 @@ def graph_costly_flops(gm: torch.fx.GraphModule) -> int:
     tensors in ``node.meta["val"]`` without running it (what :class:`CountFlops` counts when
     the graph runs under ``aot_eager``: the ops of an AOTAutograd graph are what dispatches)."""
     return sum(node_cost(n)[0] for n in gm.graph.nodes)
+
+
+def graph_attention_flops(gm: torch.fx.GraphModule) -> int:
+    """The :func:`costly_flops` of a graph's attention kernels alone (SDPA's, the planner's
+    flash stand-in; inside the partitioner's RNG wrappers too): what runs at the device's
+    attention rate (``planning.step_time``)."""
+    return sum(node_cost(n)[0] for n in gm.graph.nodes if n.op == "call_function" and _is_attention(n))
+
+
+def _is_attention(n: torch.fx.Node) -> bool:
+    target: Any = n.target
+    if isinstance(target, HigherOrderOperator) and target.name() in _RNG_HOPS and len(n.args) > 1:
+        target = n.args[1]
+    return isinstance(target, OpOverload) and "attention" in op_name(target)
 
 
 def graph_traffic(gm: torch.fx.GraphModule) -> int:

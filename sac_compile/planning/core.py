@@ -77,6 +77,7 @@ class Plan:
     forward_flops: int = 0  # costly FLOPs of the forward
     no_checkpoint_flops: int = 0  # costly FLOPs of the no-checkpoint backward
     forward_traffic: int = 0  # bytes the forward's memory-bound ops move (inspection.flops.graph_traffic)
+    forward_attention_flops: int = 0  # of forward_flops, its attention kernels' (graph_attention_flops)
     no_checkpoint_traffic: int = 0  # the same for the no-checkpoint backward
     no_checkpoint_tp: tuple[int, int, int] = (0, 0, 0)  # its saved bytes' tp_split (Candidate)
     no_checkpoint_ring: tuple[int, int] = (0, 0)  # its backward's ring attention (Candidate.ring_transient)
@@ -293,6 +294,7 @@ def plan(
         forward_flops=forward_flops,
         no_checkpoint_flops=base_flops,
         forward_traffic=forward_traffic,
+        forward_attention_flops=first.figures[none][17],
         no_checkpoint_traffic=base_traffic,
         no_checkpoint_tp=(base_tp[0], base_tp[1], base_tp[2]),
         no_checkpoint_ring=(base_ring[0], base_ring[1]),

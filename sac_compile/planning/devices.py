@@ -109,7 +109,7 @@ DEVICES: dict[str, Device] = {
             link=450e9,
             efficiency=H100_EFFICIENCY,
             efficiency_source=H100_SOURCE,
-            attention_flops=H100_ATTENTION,
+            attention_flops=H100_ATTENTION,  # (measured on an H100 SXM: this part runs at 500 W)
             attention_source=H100_ATTENTION_SOURCE,
         ),
         Device(

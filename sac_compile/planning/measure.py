@@ -37,9 +37,9 @@ class PartitionEach:
         # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
         # their tensor-parallel split (planning.parallel.tensor_parallel_split: four figures), and the
         # bytes saved to host memory (a configuration's offloaded regions), and the backward's
-        # attention run as ring attention (graph_memory.graph_ring: base and per-rank bytes), and the
-        # offloaded bytes' tensor-parallel split (four figures)
-        self.figures: dict[Any, list[int]] = {key: [0] * 17 for key in configs}
+        # attention run as ring attention (graph_memory.graph_ring: base and per-rank bytes), the
+        # offloaded bytes' tensor-parallel split (four figures), and the forward's attention FLOPs
+        self.figures: dict[Any, list[int]] = {key: [0] * 18 for key in configs}
         self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
         self.copies: dict[Any, list[Any]] = {}  # per offloading configuration: each graph's Copies
         self.regions: list[str] = []
@@ -49,7 +49,7 @@ class PartitionEach:
         from .._compat import aot
         from ..compiler import backend as backends
         from ..diagnostics import trace_watch
-        from ..inspection.flops import graph_costly_flops, graph_traffic
+        from ..inspection.flops import graph_attention_flops, graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
         from .graph_memory import backward_figures
         from .offload import graph_copies
@@ -89,6 +89,7 @@ class PartitionEach:
                 self.figures[key][3] += graph_costly_flops(fw)
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)
+                self.figures[key][17] += graph_attention_flops(fw)
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
                 for i, part_bytes in _splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes):
                     self.figures[key][i] += part_bytes

@@ -95,7 +95,6 @@ class ModelSizes:
     hidden_size: int = 0
     top_k: int = 0
     embedding_params: int = 0  # the input embeddings' (on the first pipeline stage); 0: half the rest
-    attention_flops: int = 0  # one layer's forward attention FLOPs at the traced shape (causal)
     kv_bytes: int = 0  # one layer's keys and values at the traced shape (what ring attention passes)
 
 

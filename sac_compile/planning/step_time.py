@@ -8,8 +8,11 @@ One model for every configuration (:func:`step_time`):
   other ops move at its memory bandwidth — divided by the device's ``efficiency``: the
   fraction of that roofline a whole compiled step of a published run reached
   (:attr:`~sac_compile.planning.devices.Device.efficiency_source` names the run). Split
-  ``tp`` ways. Eager layers take :data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times
-  as long (from a published pair of runs, eager and compiled).
+  ``tp`` ways. Attention FLOPs (the config's, the ring's) run instead at the rate the
+  device's attention kernel was measured at, where one was
+  (:attr:`~sac_compile.planning.devices.Device.attention_flops`). Eager layers take
+  :data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times as long (from a published pair
+  of runs, eager and compiled).
 * **FSDP**: each layer's parameters all-gathered in the forward and again in the backward
   (FSDP2 reshards after the forward), its gradients reduce-scattered in ``reduce_dtype``; a
   ring moves ``(n - 1) / n`` of the unsharded bytes per rank. They overlap the neighbouring
@@ -166,20 +169,20 @@ def layer_seconds(
     target: Target,
     ring: float = 0.0,
     compile: bool = True,
-    attention: float = 0.0,
 ) -> tuple[float, float]:
     """One traced unit of a layer's forward and backward seconds on ``target`` with candidate
     ``c`` (its recompute in the backward), at the rate published runs reach, compiled or
     eager (:data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times as long); ``ring``: the
     attention FLOPs context parallelism adds to the forward (the backward runs 2.5 times as
-    many, and the recompute its share); ``attention``: the traced forward's own attention
-    FLOPs. Attention runs at the device's measured attention rate
-    (:meth:`~sac_compile.planning.devices.Target.attention_seconds`), the rest at its roofline."""
+    many, and the recompute its share). Attention (the traced forward's,
+    ``table.forward_attention_flops``, and the ring's) runs at the device's measured attention
+    rate (:meth:`~sac_compile.planning.devices.Target.attention_seconds`), the rest at its
+    roofline."""
     recompute = c.recompute_flops if c else 0
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
     forward_flops = table.forward_flops + ring
     backward_flops = table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring
-    attend = min(attention + ring, forward_flops)  # (at most the layer's: attention is the decoder's)
+    attend = table.forward_attention_flops + ring
     attend_back = min((2.5 + redo) * attend, backward_flops)
     forward = target.compute_seconds(forward_flops - attend, table.forward_traffic)
     backward = target.compute_seconds(
@@ -207,8 +210,8 @@ def _layer(
     recompute = c.recompute_flops if c else 0
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
     # context parallelism: each rank attends to the whole sequence, cp times the traced attention
-    ring = (cp - 1) * sizes.attention_flops
-    forward, backward = layer_seconds(table, c, target, ring, compile, sizes.attention_flops)
+    ring = (cp - 1) * table.forward_attention_flops
+    forward, backward = layer_seconds(table, c, target, ring, compile)
     total.compute += units * (forward + backward)
     copying, exposed = transfer(c, target, compile, forward, backward)
     total.transfer += units * copying
