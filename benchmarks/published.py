@@ -5,7 +5,8 @@ Each run is planned as ``python -m sac_compile plan`` plans it (the model from i
 ``config.json`` on the meta device, one layer of each kind traced with the target's kernels),
 then ``DevicePlan.configuration`` predicts the run's own activation checkpointing (no AC,
 full AC, or torchtitan's per-op SAC: ``planning.op_sac``) on the run's layout. One
-measurement per (config, batch, seq) serves every run that shares it, eager or compiled.
+measurement per (config, device, traced shape) serves every run that shares it, eager or
+compiled.
 
 Published memory is the allocator's max *reserved* (torchtitan's tables) or what the source
 names; float8 runs (``float8`` column) convert their linear layers and are planned as the bf16
@@ -15,7 +16,7 @@ set its device's ``efficiency`` or ``EAGER_SLOWDOWN`` (``planning.devices``): it
 ratio is 1 by construction and checks nothing. A run published as out of memory (``oom``)
 checks that the prediction exceeds the device's memory.
 
-    python benchmarks/published.py [--match REGEX] [--json PATH]
+    python benchmarks/published.py [--match REGEX] [--json PATH] [--calibrate]
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ def test_step_figures_predict_a_configuration_that_offloads():
         plain.peak({"attn"}, offload={"mlp"})
 
 
-def _choose(plan, **target):
+def _choose(plan, compile=True, **target):
     from sac_compile.planning.device_plan import choose
 
     try:
@@ -274,7 +274,7 @@ def _choose(plan, **target):
             plan.params,
             plan.sizes,
             plan.target.replace(**target),
-            compile=True,
+            compile=compile,
             layers=plan.layers,
         )
     except ValueError:
@@ -315,6 +315,23 @@ def test_a_device_plan_allowed_to_offload_recomputes_no_more_and_is_no_slower(de
         else:
             assert moved.host_bytes == 0
     assert offloaded > 0
+
+
+@pytest.mark.slow
+def test_more_device_memory_never_makes_the_offloading_plan_recompute_more(device_plan):
+    """The walk's first fitting point comes no later on the frontier with more memory: on
+    every link, compiled and eager, a plan allowed to offload recomputes no more at a larger
+    device memory than at a smaller one (where both fit)."""
+    for compile in (True, False):
+        for link in ("c2c", "pcie5", "pcie4"):
+            flops = [
+                None if p is None else p.recompute_flops
+                for p in (
+                    _choose(device_plan, compile, memory=m, host_link=link) for m in _memories(device_plan)
+                )
+            ]
+            fitting = [f for f in flops if f is not None]
+            assert fitting == sorted(fitting, reverse=True), (compile, link, flops)
 
 
 @pytest.mark.slow

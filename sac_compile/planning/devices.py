@@ -1,9 +1,9 @@
 """The devices a plan is made for, and a training step's shape on them (:class:`Target`).
 
 Each :class:`Device` carries its memory, peak dense bf16 tensor FLOP/s and memory bandwidth,
-with the source of each figure. Vendor figures are decimal (1 GB = 10**9 B) and are what
-the datasheet states; the memory a process may allocate is a little less (CUDA's context,
-the allocator's fragmentation), which :attr:`Target.headroom` covers. ``cpu`` is this
+with the source of each figure. Its memory is PyTorch's ``total_memory`` of it, read off
+published logs: the vendors' HBM "GB" are binary (an "80 GB" H100 has 79.1 GiB, not 74.5); a
+process may allocate a little less (CUDA's context), which :attr:`Target.headroom` covers. ``cpu`` is this
 machine: its memory from the OS, its FLOP/s and bandwidth measured once on first use (a
 float32 matmul and a copy), labelled so.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..memory import GB, Memory, parse_memory
+from ..memory import GiB, Memory, parse_memory
 from .host import HOST_LINKS, HostLink, check_target
 
 __all__ = ["DEVICES", "LOSSES", "Device", "Target", "device", "parse_loss", "parse_memory", "present"]
@@ -60,19 +60,12 @@ H100_SOURCE = (
     "FSDP 8, batch 2 x 8192, per-op SAC, compiled: 6,667 tokens/s per GPU (benchmarks/published.py)"
 )
 
-#: How much longer a step's layers run eager than compiled (``torch.compile``: Inductor fuses the
-#: memory-bound ops): torchtitan's two Table 1 runs of one configuration, eager and compiled, the
-#: loss eager in both (``benchmarks/published.py --calibrate``). One factor for every device:
-#: no other pair found.
+#: How much longer a step's layers run eager than compiled: torchtitan's Table 1 ran one
+#: configuration both ways (8B FSDP 8: 5,762 tokens/s per GPU eager, 6,667 compiled; the loss
+#: eager in both). One factor for every device: no other pair found.
 EAGER_SLOWDOWN = 1.164
-EAGER_SOURCE = (
-    "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1: Llama-3.1-8B on 8 H100s, FSDP 8, batch "
-    "2 x 8192, per-op SAC: 5,762 tokens/s per GPU eager, 6,667 compiled"
-)
 
-#: PyTorch's SDPA (its flash kernel) measured on an H100, forward, head dim 128, sequences of
-#: 1,024 to 16,384: 287-304 TFLOP/s, about 30% of the dense peak, where a step's matmuls reach
-#: more than twice that fraction of their roofline
+#: PyTorch's SDPA measured on an H100: about 30% of the dense peak (a step's matmuls: twice that)
 H100_ATTENTION = 293e12
 H100_ATTENTION_SOURCE = (
     "github.com/pytorch/benchmark/pull/2296 (2024-06): the flash_attention operator on an H100, sdpa, batch 128 "
@@ -80,13 +73,22 @@ H100_ATTENTION_SOURCE = (
     "forward: the backward taken at the same rate)"
 )
 
+#: A device's memory as PyTorch reports it, from torchtitan's logs (``memory: X GiB (Y%)``:
+#: the reserved peak over the capacity); where no log was found, the datasheet's figure read
+#: as GiB, less what the H100 80GB loses (80 -> 79.1 GiB)
+H100_80GB_MEMORY = int(79.1 * GiB)  # github.com/pytorch/torchtitan/issues/1789: 73.32 GiB = 92.70%
+H100_96GB_MEMORY = int(95.0 * GiB)  # github.com/pytorch/torchtitan/pull/808: 47.65 GiB = 50.16%
+A100_80GB_MEMORY = int(79.15 * GiB)  # github.com/pytorch/torchtitan/pull/887: 36.06 GiB = 45.56%
+B200_MEMORY = int(178.4 * GiB)  # github.com/pytorch/torchtitan/pull/2389: 66.91 GiB = 37.51%
+_UNLOGGED = 79.1 / 80  # (no log found: the H100's share)
+
 #: Datasheet figures, dense (the sparse figures are twice these).
 DEVICES: dict[str, Device] = {
     d.name: d
     for d in (
         Device(
             "h100-80gb",
-            80 * GB,
+            H100_80GB_MEMORY,
             989.4e12,
             3.35e12,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity, "
@@ -100,7 +102,7 @@ DEVICES: dict[str, Device] = {
         ),
         Device(
             "h100-96gb",
-            96 * GB,
+            H100_96GB_MEMORY,
             989.4e12,
             2.4e12,
             "H100 96 GB HBM2e at 500 W (Meta's Grand Teton, torchtitan's benchmark hosts: "
@@ -114,7 +116,7 @@ DEVICES: dict[str, Device] = {
         ),
         Device(
             "h200",
-            141 * GB,
+            int(141 * GiB * _UNLOGGED),
             989.4e12,
             4.8e12,
             "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity, "
@@ -128,7 +130,7 @@ DEVICES: dict[str, Device] = {
         ),
         Device(
             "a100-80gb",
-            80 * GB,
+            A100_80GB_MEMORY,
             312e12,
             2.039e12,
             "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS, NVLink 600 GB/s",
@@ -142,7 +144,7 @@ DEVICES: dict[str, Device] = {
         ),
         Device(
             "b200",
-            180 * GB,
+            B200_MEMORY,
             2.25e15,
             7.7e12,
             "NVIDIA HGX B200 datasheet: 180 GB HBM3e and 7.7 TB/s per GPU, FP16/BF16 4.5 PFLOPS with sparsity, "
@@ -155,7 +157,7 @@ DEVICES: dict[str, Device] = {
         ),
         Device(
             "mi300x",
-            192 * GB,
+            int(192 * GiB * _UNLOGGED),
             1307.4e12,
             5.3e12,
             "AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 TFLOPS dense, Infinity Fabric "
