@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -332,6 +333,38 @@ def test_more_device_memory_never_makes_the_offloading_plan_recompute_more(devic
             ]
             fitting = [f for f in flops if f is not None]
             assert fitting == sorted(fitting, reverse=True), (compile, link, flops)
+
+
+@pytest.mark.slow
+def test_an_offloading_point_whose_step_is_slower_gives_way_to_one_that_is_not():
+    """Red before: Llama-3-70B at real size (meta device), FSDP 32, batch 1 x 8192, eager,
+    PCIe 4, 76 GiB: the offloading walk's first fitting point (keep {}, offload mlp) predicted
+    a slower step than full recompute (the step is bound by FSDP's gathers, which hide the
+    recompute it saves but not its copies), and the plan fell back to recomputing everything
+    (902 TFLOP a step), though offloading attention recomputes 616 at a step no slower. Now
+    the slower point's offloading candidates are left out and the walk runs again."""
+    pytest.importorskip("transformers")
+    from sac_compile import hf
+    from sac_compile.__main__ import _model
+    from sac_compile.planning.devices import Target
+
+    target = Target(
+        "h100-80gb",
+        memory="76GiB",
+        fsdp=32,
+        batch=1,
+        seq=8192,
+        loss="chunked",
+        offload=True,
+        host_memory="1TB",
+        host_link="pcie4",
+    )
+    config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "llama3_70b.json"
+    measured = hf.plan_for(_model(str(config)), None, device=target.replace(memory=1 << 60), budgets=(None,))
+    moved = _choose(measured, False, memory=target.memory)
+    plain = _choose(measured, False, memory=target.memory, offload=False, host_memory=None, host_link=None)
+    assert moved.groups[0].plan.chosen.offload, moved.format()
+    assert moved.recompute_flops < plain.recompute_flops and moved.step_seconds <= plain.step_seconds
 
 
 @pytest.mark.slow

@@ -227,11 +227,17 @@ def _cost(c: Candidate, target: Target, compile: bool, table: Plan) -> float:
     return base + exposed * device.bf16_flops * device.efficiency * target.tp  # type: ignore[union-attr]
 
 
-def _frontier(table: Plan, compile: bool, target: Target, offload: bool) -> list[tuple[Candidate, float]]:
+def _frontier(
+    table: Plan, compile: bool, target: Target, offload: bool, excluded: frozenset[Candidate] = frozenset()
+) -> list[tuple[Candidate, float]]:
     """The candidates on the (bytes per device, cost) frontier with their costs
-    (:func:`_cost`), the cheapest first; ``offload``: offloading ones among them. Where the
-    table was timed (``estimator="time"``) its timed points only."""
-    pool = [c for c in table.candidates if (compile or c.budget is None) and (offload or not c.offload)]
+    (:func:`_cost`), the cheapest first; ``offload``: offloading ones among them (but those
+    ``excluded``). Where the table was timed (``estimator="time"``) its timed points only."""
+    pool = [
+        c
+        for c in table.candidates
+        if (compile or c.budget is None) and (offload or not c.offload) and c not in excluded
+    ]
     if table.estimator == "time":
         pool = [c for c in pool if c.step_time is not None]
     bytes_of = {c: held(c, target, compile) for c in pool}
@@ -264,11 +270,12 @@ def _walk(
     target: Target,
     compile: bool,
     offload: bool,
+    excluded: frozenset[Candidate] = frozenset(),
 ) -> _Walk:
     """From every kind at its cheapest frontier point, move the kind whose next point frees
     the most bytes (times its layers) per cost (times its layers), until the predicted peak
-    fits the device and what is offloaded fits the host."""
-    fronts = [_frontier(g.plan, compile, target, offload) for g in groups]
+    fits the device and what is offloaded fits the host (``excluded``: candidates left out)."""
+    fronts = [_frontier(g.plan, compile, target, offload, excluded) for g in groups]
     state = [0] * len(groups)
     smallest: Peak | None = None
     while True:
@@ -311,15 +318,26 @@ def choose(
     """The least-recompute plan per kind of layer whose predicted step peak fits ``target``.
     With ``target.offload``, the walk that may offload where its cost (the recompute plus the
     copies compute does not hide) is below the plain plan's recompute and its predicted step
-    is no slower: so never more recompute, never a slower step, than not offloading."""
+    is no slower: so never more recompute, never a slower step, than not offloading. Where
+    the walk's point predicts a slower step (its copies exposed where the recompute it saves
+    was hidden, behind FSDP's gathers), its offloading candidates are left out and the walk
+    runs again."""
     walk = _walk(groups, params, sizes, target, compile, offload=False)
     chosen = None if walk.state is None else _planned(walk, groups, params, sizes, target, compile, layers)
     if target.offload:
-        moved = _walk(groups, params, sizes, target, compile, offload=True)
-        if moved.state is not None and (chosen is None or moved.cost < walk.cost):
+        excluded: frozenset[Candidate] = frozenset()
+        while True:
+            moved = _walk(groups, params, sizes, target, compile, offload=True, excluded=excluded)
+            if moved.state is None or (chosen is not None and moved.cost >= walk.cost):
+                break
             offloading = _planned(moved, groups, params, sizes, target, compile, layers)
             if chosen is None or cast(float, offloading.step_seconds) <= cast(float, chosen.step_seconds):
                 chosen = offloading
+                break
+            vetoed = {f[i][0] for f, i in zip(moved.fronts, moved.state) if f[i][0].offload}
+            if not vetoed:
+                break
+            excluded |= vetoed
         if chosen is None and moved.smallest.reserved < walk.smallest.reserved:
             walk = moved
     if chosen is not None:
