@@ -213,10 +213,10 @@ def _tp_layout(t: Target) -> str:
 def _cost(c: Candidate, target: Target, compile: bool, table: Plan) -> float:
     """What a candidate of ``table`` costs per traced unit: its measured step time
     (``estimator="time"``), else its recomputed FLOPs; plus, offloading, the copies the
-    layer's compute (its traced forward and backward; under CP without the ring's extra
-    passes, which the step estimate adds: a lower bound) does not hide (:mod:`.offload`), as
-    seconds, or as the FLOPs the device runs meanwhile at its efficiency. Never below the
-    recompute: a plan allowed to offload recomputes no more."""
+    layer's compute (its traced forward and backward, the ring's attention under CP: what the
+    step estimate counts) does not hide (:mod:`.offload`), as seconds, or as the FLOPs the
+    device runs meanwhile at its efficiency. Never below the recompute: a plan allowed to
+    offload recomputes no more."""
     base = c.step_time if c.step_time is not None else c.recompute_flops
     if not c.offload:
         return base

@@ -47,7 +47,7 @@ from .devices import EAGER_SLOWDOWN, PP_SCHEDULES, Target, parse_loss
 from .offload import transfer
 from .peak import ModelSizes, dtype_bytes
 
-__all__ = ["LINK_EFFICIENCY", "StepTime", "layer_seconds", "step_time"]
+__all__ = ["LINK_EFFICIENCY", "StepTime", "layer_seconds", "ring_flops", "step_time"]
 
 #: the fraction of a link's bandwidth a large ring collective reaches (NCCL's bus bandwidth
 #: in nccl-tests on NVLink and 400 Gb/s InfiniBand is about 80-90% of the link's)
@@ -163,21 +163,24 @@ def step_time(
     )
 
 
+def ring_flops(table: Plan, target: Target) -> float:
+    """The attention FLOPs context parallelism adds to a traced unit's forward: each rank
+    attends to the whole sequence, ``cp`` times the traced attention."""
+    return (target.cp - 1) * table.forward_attention_flops
+
+
 def layer_seconds(
-    table: Plan,
-    c: Candidate | None,
-    target: Target,
-    ring: float = 0.0,
-    compile: bool = True,
+    table: Plan, c: Candidate | None, target: Target, compile: bool = True
 ) -> tuple[float, float]:
     """One traced unit of a layer's forward and backward seconds on ``target`` with candidate
     ``c`` (its recompute in the backward), at the rate published runs reach, compiled or
-    eager (:data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times as long); ``ring``: the
-    attention FLOPs context parallelism adds to the forward (the backward runs 2.5 times as
-    many, and the recompute its share). Attention (the traced forward's,
-    ``table.forward_attention_flops``, and the ring's) runs at the device's measured attention
-    rate (:meth:`~sac_compile.planning.devices.Target.attention_seconds`), the rest at its
-    roofline."""
+    eager (:data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times as long); with context
+    parallelism the ring's attention FLOPs (:func:`ring_flops`) are added to the forward (the
+    backward runs 2.5 times as many, and the recompute its share). Attention (the traced
+    forward's, ``table.forward_attention_flops``, and the ring's) runs at the device's
+    measured attention rate (:meth:`~sac_compile.planning.devices.Target.attention_seconds`),
+    the rest at its roofline."""
+    ring = ring_flops(table, target)
     recompute = c.recompute_flops if c else 0
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
     forward_flops = table.forward_flops + ring
@@ -209,9 +212,8 @@ def _layer(
     tp, cp, ep, shard = target.tp, target.cp, target.ep, target.fsdp * target.cp
     recompute = c.recompute_flops if c else 0
     redo = recompute / table.forward_flops if table.forward_flops else 0.0
-    # context parallelism: each rank attends to the whole sequence, cp times the traced attention
-    ring = (cp - 1) * table.forward_attention_flops
-    forward, backward = layer_seconds(table, c, target, ring, compile)
+    ring = ring_flops(table, target)
+    forward, backward = layer_seconds(table, c, target, compile)
     total.compute += units * (forward + backward)
     copying, exposed = transfer(c, target, compile, forward, backward)
     total.transfer += units * copying
