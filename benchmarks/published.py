@@ -630,10 +630,16 @@ def _measured(run: Run, cache: dict) -> object:
     return cache[key]
 
 
+def _configured(run: Run, cache: dict, device: object = None) -> tuple:
+    """The run's plan and its configuration's predicted ``(peak, step)``, on ``device`` (a
+    ``Device``) where given."""
+    target = _target(run) if device is None else _target(run).replace(device=device)
+    plan = dataclasses.replace(_measured(run, cache), target=target, compile=run.compile)
+    return plan, plan.configuration(None if run.ac == "none" else () if run.ac == "full" else run.ac)
+
+
 def predict(run: Run, cache: dict) -> dict:
-    measured = _measured(run, cache)
-    plan = dataclasses.replace(measured, target=_target(run), compile=run.compile)
-    peak, step = plan.configuration(None if run.ac == "none" else () if run.ac == "full" else run.ac)
+    plan, (peak, step) = _configured(run, cache)
     gib = peak.reserved / 2**30
     published = run.published_gib * run.memory_unit / 2**30 if run.published_gib else None
     capacity = run.oom and plan.target.device.memory / 2**30
@@ -661,9 +667,7 @@ def predict(run: Run, cache: dict) -> dict:
 
 def _seconds(run: Run, cache: dict, device: object = None) -> float:
     """The run's predicted step seconds, on ``device`` (a ``Device``) where given."""
-    target = _target(run) if device is None else _target(run).replace(device=device)
-    plan = dataclasses.replace(_measured(run, cache), target=target, compile=run.compile)
-    return plan.configuration(None if run.ac == "none" else () if run.ac == "full" else run.ac)[1].seconds
+    return _configured(run, cache, device)[1][1].seconds
 
 
 def _solve(seconds, goal: float, lo: float, hi: float) -> float:

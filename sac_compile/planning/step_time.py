@@ -169,6 +169,14 @@ def ring_flops(table: Plan, target: Target) -> float:
     return (target.cp - 1) * table.forward_attention_flops
 
 
+def _work(table: Plan, c: Candidate | None, target: Target) -> tuple[float, float, float]:
+    """A traced unit's ring attention FLOPs (:func:`ring_flops`), its recompute FLOPs with
+    candidate ``c``, and the share of its forward that recompute redoes."""
+    recompute = c.recompute_flops if c else 0
+    redo = recompute / table.forward_flops if table.forward_flops else 0.0
+    return ring_flops(table, target), recompute, redo
+
+
 def layer_seconds(
     table: Plan, c: Candidate | None, target: Target, compile: bool = True
 ) -> tuple[float, float]:
@@ -180,9 +188,7 @@ def layer_seconds(
     forward's, ``table.forward_attention_flops``, and the ring's) runs at the device's
     measured attention rate (:meth:`~sac_compile.planning.devices.Target.attention_seconds`),
     the rest at its roofline."""
-    ring = ring_flops(table, target)
-    recompute = c.recompute_flops if c else 0
-    redo = recompute / table.forward_flops if table.forward_flops else 0.0
+    ring, recompute, redo = _work(table, c, target)
     forward_flops = table.forward_flops + ring
     backward_flops = table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring
     attend = table.forward_attention_flops + ring
@@ -210,9 +216,7 @@ def _layer(
     """Add one kind of layer's terms, run ``units`` times (layers x traced units) a step:
     offloaded, its copies to the host and back (:func:`~sac_compile.planning.offload.transfer`)."""
     tp, cp, ep, shard = target.tp, target.cp, target.ep, target.fsdp * target.cp
-    recompute = c.recompute_flops if c else 0
-    redo = recompute / table.forward_flops if table.forward_flops else 0.0
-    ring = ring_flops(table, target)
+    ring, _, redo = _work(table, c, target)
     forward, backward = layer_seconds(table, c, target, compile)
     total.compute += units * (forward + backward)
     copying, exposed = transfer(c, target, compile, forward, backward)
