@@ -12,7 +12,7 @@ Published memory is the allocator's max *reserved* (torchtitan's tables) or what
 names; float8 runs (``float8`` column) convert their linear layers and are planned as the bf16
 model (``benchmarks/float8_layers.py`` shows what float8 changes): their memory is compared,
 their tokens/s is not. A run marked ``calibrates``
-set its device's ``efficiency`` or ``EAGER_SLOWDOWN`` (``planning.devices``): its tokens/s
+set its device's ``efficiency`` or ``EAGER_SLOWDOWN`` (``planning.catalog``): its tokens/s
 ratio is 1 by construction and checks nothing. A run published as out of memory (``oom``)
 checks that the prediction exceeds the device's memory.
 
@@ -686,7 +686,7 @@ def calibrate(cache: dict) -> dict[str, float]:
     """The constants the calibrating runs set, in turn (each with the ones before it): a
     compiled run its device's ``efficiency``; an eager run on a device a compiled run set,
     ``EAGER_SLOWDOWN``; another eager run its device's ``efficiency``, over the slowdown.
-    Devices sharing a calibrated device's efficiency take it too. ``planning.devices`` is
+    Devices sharing a calibrated device's efficiency take it too. ``planning.catalog`` is
     left as it was."""
     from sac_compile.planning import devices, step_time
 
@@ -738,7 +738,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--calibrate",
         action="store_true",
-        help="first print the constants the runs marked calibrates set (planning.devices' are the table's)",
+        help="first print the constants the runs marked calibrates set (planning.catalog's are the table's)",
     )
     args = parser.parse_args(argv)
     import logging

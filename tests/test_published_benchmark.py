@@ -86,18 +86,18 @@ def test_a_published_bf16_tensor_parallel_run_is_predicted_within_the_bar(cache)
 
 
 def test_the_step_time_constants_are_what_the_calibrating_runs_set(cache):
-    """``planning.devices``' efficiencies and eager slowdown are the values ``published.py
+    """``planning.catalog``'s efficiencies and eager slowdown are the values ``published.py
     --calibrate`` solves from the runs marked ``calibrates`` (each run's predicted step equal
     to its published one): a change to the step-time model that moves them shows here. The
     constants in force are left as they were."""
     import published
 
-    from sac_compile.planning import devices, step_time
+    from sac_compile.planning import catalog, devices, step_time
 
     before = dict(devices.DEVICES), step_time.EAGER_SLOWDOWN
     found = published.calibrate(cache)
     assert (dict(devices.DEVICES), step_time.EAGER_SLOWDOWN) == before
-    assert found["h100-96gb"] == pytest.approx(devices.H100_EFFICIENCY, abs=0.001)
+    assert found["h100-96gb"] == pytest.approx(catalog.H100_EFFICIENCY, abs=0.001)
     assert found["EAGER_SLOWDOWN"] == pytest.approx(devices.EAGER_SLOWDOWN, abs=0.001)
     for name in ("b200", "a100-80gb"):
         assert found[name] == pytest.approx(devices.DEVICES[name].efficiency, abs=0.001), name
