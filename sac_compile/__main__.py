@@ -86,58 +86,6 @@ def _progress(done: int, total: int, what: str) -> None:
     sys.stderr.flush()
 
 
-def _report(plan: Any, seconds: float) -> dict[str, Any]:
-    t = plan.target
-    return {
-        "device": t.device.name,
-        "memory": t.memory,
-        "usable": t.usable,
-        "fsdp": t.fsdp,
-        "tp": t.tp,
-        "ep": t.ep,
-        "cp": t.cp,
-        "pp": t.pp,
-        "pp_schedule": t.pp_schedule,
-        "microbatch_size": t.microbatch_size,
-        "sequence_parallel": t.sequence_parallel,
-        "loss_parallel": t.loss_parallel,
-        "loss": t.loss,
-        "batch": t.batch,
-        "seq": t.seq,
-        "param_dtype": str(t.param_dtype).removeprefix("torch."),
-        "optimizer": t.optimizer,
-        "compile": plan.compile,
-        "peak_bytes": plan.peak_bytes,
-        "fits": plan.fits,
-        "reserved_bytes": plan.reserved_bytes,
-        "phase": plan.peak.phase,
-        "breakdown": plan.breakdown,
-        **_step(plan.step),
-        "gpus_per_node": t.gpus_per_node,
-        "network": t.network,
-        "offload": t.offload,
-        "host_memory": t.host_memory,
-        "host_link": t.host.name if t.offload else None,
-        "offload_bytes": plan.host_bytes,
-        "transfer_seconds": plan.transfer_seconds,
-        "planning_seconds": round(seconds, 1),
-        "groups": [
-            {
-                "kind": g.kind,
-                "layers": list(g.paths),
-                "count": len(g.paths),
-                "keep": sorted(g.plan.keep),
-                "budget": g.plan.budget,
-                "offload": sorted(g.plan.chosen.offload),
-                "offload_bytes": g.plan.chosen.offloaded_bytes,
-                "saved_bytes": g.plan.saved_bytes,
-                "recompute_flops": g.plan.recompute_flops,
-            }
-            for g in plan.groups
-        ],
-    }
-
-
 def _parser() -> argparse.ArgumentParser:
     from .planning.devices import DEVICES
 
@@ -230,7 +178,7 @@ def plan_command(argv: list[str]) -> int:
     import logging
     import warnings
 
-    from . import hf
+    from . import hf, plan_report
     from .planning.devices import parse_memory
 
     if args.memory is not None:
@@ -267,18 +215,20 @@ def plan_command(argv: list[str]) -> int:
     except ValueError as e:
         raise SystemExit(f"sac_compile plan: {e}") from None
     seconds = time.perf_counter() - start
-    report = _report(plan, seconds)
+    report = plan_report.report(plan, seconds)
     if ac is None:
         print(plan.format())
-        report["peers"] = _peers(plan)
-        print("  beside it: " + "; ".join(_peer_line(name, p) for name, p in report["peers"].items()))
+        report["peers"] = plan_report.peers(plan)
+        print(
+            "  beside it: " + "; ".join(plan_report.peer_line(name, p) for name, p in report["peers"].items())
+        )
         fits = plan.fits
     else:  # (the plan's own figures are not this configuration's)
         plan_keys: tuple[str, ...] = ("peak_bytes", "reserved_bytes", "fits", "phase", "breakdown", "groups")
         plan_keys += ("step_seconds", "step_terms", "tokens_per_second", "mfu")
         report = {k: v for k, v in report.items() if k not in plan_keys}
-        report["ac"] = _configuration(plan, *ac, spec=args.ac)
-        print(_peer_line(f"--ac {args.ac}", report["ac"], full=True))
+        report["ac"] = plan_report.configuration(plan, *ac, spec=args.ac)
+        print(plan_report.peer_line(f"--ac {args.ac}", report["ac"], full=True))
         fits = report["ac"]["fits"]
     print(f"  planned in {seconds:.1f} s")
     if args.json:
@@ -361,64 +311,6 @@ def _parse_ac(spec: str) -> tuple[Any, float | None]:
         "keep=REGION[,REGION...] (keep=all: every region) with an optional @BUDGET in (0, 1], e.g. keep=attn,mlp "
         "or keep=attn@0.3"
     )
-
-
-def _configuration(plan: Any, keep: Any, budget: float | None, *, spec: str) -> dict[str, Any]:
-    try:
-        peak, step = plan.configuration(keep, budget)
-    except ValueError as e:
-        raise SystemExit(f"sac_compile plan: --ac {spec}: {e}") from None
-    return {
-        "spec": spec,
-        "peak_bytes": peak.bytes,
-        "fits": peak.reserved <= plan.target.usable,
-        "reserved_bytes": peak.reserved,
-        "phase": peak.phase,
-        "breakdown": peak.breakdown,
-        **_step(step),
-    }
-
-
-def _step(step: Any) -> dict[str, Any]:
-    """The JSON of a :class:`~sac_compile.planning.step_time.StepTime`."""
-    return {
-        "step_seconds": step.seconds,
-        "step_terms": step.terms(),
-        "tokens_per_second": step.tokens_per_second,
-        "mfu": step.mfu,
-    }
-
-
-def _peers(plan: Any) -> dict[str, dict[str, Any]]:
-    """What a user would run instead of the plan, on the same target: no AC, full AC,
-    torchtitan's per-op SAC, and compiled, PyTorch's ``activation_memory_budget`` alone at
-    each budget measured."""
-    from .planning.op_sac import TORCHTITAN_OP
-
-    peers: list[tuple[str, Any, float | None, str]] = [
-        ("no AC", None, None, "none"),
-        ("full AC", (), None, "full"),
-    ]
-    peers.append(("torchtitan op SAC", TORCHTITAN_OP, None, TORCHTITAN_OP))
-    if plan.compile:
-        budgets = sorted(
-            {c.budget for g in plan.measured for c in g.plan.candidates if c.budget and not c.keep}
-        )
-        peers += [(f"budget {b:g}", (), b, f"budget={b:g}") for b in budgets if b >= 0.01]
-    return {name: _configuration(plan, keep, budget, spec=spec) for name, keep, budget, spec in peers}
-
-
-def _peer_line(name: str, found: dict[str, Any], *, full: bool = False) -> str:
-    scale, unit = (2**30, "GiB") if found["peak_bytes"] >= 2**30 else (2**20, "MiB")
-    line = (
-        f"{name}: peak {found['peak_bytes'] / scale:.2f} {unit} in the {found['phase']} "
-        f"({found['reserved_bytes'] / scale:.2f} reserved, {'fits' if found['fits'] else 'does not fit'}), step {found['step_seconds']:.3f} s (est.), "
-        f"{found['tokens_per_second']:,.0f} tokens/s per GPU"
-    )
-    if full:
-        terms = (f"    {t:<20}{v / scale:>10.2f} {unit}" for t, v in found["breakdown"].items() if v)
-        line = "\n".join([line, *terms])
-    return line
 
 
 #: command -> what it does (``python -m sac_compile --help``)

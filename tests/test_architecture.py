@@ -41,7 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("inspection",),
     ("planning",),
     ("hf", "hf_layers", "hf_plan"),  # (hf_layers, hf_plan: the old paths of hf.layers, hf.plan)
-    ("__init__", "__main__"),
+    ("__init__", "__main__", "plan_report"),
     ("testing",),
 ]
 

@@ -443,11 +443,12 @@ def test_the_plan_command_reports_what_it_offloads_and_refuses_offload_flags_alo
     without host memory and an unknown link are refused before any work."""
     import json
 
-    from sac_compile.__main__ import _report, main
+    from sac_compile.__main__ import main
+    from sac_compile.plan_report import report as plan_report
 
     memory = next(m for m in _memories(device_plan) if (p := _choose(device_plan, memory=m)) and p.host_bytes)
     plan = _choose(device_plan, memory=memory)
-    report = json.loads(json.dumps(_report(plan, 1.0)))
+    report = json.loads(json.dumps(plan_report(plan, 1.0)))
     (group,) = report["groups"]
     assert group["offload"] == sorted(plan.groups[0].plan.chosen.offload) != []
     assert group["offload_bytes"] == plan.groups[0].plan.chosen.offloaded_bytes > 0
