@@ -6,7 +6,8 @@ Each run is planned as ``python -m sac_compile plan`` plans it (the model from i
 then ``DevicePlan.configuration`` predicts the run's own activation checkpointing (no AC,
 full AC, or torchtitan's per-op SAC: ``planning.op_sac``) on the run's layout. One
 measurement per (config, device, traced shape) serves every run that shares it, eager or
-compiled.
+compiled. Every run's trainer repeated grouped keys and values before attention
+(``Target.repeat_kv``: torchtitan's Llama did until 2026-01), and each is planned so.
 
 Published memory is the allocator's max *reserved* (torchtitan's tables) or what the source
 names; float8 runs (``float8`` column) convert their linear layers and are planned as the bf16
@@ -94,6 +95,10 @@ class Run:
     loss: str = "torchtitan"  # torchtitan compiles its loss with the model since 2025-04: "compiled"
     memory_unit: float = 2**30  # the published memory's unit
     oom: bool = False  # published as running out of memory: the prediction must exceed the device's
+    # torchtitan's Llama repeated grouped keys and values to the query's heads before SDPA
+    # until github.com/pytorch/torchtitan/pull/2259 (2026-01-27): every run here (Target.repeat_kv;
+    # nothing to repeat in Llama 2 13B or DeepSeek-V3's MLA)
+    repeat_kv: bool = True
 
 
 RUNS = (
@@ -612,6 +617,7 @@ def _target(run: Run, **changes: object) -> object:
         pp_schedule=run.pp_schedule,
         microbatch_size=run.microbatch_size,
         loss=run.loss,
+        repeat_kv=run.repeat_kv,
     )
     return Target(run.device, batch=run.batch, seq=run.seq, **{**layout, **changes})
 
@@ -621,7 +627,7 @@ def _measured(run: Run, cache: dict) -> object:
     from sac_compile.__main__ import _model
 
     target = _target(run, memory=1 << 60)
-    key = (run.config, run.device, target.traced)  # (measured compiled: eager's candidates and more)
+    key = (run.config, run.device, target.traced, target.repeat_kv)  # (measured compiled: eager's too)
     if key not in cache:
         model = _model(os.path.join(CONFIGS, run.config + ".json"))
         cache[key] = hf.plan_for(model, None, device=target, include=())

@@ -137,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         help="how the trainer's loss holds the logits: transformers (default), torchtitan, chunked[:N]",
     )
     parser.add_argument(
+        "--repeat-kv",
+        action="store_true",
+        help="the trainer repeats grouped-query keys and values to the query's heads before attention "
+        "(torchtitan's Llama until 2026-01; transformers' SDPA given a mask)",
+    )
+    parser.add_argument(
         "--ac",
         default=None,
         help="predict one configuration instead of choosing: none, full, torchtitan-op (torchtitan's per-op "
@@ -251,6 +257,7 @@ def _target(args: argparse.Namespace) -> Any:
             sequence_parallel=not args.no_sequence_parallel,
             loss_parallel=not args.no_loss_parallel,
             loss=args.loss,
+            repeat_kv=args.repeat_kv,
             batch=args.batch,
             seq=args.seq,
             cp=args.cp,

@@ -25,6 +25,7 @@ def report(plan: Any, seconds: float) -> dict[str, Any]:
         "sequence_parallel": t.sequence_parallel,
         "loss_parallel": t.loss_parallel,
         "loss": t.loss,
+        "repeat_kv": t.repeat_kv,
         "batch": t.batch,
         "seq": t.seq,
         "param_dtype": str(t.param_dtype).removeprefix("torch."),

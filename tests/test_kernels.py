@@ -91,3 +91,27 @@ def test_a_causal_flash_kernel_counts_half_the_attention_flops():
     assert costly_flops(backward, (*args, True, None), {}, None) * 2 == costly_flops(
         backward, (*args, False, None), {}, None
     )
+
+
+def test_keys_and_values_repeated_before_the_kernel_are_saved_the_query_heads_wide():
+    """``Target.repeat_kv``'s kernel (torchtitan's Llama until 2026-01 repeated grouped keys
+    and values before SDPA): same values and gradients, the keys and values saved at the
+    query's 8 heads, not their own 2."""
+    from sac_compile.planning.kernels import repeated_flash_attention
+
+    q, k, v = _qkv(8, 2)
+    saved: list[torch.Size] = []
+
+    def pack(t):
+        saved.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = repeated_flash_attention(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, want)
+    for got, expected in zip(
+        torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))
+    ):
+        torch.testing.assert_close(got, expected)
+    assert sorted(saved) == sorted([q.shape, q.shape, q.shape, out.shape, torch.Size([2, 8, 16])]), saved

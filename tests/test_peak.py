@@ -199,6 +199,34 @@ def test_a_meta_models_predicted_peak_follows_the_keep_set():
     assert attn.breakdown["activations"] == figures.peak({"attn"}, compile=True).breakdown["activations"]
 
 
+def test_keys_and_values_a_trainer_repeats_are_traced_so_and_a_grouped_rings_counted():
+    """``Target.repeat_kv``: a Llama layer with 8 query heads and 2 key / value heads (head
+    128) traced for an H100 at CP 2 (256 tokens a rank). Its no-checkpoint bytes grow by the
+    repeated keys and values the kernel saves, 2 x 256 x 6 x 128 bf16, and the ring's per-rank
+    bytes (the keys and values) by 4x. Grouped, the ring is counted too: red before, the
+    no-checkpoint layer's ring was (0, 0) (its attention's backward runs after most of the
+    layer's saved values are freed, so the ring's base is below 0 and was dropped), and with
+    it the ring's held keys and values."""
+    t, heads, kv_heads, head = 256, 8, 2, 128
+    tables = {}
+    for repeat in (False, True):
+        target = Target("h100-80gb", batch=1, seq=2 * t, cp=2, fsdp=2, repeat_kv=repeat)
+        tables[repeat] = hf.plan_for(meta_llama(heads), None, device=target, budgets=(None,), include=())
+    grouped, repeated = (tables[r].measured[0].plan for r in (False, True))
+    kv = 2 * t * kv_heads * head * 2
+    assert grouped.no_checkpoint_ring[1] == kv and repeated.no_checkpoint_ring[1] == kv * heads // kv_heads
+    assert repeated.no_checkpoint_bytes - grouped.no_checkpoint_bytes == 2 * t * (heads - kv_heads) * head * 2
+    # compiled without a tagging pass, a layer also holds the ring's all-gathered keys and
+    # values from the forward: cp + 1 copies of them
+    from sac_compile.planning.figures import no_checkpoint_figures
+
+    for table, plan in ((grouped, tables[False]), (repeated, tables[True])):
+        figures = no_checkpoint_figures(table, (0, 0), 1, plan.target, compile=True)
+        assert figures.saved_bytes == table.no_checkpoint_bytes + 3 * table.no_checkpoint_ring[1]
+    with pytest.raises(ValueError, match=r"repeat_kv=True\) on cpu: it traces a GPU's attention layout"):
+        Target("cpu", repeat_kv=True)
+
+
 @pytest.mark.slow
 def test_a_meta_model_with_dropout_is_planned():
     """GPT-2's default config (dropout 0.1 in the embeddings, attention and residuals) on the
@@ -385,6 +413,8 @@ def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
         main(["plan", str(path), "--seq", "64", "--device", "h200", "--json", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"loss='mse': one of transformers, torchtitan, compiled, chunked"):
         main(["plan", str(path), "--seq", "64", "--device", "h200", "--loss", "mse"])
+    with pytest.raises(SystemExit, match=r"repeat_kv=True\) on cpu: it traces a GPU's attention layout"):
+        main(["plan", str(path), "--seq", "64", "--device", "cpu", "--repeat-kv"])
     for ac in ("some", "keep=attn@2", "keep=attn@x", "budget=", "budget=0"):
         with pytest.raises(SystemExit, match=rf"--ac {ac}: none, full, torchtitan-op, budget=B"):
             main(["plan", str(path), "--seq", "64", "--device", "h200", "--ac", ac])

@@ -63,6 +63,12 @@ def plan_for_device(
                 f"compile=True (this one is on {where.type}, compile={compile}); for {target.device.name} from "  # type: ignore[union-attr]
                 "another machine the step is estimated (planning.step_time; estimator='flops', the default)"
             )
+    if target.repeat_kv and next(root.parameters()).device.type == "cuda":
+        raise ValueError(
+            "Target(repeat_kv=True) traces the target's attention on the meta device or the CPU; a model on a "
+            "CUDA device is measured running its own (transformers repeats keys and values when handed a "
+            "mask): drop repeat_kv"
+        )
     if options.get("offload") and not target.offload:
         raise ValueError(
             "plan_for(offload=True, device=...): a device plan offloads within the host memory of its target: "
@@ -98,7 +104,7 @@ def _measure(
     # (on the meta device, a recomputed dropout's RNG state is saved as on the CPU)
     rng = meta_rng_states() if where.type == "meta" else contextlib.nullcontext()
     gpu_kernels = cast(Device, target.device).cuda and where.type != "cuda"  # (a Device once made)
-    with target_kernels(gpu_kernels), grouped_query_sdpa(gpu_kernels), rng:
+    with target_kernels(gpu_kernels, target.repeat_kv), grouped_query_sdpa(gpu_kernels), rng:
         planned = plan_model(
             model, layers=patterns, memory=1.0, regions=merged(read), use_cache=False, **inputs, **options
         )

@@ -198,6 +198,7 @@ def _step_line(step: StepTime, measured: bool) -> str:
 def _more_layout(t: Target) -> str:
     parts = [f"ep {t.ep}"] if t.ep > 1 else []
     parts += [f"cp {t.cp}"] if t.cp > 1 else []
+    parts += ["keys and values repeated"] if t.repeat_kv else []
     if t.pp > 1:
         parts.append(f"pp {t.pp} {t.pp_schedule}, {t.microbatches} microbatches of {t.microbatch_size}")
     return "".join(f", {p}" for p in parts)

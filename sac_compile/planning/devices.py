@@ -84,6 +84,12 @@ class Target:
             on the shards (torchtitan's default): the head's logits and loss terms ``1 / tp``.
         loss: how the trainer's loss holds the logits, one of :data:`LOSSES` (default
             ``"transformers"``; ``"chunked:N"``).
+        repeat_kv: the trainer repeats grouped-query attention's keys and values to the
+            query's heads before the kernel (torchtitan's Llama until 2026-01, transformers'
+            SDPA path when handed a mask): the layer is traced so (:mod:`.kernels`), its keys
+            and values, their gradients and the ring's buffers the query's heads wide. Default
+            ``False``: the kernel takes them grouped (FlashAttention-2, cuDNN; torchtitan's
+            ``enable_gqa``). A GPU target's; nothing for a model without grouped queries.
         ep: expert-parallel degree (torchtitan's layout: a divisor of ``fsdp``): an MoE
             layer's routed experts split this many ways and FSDP-sharded over the other
             ``fsdp / ep``, so only ``1 / ep`` of them is all-gathered while the layer runs.
@@ -125,6 +131,7 @@ class Target:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     loss: str = "transformers"
+    repeat_kv: bool = False
     param_dtype: torch.dtype | str = torch.bfloat16
     master_dtype: torch.dtype | str = torch.float32
     reduce_dtype: torch.dtype | str = torch.float32
@@ -164,7 +171,12 @@ class Target:
             parse_loss(self.loss)
         except ValueError as e:
             raise ValueError(f"Target({e}") from None
-        for name in ("sequence_parallel", "loss_parallel"):
+        if self.repeat_kv and not dev.cuda:
+            raise ValueError(
+                f"Target(repeat_kv=True) on {dev.name}: it traces a GPU's attention layout; a {dev.name} target "
+                "runs the attention transformers calls there (drop repeat_kv, or name a GPU device)"
+            )
+        for name in ("sequence_parallel", "loss_parallel", "repeat_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Target({name}={getattr(self, name)!r}): True or False")
         if self.pp_schedule not in PP_SCHEDULES:

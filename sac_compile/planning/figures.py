@@ -166,6 +166,6 @@ def no_checkpoint_figures(
 def ring_transient(transient: int, ring: tuple[int, int], target: Target) -> int:
     """A backward's transient on ``target``: with context parallelism at least what its
     attention holds run as ring attention on ``cp`` ranks (:func:`~.graph_memory.graph_ring`)."""
-    if target.cp == 1 or not ring[0]:
+    if target.cp == 1 or not ring[1]:
         return transient
     return max(transient, ring[0] + target.cp * ring[1])

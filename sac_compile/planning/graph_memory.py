@@ -11,7 +11,7 @@ from .._compat.aot import offloaded_source
 from .._compat.ops import is_view_op
 from ..inspection.flops import val_bytes
 
-__all__ = ["RING_BACKWARDS", "backward_figures", "graph_ring", "graph_transient"]
+__all__ = ["RING_BACKWARDS", "backward_figures", "graph_ring", "graph_transient", "larger_ring"]
 
 
 def graph_transient(gm: torch.fx.GraphModule) -> int:
@@ -51,8 +51,9 @@ def graph_ring(gm: torch.fx.GraphModule) -> tuple[int, int]:
     """What a backward graph's attention adds run as PyTorch's ring attention
     (``_templated_ring_attention_backward``, all-gather rotation, ``convert_to_f32``) on ``cp``
     ranks: its transient becomes at least ``base + cp * per_rank``; returns ``(base,
-    per_rank)`` (``(0, 0)`` without such an op). Beside the one kernel's outputs, the ring
-    holds float32 gradient accumulators for the query, keys and values, the keys and values
+    per_rank)`` (``(0, 0)`` without such an op; ``base`` below 0 where the kernel runs after
+    much of the graph's inputs are freed, as a no-checkpoint layer's attention does). Beside
+    the one kernel's outputs, the ring holds float32 gradient accumulators for the query, keys and values, the keys and values
     concatenated to send (``p kv``) and every rank's all-gathered (``cp p kv``), the previous
     step's kernel gradients while the next runs (``p (q + kv)``), and the float32 key and value
     gradients concatenated and received around the ring (``2 x 4 kv``): ``q`` and ``kv`` the
@@ -62,6 +63,15 @@ def graph_ring(gm: torch.fx.GraphModule) -> tuple[int, int]:
     ``tests/test_context_parallel.py``. Gloo's all-gather allocates temporaries of its own
     (in the forward, gone before the kernel runs) that NCCL's does not."""
     return _ring(*_timeline(gm))
+
+
+def larger_ring(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """Of two :func:`graph_ring` figures, the one whose ring holds more at two ranks; one
+    without an attention op (``per_rank`` 0) gives way to one with, whose ``base`` may be
+    below 0 (its attention's backward runs after much of the graph's inputs are freed)."""
+    if not a[1] or not b[1]:
+        return a if a[1] else b
+    return max(a, b, key=lambda r: r[0] + 2 * r[1])
 
 
 def _ring(inputs: int, timeline: list[tuple[torch.fx.Node, int]]) -> tuple[int, int]:
@@ -74,7 +84,7 @@ def _ring(inputs: int, timeline: list[tuple[torch.fx.Node, int]]) -> tuple[int, 
         kv = key + value
         accumulators = (query + kv) * 4 // width
         base = live - inputs + accumulators + kv + (query + kv) + 2 * kv * 4 // width
-        best = max(best, (base, kv), key=lambda b: b[0] + 2 * b[1])
+        best = larger_ring(best, (base, kv))
     return best
 
 

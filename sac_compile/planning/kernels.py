@@ -9,7 +9,10 @@ becomes the flash kernel (``sac_compile_plan::flash_attention``: output and logs
 its backward the flash backward's shapes). Grouped-query attention stays grouped, as in
 FlashAttention-2 and cuDNN's kernels: the keys and values saved are the ``kv_heads`` ones, not
 repeated to the query's heads (on the CPU the stand-in repeats them inside the op, where
-nothing sees them). A mask handed to the call is taken for a causal
+nothing sees them) — unless the target's trainer repeats them before the kernel
+(``Target.repeat_kv``: torchtitan's Llama until 2026-01, transformers' SDPA path given a mask),
+where the trace repeats them as those do (an expand and a copy, its backward a sum), and the
+kernel saves them and makes their gradients the query's heads wide. A mask handed to the call is taken for a causal
 or padding mask (flash's ``is_causal``): on the meta device values do not matter, only what
 the kernel saves. Nothing changes for a CPU target.
 """
@@ -22,7 +25,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["flash_attention", "target_kernels"]
+__all__ = ["flash_attention", "repeated_flash_attention", "target_kernels"]
 
 _SDPA = F.scaled_dot_product_attention
 
@@ -117,16 +120,37 @@ def flash_attention(
     return out
 
 
+def repeated_flash_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """:func:`flash_attention` with grouped keys and values first repeated to the query's
+    heads, as torchtitan's ``repeat_kv`` did (an expand and a copy: the kernel's inputs)."""
+    group = query.shape[-3] // key.shape[-3]
+    if group > 1:
+        key, value = (
+            t.unsqueeze(-3).expand(*t.shape[:-2], group, *t.shape[-2:]).flatten(-4, -3) for t in (key, value)
+        )
+    return flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+
 @contextlib.contextmanager
-def target_kernels(cuda: bool) -> Iterator[None]:
+def target_kernels(cuda: bool, repeat_kv: bool = False) -> Iterator[None]:
     """While open, ``torch.nn.functional.scaled_dot_product_attention`` is the target's kernel
-    (:func:`flash_attention` when ``cuda``; unchanged otherwise). Code that looks the function
-    up when it calls it (transformers' ``sdpa_attention_forward``, torchtitan's attention) sees
-    the substitute, in eager code and in what Dynamo traces."""
+    (:func:`flash_attention` when ``cuda``, :func:`repeated_flash_attention` with
+    ``repeat_kv``; unchanged otherwise). Code that looks the function up when it calls it
+    (transformers' ``sdpa_attention_forward``, torchtitan's attention) sees the substitute, in
+    eager code and in what Dynamo traces."""
     if not cuda:
         yield
         return
-    F.scaled_dot_product_attention = flash_attention
+    F.scaled_dot_product_attention = repeated_flash_attention if repeat_kv else flash_attention
     try:
         yield
     finally:

@@ -51,7 +51,7 @@ class PartitionEach:
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_attention_flops, graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
-        from .graph_memory import backward_figures
+        from .graph_memory import backward_figures, larger_ring
         from .offload import graph_copies
 
         unit = backends.new_unit(gm, example_inputs)
@@ -85,7 +85,8 @@ class PartitionEach:
                 self.figures[key][1] += graph_costly_flops(bw)
                 transient, ring = backward_figures(bw)
                 self.figures[key][2] = max(self.figures[key][2], transient)
-                self.figures[key][11:13] = max(self.figures[key][11:13], list(ring))
+                held = self.figures[key]
+                held[11:13] = larger_ring((held[11], held[12]), ring)
                 self.figures[key][3] += graph_costly_flops(fw)
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)
