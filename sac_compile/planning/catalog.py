@@ -51,7 +51,7 @@ class Device:
 #: attention at the measured rate (H100_ATTENTION): ``python benchmarks/published.py
 #: --calibrate`` solves it (and EAGER_SLOWDOWN, the B200's and the A100's) from the runs
 #: marked ``calibrates``
-H100_EFFICIENCY = 0.738
+H100_EFFICIENCY = 0.754
 H100_SOURCE = (
     "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1: Llama-3.1-8B on 8 H100s (96 GB, 500 W), "
     "FSDP 8, batch 2 x 8192, per-op SAC, compiled: 6,667 tokens/s per GPU (benchmarks/published.py)"
@@ -133,7 +133,7 @@ DEVICES: dict[str, Device] = {
             "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS, NVLink 600 GB/s",
             link=300e9,
             host_link="pcie4",
-            efficiency=0.806,
+            efficiency=0.814,
             efficiency_source="torchtitan docs/performance.md (2024-04-24): Llama 3 8B on 64 A100s (80 GB), FSDP 64, "
             "batch 1 x 8192, per-op SAC, eager: 2,973 tokens/s per GPU, over EAGER_SLOWDOWN "
             "(benchmarks/published.py; Megatron-LM's 52% of peak at 3,072 GPUs, the source before, predicts "
@@ -147,7 +147,7 @@ DEVICES: dict[str, Device] = {
             "NVIDIA HGX B200 datasheet: 180 GB HBM3e and 7.7 TB/s per GPU, FP16/BF16 4.5 PFLOPS with sparsity, "
             "NVLink 1.8 TB/s",
             link=900e9,
-            efficiency=0.317,
+            efficiency=0.322,
             efficiency_source="torchao's MX-formats README, dense models: Llama-3-8B bf16 on 8 power-limited "
             "B200s, FSDP 8, batch 1 x 8192, per-op SAC, compiled: 8,307.5 tokens/s per GPU "
             "(benchmarks/published.py)",
