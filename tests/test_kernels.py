@@ -16,11 +16,8 @@ def _qkv(heads: int, kv_heads: int):
     return q, k, v
 
 
-def test_grouped_query_attention_matches_sdpa_and_saves_the_kv_heads_only():
-    """Keys and values are saved at their own heads, as FlashAttention-2 and cuDNN save them
-    (red before: repeated to the query's 8 heads, 4x the bytes: the planner's per-layer bytes
-    for Llama's GQA were too high)."""
-    q, k, v = _qkv(8, 2)
+def _saved_shapes(*args, **kwargs) -> tuple[torch.Tensor, list[torch.Size]]:
+    """:func:`flash_attention`'s output and the shapes autograd saves for its backward."""
     saved: list[torch.Size] = []
 
     def pack(t):
@@ -28,7 +25,16 @@ def test_grouped_query_attention_matches_sdpa_and_saves_the_kv_heads_only():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = flash_attention(q, k, v, is_causal=True)
+        out = flash_attention(*args, **kwargs)
+    return out, saved
+
+
+def test_grouped_query_attention_matches_sdpa_and_saves_the_kv_heads_only():
+    """Keys and values are saved at their own heads, as FlashAttention-2 and cuDNN save them
+    (red before: repeated to the query's 8 heads, 4x the bytes: the planner's per-layer bytes
+    for Llama's GQA were too high)."""
+    q, k, v = _qkv(8, 2)
+    out, saved = _saved_shapes(q, k, v, is_causal=True)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     want_grads = torch.autograd.grad(want.sum(), (q, k, v))
@@ -97,17 +103,8 @@ def test_keys_and_values_repeated_before_the_kernel_are_saved_the_query_heads_wi
     """``Target.repeat_kv``'s kernel (torchtitan's Llama until 2026-01 repeated grouped keys
     and values before SDPA): same values and gradients, the keys and values saved at the
     query's 8 heads, not their own 2."""
-    from sac_compile.planning.kernels import repeated_flash_attention
-
     q, k, v = _qkv(8, 2)
-    saved: list[torch.Size] = []
-
-    def pack(t):
-        saved.append(t.shape)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = repeated_flash_attention(q, k, v, is_causal=True)
+    out, saved = _saved_shapes(q, k, v, is_causal=True, repeat_kv=True)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, want)
     for got, expected in zip(

@@ -16,6 +16,7 @@ import functools
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,6 +80,16 @@ A100_80GB_MEMORY = int(79.15 * GiB)  # github.com/pytorch/torchtitan/pull/887: 3
 B200_MEMORY = int(178.4 * GiB)  # github.com/pytorch/torchtitan/pull/2389: 66.91 GiB = 37.51%
 _UNLOGGED = 79.1 / 80  # (no log found: the H100's share)
 
+# what the Hopper parts share: NVLink 4 (450 GB/s one way), the H100's published efficiency
+# and its attention kernel's measured rate
+_HOPPER: dict[str, Any] = dict(
+    link=450e9,
+    efficiency=H100_EFFICIENCY,
+    efficiency_source=H100_SOURCE,
+    attention_flops=H100_ATTENTION,
+    attention_source=H100_ATTENTION_SOURCE,
+)
+
 #: Datasheet figures, dense (the sparse figures are twice these).
 DEVICES: dict[str, Device] = {
     d.name: d
@@ -90,11 +101,7 @@ DEVICES: dict[str, Device] = {
             3.35e12,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity, "
             "NVLink 900 GB/s (both ways)",
-            link=450e9,
-            efficiency=H100_EFFICIENCY,
-            efficiency_source=H100_SOURCE,
-            attention_flops=H100_ATTENTION,
-            attention_source=H100_ATTENTION_SOURCE,
+            **_HOPPER,
             # (the published run's H100s ran at 500 W: an SXM5 at 700 W is faster)
         ),
         Device(
@@ -105,11 +112,7 @@ DEVICES: dict[str, Device] = {
             "H100 96 GB HBM2e at 500 W (Meta's Grand Teton, torchtitan's benchmark hosts: "
             "benchmarks/llama3_h100_202412_torchtitan.md): 96 GB, 2.4 TB/s; its peak rate lies between "
             "the SXM's and the NVL's, the SXM's taken (as torchtitan's MFU does)",
-            link=450e9,
-            efficiency=H100_EFFICIENCY,
-            efficiency_source=H100_SOURCE,
-            attention_flops=H100_ATTENTION,  # (measured on an H100 SXM: this part runs at 500 W)
-            attention_source=H100_ATTENTION_SOURCE,
+            **_HOPPER,  # (the attention rate measured on an H100 SXM: this part runs at 500 W)
         ),
         Device(
             "h200",
@@ -118,11 +121,7 @@ DEVICES: dict[str, Device] = {
             4.8e12,
             "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity, "
             "NVLink 900 GB/s",
-            link=450e9,
-            efficiency=H100_EFFICIENCY,
-            efficiency_source=H100_SOURCE,
-            attention_flops=H100_ATTENTION,
-            attention_source=H100_ATTENTION_SOURCE,
+            **_HOPPER,
             # (no published bf16 run on an H200 found: the H100's, the same compute die)
         ),
         Device(

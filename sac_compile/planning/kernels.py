@@ -20,12 +20,13 @@ the kernel saves. Nothing changes for a CPU target.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["flash_attention", "repeated_flash_attention", "target_kernels"]
+__all__ = ["flash_attention", "target_kernels"]
 
 _SDPA = F.scaled_dot_product_attention
 
@@ -112,45 +113,36 @@ def flash_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    repeat_kv: bool = False,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention``'s signature, run as the flash kernel: it saves its
-    output and the logsumexp for the backward (no ``seq x seq`` matrix)."""
+    output and the logsumexp for the backward (no ``seq x seq`` matrix). With ``repeat_kv``
+    grouped keys and values are first repeated to the query's heads, as torchtitan's
+    ``repeat_kv`` did (an expand and a copy: the kernel's inputs)."""
+    group = query.shape[-3] // key.shape[-3]
+    if repeat_kv and group > 1:
+        key, value = (
+            t.unsqueeze(-3).expand(*t.shape[:-2], group, *t.shape[-2:]).flatten(-4, -3) for t in (key, value)
+        )
     causal = bool(is_causal) or attn_mask is not None
     out, _ = _flash(query, key, value, causal, scale)
     return out
 
 
-def repeated_flash_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """:func:`flash_attention` with grouped keys and values first repeated to the query's
-    heads, as torchtitan's ``repeat_kv`` did (an expand and a copy: the kernel's inputs)."""
-    group = query.shape[-3] // key.shape[-3]
-    if group > 1:
-        key, value = (
-            t.unsqueeze(-3).expand(*t.shape[:-2], group, *t.shape[-2:]).flatten(-4, -3) for t in (key, value)
-        )
-    return flash_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
-
-
 @contextlib.contextmanager
 def target_kernels(cuda: bool, repeat_kv: bool = False) -> Iterator[None]:
     """While open, ``torch.nn.functional.scaled_dot_product_attention`` is the target's kernel
-    (:func:`flash_attention` when ``cuda``, :func:`repeated_flash_attention` with
-    ``repeat_kv``; unchanged otherwise). Code that looks the function up when it calls it
+    (:func:`flash_attention` when ``cuda``, its keys and values repeated with ``repeat_kv``;
+    unchanged otherwise). Code that looks the function up when it calls it
     (transformers' ``sdpa_attention_forward``, torchtitan's attention) sees the substitute, in
     eager code and in what Dynamo traces."""
     if not cuda:
         yield
         return
-    F.scaled_dot_product_attention = repeated_flash_attention if repeat_kv else flash_attention
+    F.scaled_dot_product_attention = (
+        functools.partial(flash_attention, repeat_kv=True) if repeat_kv else flash_attention
+    )
     try:
         yield
     finally:
