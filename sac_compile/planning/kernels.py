@@ -20,8 +20,8 @@ the kernel saves. Nothing changes for a CPU target.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +130,12 @@ def flash_attention(
     return out
 
 
+def _repeating(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """:func:`flash_attention` with ``repeat_kv=True``, as a named function (PyTorch's
+    override tables read the ``__name__`` of ``F.scaled_dot_product_attention``)."""
+    return flash_attention(*args, **kwargs, repeat_kv=True)
+
+
 @contextlib.contextmanager
 def target_kernels(cuda: bool, repeat_kv: bool = False) -> Iterator[None]:
     """While open, ``torch.nn.functional.scaled_dot_product_attention`` is the target's kernel
@@ -140,9 +146,7 @@ def target_kernels(cuda: bool, repeat_kv: bool = False) -> Iterator[None]:
     if not cuda:
         yield
         return
-    F.scaled_dot_product_attention = (
-        functools.partial(flash_attention, repeat_kv=True) if repeat_kv else flash_attention
-    )
+    F.scaled_dot_product_attention = _repeating if repeat_kv else flash_attention
     try:
         yield
     finally:
