@@ -228,6 +228,38 @@ def test_keys_and_values_a_trainer_repeats_are_traced_so_and_a_grouped_rings_cou
 
 
 @pytest.mark.slow
+def test_code_compiled_before_at_other_shapes_is_measured_at_static_shapes(tmp_path):
+    """A Llama planned, then a DeepSeek-V3 (MoE, MLA) at another sequence length in the same
+    process: code they share (transformers' layer call, the attention functions) compiled
+    again at other shapes. Red before the planner measured at static shapes
+    (``fresh_compile(dynamic=False)``): traced dynamic, the figures SymInts, and choosing among
+    the candidates failed (``TypeError: unhashable type: non-nested SymInt``), as
+    ``benchmarks/published.py`` did on its DeepSeek-V3 16B run after the Llama runs."""
+    import json
+    from pathlib import Path
+
+    from sac_compile.__main__ import _model
+
+    hf.plan_for(meta_llama(), None, device=Target("h100-80gb", seq=256), budgets=(None,), include=())
+    config = json.loads(
+        (Path(__file__).parents[1] / "examples" / "configs" / "deepseek_v3_16b.json").read_text()
+    )
+    config.update(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=256, intermediate_size=512)
+    config.update(moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, vocab_size=1024)
+    config.update(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None)
+    config.update(qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    target = Target("h100-80gb", seq=512, fsdp=8, ep=8)
+    plan = hf.plan_for(
+        _model(str(tmp_path / "config.json")), None, device=target, budgets=(None,), include=()
+    )
+    assert len(plan.measured) == 2  # the dense layer and the MoE layer
+    for group in plan.measured:
+        figures = [group.plan.no_checkpoint_bytes, *(c.saved_bytes for c in group.plan.candidates)]
+        assert all(type(f) is int for f in figures), figures
+
+
+@pytest.mark.slow
 def test_a_meta_model_with_dropout_is_planned():
     """GPT-2's default config (dropout 0.1 in the embeddings, attention and residuals) on the
     meta device. Red before: ``AssertionError: Backend not supported for meta`` from the
