@@ -63,12 +63,6 @@ def plan_for_device(
                 f"compile=True (this one is on {where.type}, compile={compile}); for {target.device.name} from "  # type: ignore[union-attr]
                 "another machine the step is estimated (planning.step_time; estimator='flops', the default)"
             )
-    if target.repeat_kv and next(root.parameters()).device.type == "cuda":
-        raise ValueError(
-            "Target(repeat_kv=True) traces the target's attention on the meta device or the CPU; a model on a "
-            "CUDA device is measured running its own (transformers repeats keys and values when handed a "
-            "mask): drop repeat_kv"
-        )
     if options.get("offload") and not target.offload:
         raise ValueError(
             "plan_for(offload=True, device=...): a device plan offloads within the host memory of its target: "
@@ -96,6 +90,12 @@ def _measure(
 
     root = unwrap_compiled(model)
     where = next(root.parameters()).device
+    if target.repeat_kv and where.type == "cuda":
+        raise ValueError(
+            "Target(repeat_kv=True) traces the target's attention on the meta device or the CPU; a model on a "
+            "CUDA device is measured running its own (transformers repeats keys and values when handed a "
+            "mask): drop repeat_kv"
+        )
     if where.type == "meta":
         root.to(target.param_dtype)
     if inputs is None:
