@@ -22,7 +22,9 @@ feed-forward offloaded to this host's memory, compiled and with the eager engine
 (:class:`sac_compile.hf.StepFigures`, for the device present: ``planning.devices.present()``)
 beside the measured one (``torch.cuda.max_memory_allocated`` from zero; on a CPU the
 allocator's timeline, ``sac_compile._compat.profiler.allocation_peak``, plus what was live),
-and the step estimate (``planning.step_time``) beside the measured median step. Exit 1 when a loss differs or
+and the step estimate (``planning.step_time``) beside the measured median step; on a GPU also the
+predicted reserved peak beside ``torch.cuda.max_memory_reserved`` (the caching allocator's
+fragmentation, not modelled: printed, not checked). Exit 1 when a loss differs or
 a predicted peak is more than ``--peak-tolerance`` off the measured one.
 
 Sized to finish in under 5 minutes on one GPU at the defaults; ``tests/test_gpu_benchmark.py``
@@ -297,6 +299,7 @@ def predicted_beside_measured(args, ids) -> list[str]:
             figures.seconds({"attn"}, compile=False, offload=ff),
         )
     steps, measured = {}, {}
+    reserved: dict[str, int] = {}  # the allocator's reserved peak (a GPU only)
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=4096):
         for name, (keep, _, _) in rows.items():
             model, layers = build(args)
@@ -326,6 +329,7 @@ def predicted_beside_measured(args, ids) -> list[str]:
                 torch.cuda.reset_peak_memory_stats()
                 step()
                 measured[name] = torch.cuda.max_memory_allocated() - ids.untyped_storage().nbytes()
+                reserved[name] = torch.cuda.max_memory_reserved()
             else:
                 state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
                 before = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *state])
@@ -335,6 +339,7 @@ def predicted_beside_measured(args, ids) -> list[str]:
             gc.collect()
         times = interleaved_times(steps, args.iters)
     head = f"{'configuration':<32} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>6}  {'peak in':<22} {'est. s':>8} {'step s':>8}"
+    head += f" {'pred. reserved':>15} {'reserved MiB':>13}"  # (the caching allocator's, a GPU's only)
     print(head)
     print("-" * len(head))
     problems = []
@@ -342,7 +347,8 @@ def predicted_beside_measured(args, ids) -> list[str]:
         ratio = peak.bytes / measured[name]
         print(
             f"{name:<32} {peak.bytes / 2**20:>14.1f} {measured[name] / 2**20:>13.1f} {ratio:>6.3f}  {peak.phase:<22} "
-            f"{seconds:>8.4f} {statistics.median(times[name]):>8.4f}"
+            f"{seconds:>8.4f} {statistics.median(times[name]):>8.4f} {peak.reserved / 2**20:>15.1f} "
+            f"{f'{reserved[name] / 2**20:.1f}' if name in reserved else '-':>13}"
         )
         if abs(ratio - 1) > args.peak_tolerance:
             problems.append(
