@@ -39,11 +39,16 @@ _SDPA = F.scaled_dot_product_attention
 def _grouped(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values repeated to the query's heads (grouped-query attention), for the CPU kernel."""
+    """Keys and values repeated to the query's heads (grouped-query attention): for the CPU
+    kernel inside the op, and before it for a trainer that repeats them (``repeat_kv``)."""
     group = query.shape[-3] // key.shape[-3]
     if group == 1:
         return key, value
-    return key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
+    # (each head ``group`` times in a row, as ``repeat_interleave``: an expand and a copy)
+    keys, values = (
+        t.unsqueeze(-3).expand(*t.shape[:-2], group, *t.shape[-2:]).flatten(-4, -3) for t in (key, value)
+    )
+    return keys, values
 
 
 @torch.library.custom_op("sac_compile_plan::flash_attention", mutates_args=())
@@ -119,12 +124,9 @@ def flash_attention(
     """``F.scaled_dot_product_attention``'s signature, run as the flash kernel: it saves its
     output and the logsumexp for the backward (no ``seq x seq`` matrix). With ``repeat_kv``
     grouped keys and values are first repeated to the query's heads, as torchtitan's
-    ``repeat_kv`` did (an expand and a copy: the kernel's inputs)."""
-    group = query.shape[-3] // key.shape[-3]
-    if repeat_kv and group > 1:
-        key, value = (
-            t.unsqueeze(-3).expand(*t.shape[:-2], group, *t.shape[-2:]).flatten(-4, -3) for t in (key, value)
-        )
+    ``repeat_kv`` did (a copy: the kernel's inputs)."""
+    if repeat_kv:
+        key, value = _grouped(query, key, value)
     causal = bool(is_causal) or attn_mask is not None
     out, _ = _flash(query, key, value, causal, scale)
     return out
