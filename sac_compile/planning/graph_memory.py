@@ -53,8 +53,9 @@ def graph_ring(gm: torch.fx.GraphModule) -> tuple[int, int]:
     ranks: its transient becomes at least ``base + cp * per_rank``; returns ``(base,
     per_rank)`` (``(0, 0)`` without such an op; ``base`` below 0 where the kernel runs after
     much of the graph's inputs are freed, as a no-checkpoint layer's attention does). Beside
-    the one kernel's outputs, the ring holds float32 gradient accumulators for the query, keys and values, the keys and values
-    concatenated to send (``p kv``) and every rank's all-gathered (``cp p kv``), the previous
+    the one kernel's outputs, the ring holds float32 gradient accumulators for the query,
+    keys and values, the keys and values concatenated to send (``p kv``) and every rank's
+    all-gathered (``cp p kv``), the previous
     step's kernel gradients while the next runs (``p (q + kv)``), and the float32 key and value
     gradients concatenated and received around the ring (``2 x 4 kv``): ``q`` and ``kv`` the
     query's and the keys' and values' elements, ``p`` their width. For one attention that is

@@ -85,8 +85,8 @@ class PartitionEach:
                 self.figures[key][1] += graph_costly_flops(bw)
                 transient, ring = backward_figures(bw)
                 self.figures[key][2] = max(self.figures[key][2], transient)
-                held = self.figures[key]
-                held[11:13] = larger_ring((held[11], held[12]), ring)
+                found = self.figures[key]
+                found[11:13] = larger_ring((found[11], found[12]), ring)
                 self.figures[key][3] += graph_costly_flops(fw)
                 self.figures[key][4] += graph_traffic(bw)
                 self.figures[key][5] += graph_traffic(fw)

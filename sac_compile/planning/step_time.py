@@ -8,8 +8,8 @@ One model for every configuration (:func:`step_time`):
   other ops move at its memory bandwidth — divided by the device's ``efficiency``: the
   fraction of that roofline a whole compiled step of a published run reached
   (:attr:`~sac_compile.planning.devices.Device.efficiency_source` names the run). Split
-  ``tp`` ways. Attention FLOPs (the config's, the ring's) run instead at the rate the
-  device's attention kernel was measured at, where one was
+  ``tp`` ways. Attention FLOPs (the traced forward's attention kernels', the ring's) run
+  instead at the rate the device's attention kernel was measured at, where one was
   (:attr:`~sac_compile.planning.devices.Device.attention_flops`). Eager layers take
   :data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times as long (from a published pair
   of runs, eager and compiled).
