@@ -55,10 +55,10 @@ def graph_ring(gm: torch.fx.GraphModule) -> tuple[int, int]:
     much of the graph's inputs are freed, as a no-checkpoint layer's attention does). Beside
     the one kernel's outputs, the ring holds float32 gradient accumulators for the query,
     keys and values, the keys and values concatenated to send (``p kv``) and every rank's
-    all-gathered (``cp p kv``), the previous
-    step's kernel gradients while the next runs (``p (q + kv)``), and the float32 key and value
-    gradients concatenated and received around the ring (``2 x 4 kv``): ``q`` and ``kv`` the
-    query's and the keys' and values' elements, ``p`` their width. For one attention that is
+    all-gathered (``cp p kv``), the previous step's kernel gradients while the next runs
+    (``p (q + kv)``), and the float32 key and value gradients concatenated and received around
+    the ring (``2 x 4 kv``): ``q`` and ``kv`` the query's and the keys' and values' elements,
+    ``p`` their width. For one attention that is
     16 (float32) and 23 (bfloat16) query sizes at two ranks against 14.5-15 and 20-22
     measured on gloo ranks, 20 and 27 at four against 21-23 and 24-29; a whole step:
     ``tests/test_context_parallel.py``. Gloo's all-gather allocates temporaries of its own
