@@ -5,8 +5,8 @@ Each run is planned as ``python -m sac_compile plan`` plans it (the model from i
 ``config.json`` on the meta device, one layer of each kind traced with the target's kernels),
 then ``DevicePlan.configuration`` predicts the run's own activation checkpointing (no AC,
 full AC, or torchtitan's per-op SAC: ``planning.op_sac``) on the run's layout. One
-measurement per (config, device, traced shape) serves every run that shares it, eager or
-compiled. Every run's trainer repeated grouped keys and values before attention
+measurement per config and ``Target.measured`` (a GPU's kernels, dtype, traced shape) serves
+every run that shares them, eager or compiled, on any GPU. Every run's trainer repeated grouped keys and values before attention
 (``Target.repeat_kv``: torchtitan's Llama did until 2026-01), and each is planned so.
 
 Published memory is the allocator's max *reserved* (torchtitan's tables) or what the source
@@ -54,6 +54,11 @@ TT_808 = "github.com/pytorch/torchtitan/pull/808 (2025-01-27): Llama 3 8B, 8 H10
 # 2), the loss eager; logged at step 40: "memory: 35.56GiB(37.43%) tps: 1,669 mfu: 9.77%"
 # (bf16), "35.57GiB ... tps: 2,141" (float8 tensorwise)
 AO_1718 = "github.com/pytorch/ao/pull/1718 (2025-02-14): Llama 3 8B, 8 H100s, FSDP 4 x TP 2, batch 1, per-op SAC, compiled"
+# the same torchao float8 maintainer's vanilla-TP report three months after AO_1718: torchtitan's
+# llama3_8b.toml of the time (batch 1, seq 8192, per-op SAC) on 4 H100s with FSDP 2 x TP 2, torch
+# 2.8.0a0 (compiled, as torchtitan's float8 docs of the time require; the loss compiled with the
+# model since 2025-04): "bf16: 5378 TPS, 45.68 GiB peak memory", "float8 rowwise: 5189 TPS, 45.67 GiB"
+TT_1207 = "github.com/pytorch/torchtitan/issues/1207 (2025-05-20): Llama 3 8B, 4 H100s, FSDP 2 x TP 2, batch 1, per-op SAC, compiled"
 # torchtitan's llama3_8b.toml at the PR (batch 1, seq 8192; compile off: layers and loss eager) run on
 # 4 H100s of 95 GiB (44.84 GiB = 47.19%) with --model.flavor 8B_flex_attn (FlexAttention, compiled
 # on its own) --activation_checkpoint.mode full --parallelism.context_parallel_degree 2 (FSDP 2 x
@@ -217,6 +222,35 @@ RUNS = (
         AO_1718 + " (float8 tensorwise)",
         fsdp=4,
         tp=2,
+        float8=True,
+    ),
+    Run(
+        "8B FSDP 2 x TP 2, batch 1, SAC",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        8192,
+        "torchtitan-op",
+        45.68,
+        5378,
+        TT_1207 + " (bf16)",
+        fsdp=2,
+        tp=2,
+        loss="compiled",
+    ),
+    Run(
+        "8B FSDP 2 x TP 2, batch 1, SAC, float8 rowwise",
+        "llama3_8b",
+        "h100-96gb",
+        1,
+        8192,
+        "torchtitan-op",
+        45.67,
+        5189,
+        TT_1207 + " (float8 rowwise)",
+        fsdp=2,
+        tp=2,
+        loss="compiled",
         float8=True,
     ),
     Run(
@@ -627,7 +661,7 @@ def _measured(run: Run, cache: dict) -> object:
     from sac_compile.__main__ import _model
 
     target = _target(run, memory=1 << 60)
-    key = (run.config, run.device, target.traced, target.repeat_kv)  # (measured compiled: eager's too)
+    key = (run.config, target.measured)  # (measured compiled: eager's too)
     if key not in cache:
         model = _model(os.path.join(CONFIGS, run.config + ".json"))
         cache[key] = hf.plan_for(model, None, device=target, include=())
@@ -692,7 +726,7 @@ def calibrate(cache: dict) -> dict[str, float]:
     """The constants the calibrating runs set, in turn (each with the ones before it): a
     compiled run its device's ``efficiency``; an eager run on a device a compiled run set,
     ``EAGER_SLOWDOWN``; another eager run its device's ``efficiency``, over the slowdown.
-    Devices sharing a calibrated device's efficiency take it too. ``planning.catalog`` is
+    Devices whose efficiency names the same source take it too. ``planning.catalog`` is
     left as it was."""
     from sac_compile.planning import devices, step_time
 
@@ -724,7 +758,9 @@ def _calibrate(cache: dict, devices, step_time) -> dict[str, float]:
 
         efficiency = found[run.device] = _solve(seconds, goal, 0.05, 2.0)
         for name, other in list(devices.DEVICES.items()):
-            if other.efficiency == device.efficiency:  # (the H100's: the H200's and MI300X's too)
+            # the devices whose efficiency names this run's source borrow it (the H100's: the
+            # H200's and MI300X's too)
+            if other.efficiency_source == device.efficiency_source:
                 devices.DEVICES[name] = dataclasses.replace(other, efficiency=efficiency)
     return found
 

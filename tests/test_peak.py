@@ -227,6 +227,23 @@ def test_keys_and_values_a_trainer_repeats_are_traced_so_and_a_grouped_rings_cou
         Target("cpu", repeat_kv=True)
 
 
+def test_a_measurement_serves_every_target_equal_in_what_it_measured():
+    """``Target.measured`` names what measuring a layer depends on: a Llama measured for an
+    H100 at FSDP 8 and priced for a B200 at FSDP 2 x TP 2 (the same kind of kernels, shape,
+    dtype) predicts what measuring it for the B200 predicts; a target that traces another
+    shape or repeats keys and values is not equal there."""
+    h100 = Target("h100-80gb", batch=1, seq=256, fsdp=8)
+    b200 = Target("b200", batch=1, seq=256, fsdp=2, tp=2, loss="torchtitan")
+    assert h100.measured == b200.measured
+    assert h100.measured != h100.replace(seq=512).measured != h100.replace(repeat_kv=True).measured
+    reused = dataclasses.replace(
+        hf.plan_for(meta_llama(), None, device=h100, budgets=(None,), include=()), target=b200
+    )
+    fresh = hf.plan_for(meta_llama(), None, device=b200, budgets=(None,), include=())
+    for ac in (None, (), "torchtitan-op"):
+        assert reused.configuration(ac) == fresh.configuration(ac), ac
+
+
 @pytest.mark.slow
 def test_code_compiled_before_at_other_shapes_is_measured_at_static_shapes(tmp_path):
     """A Llama planned, then a DeepSeek-V3 (MoE, MLA) at another sequence length in the same

@@ -218,6 +218,13 @@ class Target:
         return (self.microbatch_size if self.pp > 1 else self.batch), self.seq // self.cp
 
     @property
+    def measured(self) -> tuple[Any, ...]:
+        """What measuring one layer depends on: targets equal here trace a model alike (the
+        rest, the layout, memory and links, is priced after): whether the target runs a GPU's
+        kernels, the parameters' dtype, the traced shape, ``repeat_kv`` and ``offload``."""
+        return (self.device.cuda, self.param_dtype, self.traced, self.repeat_kv, self.offload)  # type: ignore[union-attr]
+
+    @property
     def host(self) -> HostLink:
         """The :class:`~sac_compile.planning.host.HostLink` offloaded values cross."""
         return HOST_LINKS[self.host_link or self.device.host_link]  # type: ignore[union-attr]
