@@ -228,6 +228,9 @@ def plan_command(argv: list[str]) -> int:
         print(
             "  beside it: " + "; ".join(plan_report.peer_line(name, p) for name, p in report["peers"].items())
         )
+        report["faster_peers"] = plan_report.faster(report["step_seconds"], report["peers"])
+        if report["faster_peers"]:
+            print(plan_report.faster_line(report["step_seconds"], report["peers"], report["faster_peers"]))
         fits = plan.fits
     else:  # (the plan's own figures are not this configuration's)
         plan_keys: tuple[str, ...] = ("peak_bytes", "reserved_bytes", "fits", "phase", "breakdown", "groups")

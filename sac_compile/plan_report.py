@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["configuration", "peer_line", "peers", "report", "step_json"]
+__all__ = ["configuration", "faster", "faster_line", "peer_line", "peers", "report", "step_json"]
 
 
 def report(plan: Any, seconds: float) -> dict[str, Any]:
@@ -118,3 +118,23 @@ def peer_line(name: str, found: dict[str, Any], *, full: bool = False) -> str:
         terms = (f"    {t:<20}{v / scale:>10.2f} {unit}" for t, v in found["breakdown"].items() if v)
         line = "\n".join([line, *terms])
     return line
+
+
+def faster(step_seconds: float, peers: dict[str, dict[str, Any]]) -> list[str]:
+    """The peers that fit and are predicted a shorter step than the plan's. The plan takes the
+    least recomputed FLOPs that fit, and the step estimate also counts the memory traffic of
+    what is recomputed (the cheap ops a kept region's layer still recomputes): with memory to
+    spare no AC, or a peer that recomputes other ops, can step faster."""
+    return [name for name, p in peers.items() if p["fits"] and p["step_seconds"] < step_seconds]
+
+
+def faster_line(step_seconds: float, peers: dict[str, dict[str, Any]], names: list[str]) -> str:
+    """One line naming :func:`faster`'s peers with their shorter steps."""
+
+    def one(name: str) -> str:
+        found = peers[name]
+        scale, unit = (2**30, "GiB") if found["reserved_bytes"] >= 2**30 else (2**20, "MiB")
+        shorter = 1 - found["step_seconds"] / step_seconds
+        return f"{name} ({shorter:.1%} shorter step, {found['reserved_bytes'] / scale:.2f} {unit} reserved)"
+
+    return "  fits and steps faster than the plan: " + "; ".join(one(name) for name in names)

@@ -408,6 +408,14 @@ def test_the_plan_command_writes_the_plan(tmp_path):
     assert "beside it: no AC: peak" in done.stdout and "full AC: peak" in done.stdout, done.stdout
     assert peers["full AC"]["peak_bytes"] <= plan["peak_bytes"] <= peers["no AC"]["peak_bytes"], peers
     assert peers["full AC"]["step_seconds"] >= plan["step_seconds"] >= peers["no AC"]["step_seconds"], peers
+    # with memory to spare no AC fits and steps faster (the plan's kept regions still recompute
+    # cheap ops): named, as is every peer that fits and is predicted faster, and no other
+    assert "no AC" in plan["faster_peers"] and "full AC" not in plan["faster_peers"], plan["faster_peers"]
+    for name, peer in peers.items():
+        assert (name in plan["faster_peers"]) == (
+            peer["fits"] and peer["step_seconds"] < plan["step_seconds"]
+        )
+    assert "fits and steps faster than the plan: no AC (" in done.stdout, done.stdout
     # torchtitan's per-op SAC and PyTorch's budget alone beside them
     titan = peers["torchtitan op SAC"]
     assert peers["full AC"]["peak_bytes"] < titan["peak_bytes"] < peers["no AC"]["peak_bytes"], peers
