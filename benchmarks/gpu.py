@@ -23,8 +23,10 @@ feed-forward offloaded to this host's memory, compiled and with the eager engine
 beside the measured one (``torch.cuda.max_memory_allocated`` from zero; on a CPU the
 allocator's timeline, ``sac_compile._compat.profiler.allocation_peak``, plus what was live),
 and the step estimate (``planning.step_time``) beside the measured median step; on a GPU also the
-predicted reserved peak beside ``torch.cuda.max_memory_reserved`` (the caching allocator's
-fragmentation, not modelled: printed, not checked). Exit 1 when a loss differs or
+predicted reserved peak beside ``torch.cuda.max_memory_reserved`` (the caching allocator: its
+streams' pools and an eager loss's slack modelled, other fragmentation not: printed, not
+checked), and torchtitan's eager loss alone, its reserved slack beside ``planning.allocator``'s
+replay. Exit 1 when a loss differs or
 a predicted peak is more than ``--peak-tolerance`` off the measured one.
 
 Sized to finish in under 5 minutes on one GPU at the defaults; ``tests/test_gpu_benchmark.py``
@@ -213,6 +215,8 @@ def main(argv=None) -> int:
     problems += eager_offload_gradients(args, ids, kwargs)
     if args.model != "demo":
         problems += predicted_beside_measured(args, ids)
+    if cuda:
+        loss_slack_beside_measured(args)
     if problems:
         print("\n".join(problems))
         return 1
@@ -359,6 +363,36 @@ def predicted_beside_measured(args, ids) -> list[str]:
         "the CPU's is its own measured rates, efficiency 1)"
     )
     return problems
+
+
+def loss_slack_beside_measured(args) -> None:
+    """torchtitan's eager loss alone (``cross_entropy(pred.flatten(0, 1).float(), ...)``,
+    ``del pred``, backward) at ``--batch`` x ``--seq`` x ``--vocab``: what the allocator
+    reserved beyond the allocated peak beside ``planning.allocator``'s replay of that loss
+    (printed, not checked). The replay leaves the same hole with expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, as torchtitan runs) and without
+    (the freed logits' segment too small for a float32 gradient)."""
+    from sac_compile.planning.allocator import loss_slack
+
+    b, s, v, h = args.batch, args.seq, args.vocab, args.d
+    hidden = torch.randn(b, s, h, device=args.device, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, device=args.device, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, v, (b, s), device=args.device)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    pred = hidden @ weight.t()
+    loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+    del pred
+    loss.backward()
+    torch.cuda.synchronize()
+    measured = (torch.cuda.max_memory_reserved() - reserved) - (torch.cuda.max_memory_allocated() - allocated)
+    predicted = loss_slack("torchtitan", b * s * v * 4, b * s * v * 2, 1)
+    print(
+        f"torchtitan's eager loss, {b} x {s} x {v}: reserved beyond the allocated peak {measured / 2**20:.1f} MiB "
+        f"measured, {predicted / 2**20:.1f} MiB predicted (planning.allocator)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ def test_torchtitans_8b_fsdp_runs_are_predicted_within_the_bars(cache):
     """torchtitan's published 8B runs on H100s (Table 1 and 3), compiled and eager: one trace
     serves all four. The compiled FSDP 8 run set the H100's efficiency and the eager one the
     eager slowdown; the FSDP 128 runs' tokens/s check them (eager within 5%: 1.18x without
-    the slowdown), and every reserved memory is within 12% (the bar for bf16 runs)."""
+    the slowdown), and every reserved memory is within 12% (the bar for bf16 runs) and above
+    0.93 of the published: their peak is at torchtitan's eager loss, where the allocator's
+    slack (one bf16 logits-sized hole, 3.9 GiB) is counted (0.89-0.90 without it)."""
     import published
 
     runs = {r.name: r for r in published.RUNS}
@@ -35,7 +37,8 @@ def test_torchtitans_8b_fsdp_runs_are_predicted_within_the_bars(cache):
     rows = [published.predict(runs[name], cache) for name in names]
     assert len(cache) - before <= 1  # one measurement (none where another test made it)
     for row in rows:
-        assert abs(row["memory_ratio"] - 1) < 0.12, row
+        assert abs(row["memory_ratio"] - 1) < 0.12 and row["memory_ratio"] > 0.93, row
+        assert row["phase"] == "loss backward", row
         assert abs(row["tps_ratio"] - 1) < 0.30, row
     fsdp8, fsdp128, eager8, eager128 = rows
     assert fsdp8["tps_ratio"] == pytest.approx(1.0, abs=0.01)  # (it calibrates)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .allocator import loss_slack
 from .devices import OPTIMIZER_STATES, PP_SCHEDULES, Target, parse_loss
 
 __all__ = [
@@ -229,14 +230,22 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         )
     )
     phase, breakdown = max(phases, key=lambda p: sum(p[1].values()))
-    reserved = sum(breakdown.values())
+    # a GPU's caching allocator's slack at an eager loss (the loss's holes no other block fits:
+    # .allocator), reserved from the loss's backward on; a pipeline's head is not replayed
+    slack = 0
+    if stage.head and target.pp == 1 and target.device.cuda:  # type: ignore[union-attr]
+        slack = loss_slack(target.loss, model.logits_bytes, model.model_logits_bytes, _logits_split(target))
+    reserved = max(sum(t.values()) + (slack if name == "loss backward" else 0) for name, t in phases)
     if shard > 1:  # FSDP2's all-gathers and reduce-scatters allocate in their own streams' pools
         # (with pp the stage's unsharded parameters and gradients stay in fsdp_buffers all
         # along: counted as they are)
         most = max(rank.gathered + [0])
         gather_pool = 0 if target.pp > 1 else rank.root + int(2 * most * param_b)
         pooled = ("gradients",) if target.pp > 1 else ("gradients", "fsdp_buffers")
-        reserved = max(sum(v for k, v in t.items() if k not in pooled) for _, t in phases)
+        reserved = max(
+            sum(v for k, v in t.items() if k not in pooled) + (slack if name == "loss backward" else 0)
+            for name, t in phases
+        )
         reserved += gather_pool + done + int(most * rank.reduce_b)
     return Peak(sum(breakdown.values()), phase, breakdown, reserved)
 

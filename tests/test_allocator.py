@@ -1,0 +1,117 @@
+"""``planning.allocator``: the caching allocator's model replayed, and the loss's allocation
+sequences it replays, checked against the order CPU autograd allocates and frees them."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from sac_compile.planning.allocator import loss_events, loss_slack, replay
+from sac_compile.planning.devices import Target
+from sac_compile.planning.peak import ModelSizes, head_logits_bytes
+
+
+def test_replay_takes_the_best_fit_merges_freed_neighbours_and_grows_the_free_tail():
+    """Holes of 5 and 3 (units): a request of 3 takes the 3 (first fit would split the 5 and
+    leave the 5 no room: 15 reserved); two freed neighbours of 1 and 3 hold a 4 (unmerged they
+    would not: 14); a 3 where only the free tail of 1 lies grows the tail (appended: 13)."""
+    a = [("alloc", "a", 5), ("alloc", "x", 1), ("alloc", "b", 3), ("alloc", "y", 1)]
+    a += [("free", "a", 0), ("free", "b", 0), ("alloc", "c", 3), ("alloc", "d", 5)]
+    assert replay(a) == (10, 10)
+    a += [("free", "x", 0), ("free", "c", 0), ("alloc", "e", 4)]
+    assert replay(a) == (10, 10)
+    a += [("free", "y", 0), ("alloc", "g", 3)]
+    assert replay(a) == (12, 12)
+
+
+class _Record(TorchDispatchMode):
+    """Each new storage an op's output holds of at least ``least`` bytes, allocated and (by a
+    weak reference's callback) freed, in order."""
+
+    def __init__(self, least: int) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str, int]] = []
+        self.least, self.refs = least, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if st.nbytes() < self.least or key in inputs or key in self.refs:
+                continue
+            name = f"{func.__name__}#{len(self.events)}"
+            self.events.append(("alloc", name, st.nbytes()))
+            self.refs[key] = weakref.ref(st, lambda _, n=name, k=key: self._free(n, k))
+        return out
+
+    def _free(self, name: str, key: int) -> None:
+        self.events.append(("free", name, 0))
+        self.refs.pop(key, None)
+
+
+def _recorded(kind: str, dtype: torch.dtype) -> tuple[list[tuple[str, str, int]], int]:
+    """torchtitan's loss (``cross_entropy(pred.flatten(0, 1).float(), ...)``, ``del pred``
+    before the backward) or transformers' (the logits alive in the model's output), from the
+    output projection to its backward, on CPU tensors: the logits-sized allocations."""
+    b, s, v, h = 2, 16, 512, 8
+    hidden = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+    weight = torch.randn(v, h, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, v, (b, s))
+    logits = b * s * v * dtype.itemsize
+    with _Record(logits // 2) as record:
+        pred = hidden @ weight.t()
+        loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+        if kind == "torchtitan":
+            del pred
+        loss.backward()
+        if kind == "transformers":
+            del pred
+    return record.events, b * s * v * 4
+
+
+@pytest.mark.parametrize("kind", ["torchtitan", "transformers"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_loss_sequence_replayed_is_the_one_autograd_runs(kind, dtype):
+    """The sequence ``loss_events`` writes for an eager loss is, size for size and in order,
+    what CPU autograd allocates and frees from the output projection on; replayed,
+    torchtitan's loss (its logits freed before the backward) leaves a hole of the model's
+    logits' size, transformers' none, and a float32 model's none."""
+    recorded, f = _recorded(kind, dtype)
+    m = f // 2 if dtype == torch.bfloat16 else 0
+    ours = loss_events(kind, f, m, parallel=False)
+    assert [(e[0], e[2]) for e in recorded] == [(e[0], e[2]) for e in ours], recorded
+    live, reserved = replay(ours)
+    assert reserved - live == (m if kind == "torchtitan" else 0)
+
+
+def test_the_replayed_live_peak_is_the_heads_logits_term_and_loss_parallel_leaves_the_same_hole():
+    """The live peak of each replayed loss is what the step's peak counts at the loss
+    (``head_logits_bytes``: three float32 logits, four under loss parallelism, and for
+    transformers' loss the model's logits beside them); DTensor's loss parallelism (its
+    log-softmax shifts and exponentiates, its backward ``(zeros + exp(x)) * grad``) leaves
+    torchtitan's hole too. ``loss_slack`` counts it per rank; a compiled or chunked loss is not
+    replayed."""
+    f, m = 8 << 20, 4 << 20
+    sizes = ModelSizes(
+        params=0, head_saved_bytes=0, head_transient_bytes=0, logits_bytes=f, model_logits_bytes=m
+    )
+    for kind in ("torchtitan", "transformers"):
+        for tp in (1, 4):
+            target = Target("h100-80gb", tp=tp, loss=kind)
+            live, reserved = replay(loss_events(kind, f // tp, m // tp, parallel=tp > 1))
+            assert live == head_logits_bytes(sizes, target) // tp, (kind, tp)
+            slack = m // tp if kind == "torchtitan" else 0
+            assert reserved - live == slack == loss_slack(kind, f, m, tp), (kind, tp)
+    assert loss_slack("compiled", f, m, 1) == loss_slack("chunked:4", f, m, 1) == 0
