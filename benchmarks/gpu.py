@@ -391,7 +391,8 @@ def loss_slack_beside_measured(args) -> None:
     predicted = loss_slack("torchtitan", b * s * v * 4, b * s * v * 2, 1)
     print(
         f"torchtitan's eager loss, {b} x {s} x {v}: reserved beyond the allocated peak {measured / 2**20:.1f} MiB "
-        f"measured, {predicted / 2**20:.1f} MiB predicted (planning.allocator)"
+        f"measured (with a few MiB of small blocks' segments), {predicted / 2**20:.1f} MiB predicted "
+        f"(planning.allocator); PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}"
     )
 
 

@@ -5,9 +5,10 @@ Each run is planned as ``python -m sac_compile plan`` plans it (the model from i
 ``config.json`` on the meta device, one layer of each kind traced with the target's kernels),
 then ``DevicePlan.configuration`` predicts the run's own activation checkpointing (no AC,
 full AC, or torchtitan's per-op SAC: ``planning.op_sac``) on the run's layout. One
-measurement per config and ``Target.measured`` (a GPU's kernels, dtype, traced shape) serves
-every run that shares them, eager or compiled, on any GPU. Every run's trainer repeated grouped keys and values before attention
-(``Target.repeat_kv``: torchtitan's Llama did until 2026-01), and each is planned so.
+measurement per config and ``Target.measured`` (a GPU's kernels, dtype, traced shape,
+``repeat_kv``, ``offload``) serves every run that shares them, eager or compiled, on any GPU.
+Every run's trainer repeated grouped keys and values before attention (``Target.repeat_kv``:
+torchtitan's Llama did until 2026-01), and each is planned so.
 
 Published memory is the allocator's max *reserved* (torchtitan's tables) or what the source
 names; float8 runs (``float8`` column) convert their linear layers and are planned as the bf16

@@ -28,6 +28,26 @@ def test_replay_takes_the_best_fit_merges_freed_neighbours_and_grows_the_free_ta
     assert replay(a) == (12, 12)
 
 
+def test_replay_merges_either_way_and_takes_the_lower_of_equal_holes():
+    """The upper of two neighbours freed first, then the lower: one hole of 4 (merged only
+    with the block before, the lower would stay apart: a 4 appended, 9). Two holes of 2: a 2
+    takes the lower, so a 3 then finds the upper hole and the freed top beside it merged."""
+    a = [("alloc", "p", 1), ("alloc", "q", 3), ("alloc", "lock", 1)]
+    a += [("free", "q", 0), ("free", "p", 0), ("alloc", "r", 4)]
+    assert replay(a) == (5, 5)
+    b = [("alloc", "lo", 2), ("alloc", "mid", 1), ("alloc", "hi", 2), ("alloc", "top", 1)]
+    b += [
+        ("free", "lo", 0),
+        ("free", "hi", 0),
+        ("alloc", "two", 2),
+        ("free", "top", 0),
+        ("alloc", "three", 3),
+    ]
+    # the 2 in the lower hole; the upper hole (2) and the freed top (1) merged hold the 3 (the
+    # 2 in the upper hole would leave a free tail of 1, grown to 3: 8)
+    assert replay(b) == (6, 6)
+
+
 class _Record(TorchDispatchMode):
     """Each new storage an op's output holds of at least ``least`` bytes, allocated and (by a
     weak reference's callback) freed, in order."""
@@ -81,6 +101,19 @@ def _recorded(kind: str, dtype: torch.dtype) -> tuple[list[tuple[str, str, int]]
     return record.events, b * s * v * 4
 
 
+def _linked(events: list[tuple[str, str, int]]) -> list[tuple[str, int, int]]:
+    """Each event as (kind, bytes, the index of the allocation it is or frees)."""
+    index: dict[str, int] = {}
+    out, made = [], 0
+    for kind, name, size in events:
+        if kind == "alloc":  # (a name freed may be used again)
+            index[name], made = made, made + 1
+            out.append((kind, size, index[name]))
+        else:
+            out.append((kind, 0, index[name]))
+    return out
+
+
 @pytest.mark.parametrize("kind", ["torchtitan", "transformers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_loss_sequence_replayed_is_the_one_autograd_runs(kind, dtype):
@@ -91,9 +124,53 @@ def test_the_loss_sequence_replayed_is_the_one_autograd_runs(kind, dtype):
     recorded, f = _recorded(kind, dtype)
     m = f // 2 if dtype == torch.bfloat16 else 0
     ours = loss_events(kind, f, m, parallel=False)
-    assert [(e[0], e[2]) for e in recorded] == [(e[0], e[2]) for e in ours], recorded
+    assert _linked(recorded) == _linked(ours), recorded
     live, reserved = replay(ours)
     assert reserved - live == (m if kind == "torchtitan" else 0)
+
+
+def test_loss_parallels_sequence_is_the_one_dtensor_runs():
+    """Under DTensor's loss parallelism (one gloo rank, the logits sharded on the vocabulary)
+    the logits-sized allocations and frees the CPU allocator reports (the profiler's
+    timeline), from the output projection to its backward, are ``loss_events``' parallel
+    sequence: the shift, the exponential and the log-softmax forward, ``(zeros + exp(x)) *
+    grad`` backward."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from sac_compile._compat.profiler import allocation_events
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        b, s, v, h = 2, 16, 512, 8
+        hidden = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.randn(v, h, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, v, (b, s))
+
+        def step() -> None:
+            pred = DTensor.from_local(hidden @ weight.t(), mesh, [Shard(2)])
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
+                del pred
+                loss.backward()
+
+        m, f = b * s * v * 2, b * s * v * 4
+        recorded: list[tuple[str, str, int]] = []
+        named: dict[int, str] = {}
+        for ptr, size in allocation_events(step):
+            if size in (m, f):
+                named[ptr] = f"{ptr}#{len(recorded)}"
+                recorded.append(("alloc", named[ptr], size))
+            elif -size in (m, f) and ptr in named:
+                recorded.append(("free", named.pop(ptr), 0))
+    finally:
+        dist.destroy_process_group()
+    assert _linked(recorded) == _linked(loss_events("torchtitan", f, m, parallel=True)), recorded
 
 
 def test_the_replayed_live_peak_is_the_heads_logits_term_and_loss_parallel_leaves_the_same_hole():

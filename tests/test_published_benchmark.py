@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, default_torch_only]
 
 @pytest.fixture(scope="module")
 def cache() -> dict:
-    """One measurement per (config, device, shape), shared by the module's tests."""
+    """One measurement per config and ``Target.measured``, shared by the module's tests."""
     return {}
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["allocation_peak"]
+__all__ = ["allocation_events", "allocation_peak"]
 
 
-def allocation_peak(fn: Callable[[], Any]) -> int:
-    """The most bytes allocated during ``fn()`` and not yet freed, at any moment: the peak
-    above what was live when it started."""
+def allocation_events(fn: Callable[[], Any]) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of every allocation (bytes > 0) and free (bytes < 0) the allocator
+    reports during ``fn()``, in time order (stable: a free and an allocation at one time stay
+    in order)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -32,11 +33,15 @@ def allocation_peak(fn: Callable[[], Any]) -> int:
         event = stack.pop()
         stack.extend(event.children)
         if event.typed[0] == _EventType.Allocation:
-            events.append((event.start_time_ns, event.typed[1].alloc_size))
+            events.append((event.start_time_ns, event.typed[1].ptr, event.typed[1].alloc_size))
+    return [(ptr, size) for _, ptr, size in sorted(events, key=lambda e: e[0])]
+
+
+def allocation_peak(fn: Callable[[], Any]) -> int:
+    """The most bytes allocated during ``fn()`` and not yet freed, at any moment: the peak
+    above what was live when it started."""
     live = peak = 0
-    for _, size in sorted(
-        events, key=lambda e: e[0]
-    ):  # stable: a free and an allocation at one time stay in order
+    for _, size in allocation_events(fn):
         live += size
         peak = max(peak, live)
     return peak

@@ -99,6 +99,10 @@ class ModelSizes:
     kv_bytes: int = 0  # one layer's keys and values at the traced shape (what ring attention passes)
 
 
+#: the phase of the loss's backward (where an eager loss's allocator slack is reserved)
+LOSS_PHASE = "loss backward"
+
+
 @dataclass(frozen=True)
 class Peak:
     """The predicted peak of a step, the phase it falls in and its terms there."""
@@ -232,10 +236,12 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     phase, breakdown = max(phases, key=lambda p: sum(p[1].values()))
     # a GPU's caching allocator's slack at an eager loss (the loss's holes no other block fits:
     # .allocator), reserved from the loss's backward on; a pipeline's head is not replayed
+    # (with TP but no loss parallelism the logits are all-gathered first: not replayed)
     slack = 0
-    if stage.head and target.pp == 1 and target.device.cuda:  # type: ignore[union-attr]
+    replayed = target.tp == 1 or target.loss_parallel
+    if stage.head and target.pp == 1 and replayed and target.device.cuda:  # type: ignore[union-attr]
         slack = loss_slack(target.loss, model.logits_bytes, model.model_logits_bytes, _logits_split(target))
-    reserved = max(sum(t.values()) + (slack if name == "loss backward" else 0) for name, t in phases)
+    reserved = max(sum(t.values()) + (slack if name == LOSS_PHASE else 0) for name, t in phases)
     if shard > 1:  # FSDP2's all-gathers and reduce-scatters allocate in their own streams' pools
         # (with pp the stage's unsharded parameters and gradients stay in fsdp_buffers all
         # along: counted as they are)
@@ -243,7 +249,7 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         gather_pool = 0 if target.pp > 1 else rank.root + int(2 * most * param_b)
         pooled = ("gradients",) if target.pp > 1 else ("gradients", "fsdp_buffers")
         reserved = max(
-            sum(v for k, v in t.items() if k not in pooled) + (slack if name == "loss backward" else 0)
+            sum(v for k, v in t.items() if k not in pooled) + (slack if name == LOSS_PHASE else 0)
             for name, t in phases
         )
         reserved += gather_pool + done + int(most * rank.reduce_b)
@@ -280,7 +286,7 @@ def _backward_phases(
             else _head(model, target),
             "pipeline_buffers": buffers,
         }
-        phases.append(("loss backward", _terms(**rank.base, **extra)))
+        phases.append((LOSS_PHASE, _terms(**rank.base, **extra)))
     for i, gathered in enumerate(rank.gathered):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
         # its gradients unsharded before the reduce-scatter
