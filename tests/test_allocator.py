@@ -3,12 +3,8 @@ sequences it replays, checked against the order CPU autograd allocates and frees
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from sac_compile.planning.allocator import loss_events, loss_slack, replay
 from sac_compile.planning.devices import Target
@@ -48,37 +44,20 @@ def test_replay_merges_either_way_and_takes_the_lower_of_equal_holes():
     assert replay(b) == (6, 6)
 
 
-class _Record(TorchDispatchMode):
-    """Each new storage an op's output holds of at least ``least`` bytes, allocated and (by a
-    weak reference's callback) freed, in order."""
+def _logits_sized(step, sizes: tuple[int, ...]) -> list[tuple[str, str, int]]:
+    """The allocations of ``sizes`` bytes the CPU allocator reports during ``step()`` (the
+    profiler's timeline), and their frees, in order."""
+    from sac_compile._compat.profiler import allocation_events
 
-    def __init__(self, least: int) -> None:
-        super().__init__()
-        self.events: list[tuple[str, str, int]] = []
-        self.least, self.refs = least, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            if st.nbytes() < self.least or key in inputs or key in self.refs:
-                continue
-            name = f"{func.__name__}#{len(self.events)}"
-            self.events.append(("alloc", name, st.nbytes()))
-            self.refs[key] = weakref.ref(st, lambda _, n=name, k=key: self._free(n, k))
-        return out
-
-    def _free(self, name: str, key: int) -> None:
-        self.events.append(("free", name, 0))
-        self.refs.pop(key, None)
+    recorded: list[tuple[str, str, int]] = []
+    named: dict[int, str] = {}
+    for ptr, size in allocation_events(step):
+        if size in sizes:
+            named[ptr] = f"{ptr}#{len(recorded)}"
+            recorded.append(("alloc", named[ptr], size))
+        elif -size in sizes and ptr in named:
+            recorded.append(("free", named.pop(ptr), 0))
+    return recorded
 
 
 def _recorded(kind: str, dtype: torch.dtype) -> tuple[list[tuple[str, str, int]], int]:
@@ -89,16 +68,15 @@ def _recorded(kind: str, dtype: torch.dtype) -> tuple[list[tuple[str, str, int]]
     hidden = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
     weight = torch.randn(v, h, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, v, (b, s))
-    logits = b * s * v * dtype.itemsize
-    with _Record(logits // 2) as record:
+
+    def step() -> None:
         pred = hidden @ weight.t()
         loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
         if kind == "torchtitan":
             del pred
         loss.backward()
-        if kind == "transformers":
-            del pred
-    return record.events, b * s * v * 4
+
+    return _logits_sized(step, (b * s * v * dtype.itemsize, b * s * v * 4)), b * s * v * 4
 
 
 def _linked(events: list[tuple[str, str, int]]) -> list[tuple[str, int, int]]:
@@ -117,8 +95,9 @@ def _linked(events: list[tuple[str, str, int]]) -> list[tuple[str, int, int]]:
 @pytest.mark.parametrize("kind", ["torchtitan", "transformers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_loss_sequence_replayed_is_the_one_autograd_runs(kind, dtype):
-    """The sequence ``loss_events`` writes for an eager loss is, size for size and in order,
-    what CPU autograd allocates and frees from the output projection on; replayed,
+    """The sequence ``loss_events`` writes for an eager loss is, size for size and each free
+    to its allocation, what the CPU allocator reports autograd allocating and freeing from the
+    output projection on; replayed,
     torchtitan's loss (its logits freed before the backward) leaves a hole of the model's
     logits' size, transformers' none, and a float32 model's none."""
     recorded, f = _recorded(kind, dtype)
@@ -140,8 +119,6 @@ def test_loss_parallels_sequence_is_the_one_dtensor_runs():
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from sac_compile._compat.profiler import allocation_events
-
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
@@ -160,14 +137,7 @@ def test_loss_parallels_sequence_is_the_one_dtensor_runs():
                 loss.backward()
 
         m, f = b * s * v * 2, b * s * v * 4
-        recorded: list[tuple[str, str, int]] = []
-        named: dict[int, str] = {}
-        for ptr, size in allocation_events(step):
-            if size in (m, f):
-                named[ptr] = f"{ptr}#{len(recorded)}"
-                recorded.append(("alloc", named[ptr], size))
-            elif -size in (m, f) and ptr in named:
-                recorded.append(("free", named.pop(ptr), 0))
+        recorded = _logits_sized(step, (m, f))
     finally:
         dist.destroy_process_group()
     assert _linked(recorded) == _linked(loss_events("torchtitan", f, m, parallel=True)), recorded

@@ -241,19 +241,20 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     replayed = target.tp == 1 or target.loss_parallel
     if stage.head and target.pp == 1 and replayed and target.device.cuda:  # type: ignore[union-attr]
         slack = loss_slack(target.loss, model.logits_bytes, model.model_logits_bytes, _logits_split(target))
-    reserved = max(sum(t.values()) + (slack if name == LOSS_PHASE else 0) for name, t in phases)
+    pooled: tuple[str, ...] = ()
+    pools = 0
     if shard > 1:  # FSDP2's all-gathers and reduce-scatters allocate in their own streams' pools
         # (with pp the stage's unsharded parameters and gradients stay in fsdp_buffers all
         # along: counted as they are)
         most = max(rank.gathered + [0])
         gather_pool = 0 if target.pp > 1 else rank.root + int(2 * most * param_b)
         pooled = ("gradients",) if target.pp > 1 else ("gradients", "fsdp_buffers")
-        reserved = max(
-            sum(v for k, v in t.items() if k not in pooled) + (slack if name == LOSS_PHASE else 0)
-            for name, t in phases
-        )
-        reserved += gather_pool + done + int(most * rank.reduce_b)
-    return Peak(sum(breakdown.values()), phase, breakdown, reserved)
+        pools = gather_pool + done + int(most * rank.reduce_b)
+    default_stream = max(
+        sum(v for k, v in t.items() if k not in pooled) + (slack if name == LOSS_PHASE else 0)
+        for name, t in phases
+    )
+    return Peak(sum(breakdown.values()), phase, breakdown, default_stream + pools)
 
 
 def _backward_phases(
