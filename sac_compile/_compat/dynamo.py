@@ -6,7 +6,9 @@ first use only.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,8 +16,10 @@ import torch
 from . import private
 
 __all__ = [
+    "TorchCompileCall",
     "aot_cache_hits",
     "compiled_original",
+    "torch_compile_call",
     "compiled_self",
     "compiling_resume_of",
     "current_compile_id",
@@ -44,6 +48,79 @@ def compiled_original(fn: Any) -> Any:
     ``_torchdynamo_orig_callable``, which ``torch/_dynamo/eval_frame.py`` sets), else None."""
     original = getattr(fn, "_torchdynamo_orig_callable", None) if callable(fn) else None
     return original if getattr(original, "__code__", None) is not None else None
+
+
+@dataclass(frozen=True)
+class TorchCompileCall:
+    """What ``torch.compile(fn, ...)`` was called with, read off the wrapper it returned."""
+
+    backend: Any  # "inductor", or the backend torch.compile was given (a name's callable)
+    backend_name: str  # as torch.compile names it ("inductor", "aot_eager", a class's name)
+    fullgraph: bool
+    dynamic: bool | None
+    inductor_config: dict[str, Any]  # backend="inductor": the config its mode / options set
+    backend_kwargs: dict[str, Any]  # any other backend: the mode / options passed on to it
+
+
+def torch_compile_call(fn: Any) -> TorchCompileCall | None:
+    """The arguments of the ``torch.compile`` that returned ``fn``, or None when they cannot be
+    read (``fn`` is not such a wrapper, or torch stores them otherwise).
+
+    Relies on ``torch/_dynamo/eval_frame.py``: the wrapper (``compile_wrapper``) closes over the
+    ``OptimizeContext`` (free variable ``self``: ``fullgraph``, ``_dynamic``, ``callback``); the
+    callback's ``_torchdynamo_orig_backend`` chain ends at ``torch.compile``'s backend wrapper
+    (``_TorchCompileInductorWrapper``: ``config``; ``_TorchCompileWrapper``: ``compiler_fn``,
+    ``compiler_name``, ``kwargs``) in ``torch/__init__.py``.
+    """
+    if compiled_original(fn) is None and not callable(getattr(fn, "_torchdynamo_orig_callable", None)):
+        return None
+    code = getattr(fn, "__code__", None)
+    cells = dict(zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()))
+    try:
+        context = cells["self"].cell_contents
+        fullgraph, dynamic, backend = bool(context.fullgraph), context._dynamic, context.callback
+    except (KeyError, AttributeError, ValueError):
+        return None
+    for _ in range(8):
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None or inner is backend:
+            break
+        backend = inner
+    kind = type(backend).__name__
+    if kind == "_TorchCompileInductorWrapper":
+        config = getattr(backend, "config", None)
+        if not isinstance(config, dict):
+            return None
+        return TorchCompileCall("inductor", "inductor", fullgraph, dynamic, dict(config), {})
+    if kind == "_TorchCompileWrapper":
+        name, compiler, kwargs = (
+            getattr(backend, k, None) for k in ("compiler_name", "compiler_fn", "kwargs")
+        )
+        if compiler is None or not isinstance(kwargs, dict):
+            return None
+        return TorchCompileCall(
+            unwrap_dynamo_backend(compiler), str(name), fullgraph, dynamic, {}, dict(kwargs)
+        )
+    return None
+
+
+def compiled_function(fn: Any) -> Any:
+    """The plain function behind ``torch.compile`` wrappers and bound methods of them (a
+    method compiled, then its class's compiled method compiled again through an instance),
+    with the instance it was bound to: ``(function, self or None)``; ``(None, None)`` when
+    ``fn`` was not compiled."""
+    bound, compiled = None, False
+    for _ in range(8):
+        if isinstance(fn, types.MethodType):
+            bound, fn = fn.__self__, fn.__func__
+            continue
+        inner = getattr(fn, "_torchdynamo_orig_callable", None) if callable(fn) else None
+        if inner is None:
+            break
+        compiled, fn = True, inner
+    if not compiled or not isinstance(fn, types.FunctionType):
+        return None, None
+    return fn, bound
 
 
 def has_compiled_call(module: torch.nn.Module) -> bool:

@@ -48,7 +48,7 @@ from .core import (
 )
 from .eager import where_in
 
-__all__ = ["claim_trace", "marker_traced", "regions_compiled_in"]
+__all__ = ["claim_trace", "marker_traced", "note_routed", "regions_compiled_in"]
 
 log = logging.getLogger("sac_compile")
 
@@ -86,6 +86,18 @@ _watched: dict[str | None, _Watch] = {}
 _compiled_regions: dict[Any, frozenset[str]] = {}
 
 
+# codes of the compiled methods a seam routes (note_routed): their regions are noted whenever
+# Dynamo traces them, inside the engine or not (a method first compiled by a layer left
+# unwrapped, or under a full recompute, is kept from then on: its code's graphs are cached)
+_routed_codes: set[Any] = set()
+
+
+def note_routed(code: Any) -> None:
+    """A seam routes the compiled method whose code is ``code`` through the eager engine."""
+    with _lock:
+        _routed_codes.add(code)
+
+
 def regions_compiled_in(code: Any) -> frozenset[str]:
     """The region names Dynamo traced so far in the compiled method whose code is ``code``,
     while the eager engine ran it (empty until it has been compiled so)."""
@@ -120,12 +132,27 @@ def marker_traced(kind: str, payload: tuple, sink: object = None) -> None:
     Never breaks a compile: only a strict-mode diagnosis propagates.
     """
     try:
-        if not _inside_eager_checkpoint(kind, payload, sink):
+        if not _routed_method(kind, payload, sink) and not _inside_eager_checkpoint(kind, payload, sink):
             _marker_traced(kind, payload)
     except (SacDiagnosticError, TorchApiMoved):
         raise  # strict mode; a private torch API that moved must be loud, not a silent no-op
     except Exception as e:  # a diagnostics bug must not fail the user's compile
         log.debug("sac_compile: trace-time diagnostics failed: %r", e)
+
+
+def _routed_method(kind: str, payload: tuple, sink: object) -> bool:
+    """Dynamo traces a region in a compiled method that a seam routes, outside the eager engine
+    (the engine's own sightings: :func:`_inside_eager_checkpoint`; a layer of the class left
+    unwrapped, or fully recomputed): noted for the engine, whose later calls keep it (the code's
+    graphs are cached from then on); nothing to report outside the engine."""
+    if sink is not None or MarkerKind(kind).is_scope or not _routed_codes:
+        return False
+    code = getattr(dynamo.current_dynamo_tx(), "f_code", None)
+    if code is None or code not in _routed_codes:
+        return False
+    with _lock:
+        _compiled_regions[code] = _compiled_regions.get(code, frozenset()) | {str(payload[0])}
+    return True
 
 
 def _inside_eager_checkpoint(kind: str, payload: tuple, sink: object) -> bool:

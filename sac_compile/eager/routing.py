@@ -15,9 +15,10 @@ import torch
 import torch.nn as nn
 
 from .._compat.dynamo import compiled_original
+from ..diagnostics.trace_watch import note_routed
 from .session import current_session
 
-__all__ = ["routed_compiled_methods"]
+__all__ = ["route_submodules", "routed_compiled_methods", "unroute_submodules"]
 
 
 # Note [compiled methods inside the seam]
@@ -28,7 +29,11 @@ __all__ = ["routed_compiled_methods"]
 # the layer's class that torch.compile wrapped (found when the class is generated) with one
 # that hands the call to the eager engine's session (EagerSession.call_compiled), which runs
 # it once per step when it holds a kept region. Traced by an outer compile, or outside the
-# engine, the override calls the compiled method as it is.
+# engine, the override calls the compiled method as it is. Methods compiled on a submodule's
+# class (xtuner: the MoE block's forward, the attention module's forward, the inner decoder
+# layer of an MTP layer) are routed the same way: the seam swaps each such submodule's class for
+# a generated subclass with the overrides (route_submodules), named as the original, pickled as
+# the original (the seam routes it again when the wrapped layer is unpickled or copied).
 
 
 def routed_compiled_methods(cls: type[nn.Module]) -> dict[str, Any]:
@@ -45,6 +50,8 @@ def routed_compiled_methods(cls: type[nn.Module]) -> dict[str, Any]:
 
 
 def _route(compiled: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    note_routed(original.__code__)
+
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return compiled(self, *args, **kwargs)
@@ -56,3 +63,71 @@ def _route(compiled: Callable[..., Any], original: Callable[..., Any]) -> Callab
     functools.update_wrapper(method, original)
     cast(Any, method).__wrapped__ = compiled  # (the class key in _subclass_for reads it)
     return method
+
+
+_ROUTED_CLASS = "_sac_routed_class"  # marks route_submodules's generated classes
+_SUBCLASSES: dict[tuple[Any, ...], type[nn.Module]] = {}
+
+
+def route_submodules(module: nn.Module) -> list[str]:
+    """Route the compiled methods of every submodule of ``module`` (not ``module`` itself, whose
+    class the seam generates, nor a submodule wrapped by a seam of its own); returns the paths
+    of the submodules routed."""
+    routed: list[str] = []
+    stack = [("", child, name) for name, child in module.named_children()]
+    while stack:
+        prefix, sub, name = stack.pop()
+        path = f"{prefix}{name}"
+        if "_sac_seam" in sub.__dict__:
+            continue  # (its own seam routes its methods)
+        cls = type(sub)
+        if cls.__dict__.get(_ROUTED_CLASS) is not True:
+            klass = _routing_class(cls)
+            if klass is not None:
+                sub.__class__ = klass
+                routed.append(path)
+        stack.extend((f"{path}.", child, n) for n, child in sub.named_children())
+    return routed
+
+
+def unroute_submodules(module: nn.Module) -> None:
+    """Undo :func:`route_submodules` on every module under ``module``."""
+    for sub in module.modules():
+        if type(sub).__dict__.get(_ROUTED_CLASS) is True:
+            sub.__class__ = type(sub).__mro__[1]
+
+
+def _routing_class(cls: type[nn.Module]) -> type[nn.Module] | None:
+    """``cls`` with its compiled methods routed (None when it has none)."""
+    routed = routed_compiled_methods(cls)
+    if not routed:
+        return None
+    key = (cls, tuple(sorted((name, id(fn.__wrapped__)) for name, fn in routed.items())))
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = cast(
+            "type[nn.Module]",
+            type(
+                cls.__name__,
+                (cls,),
+                {
+                    **routed,
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                    _ROUTED_CLASS: True,
+                    "__reduce_ex__": _routed_reduce_ex,
+                },
+            ),
+        )
+    return _SUBCLASSES[key]
+
+
+def _routed_reduce_ex(self: nn.Module, protocol: Any) -> Any:
+    klass = type(self)
+    if klass.__dict__.get(_ROUTED_CLASS) is not True:  # a class made from ours (fully_shard): its own way
+        return object.__reduce_ex__(self, protocol)
+    return _unrouted, (klass.__mro__[1],), self.__getstate__()
+
+
+def _unrouted(cls: type[nn.Module]) -> nn.Module:
+    """An instance of the original class (the wrapped layer's unpickling routes it again)."""
+    return cls.__new__(cls)
