@@ -85,4 +85,4 @@ if not TYPE_CHECKING:  # (a module __getattr__ would make a type checker accept 
 # the planner (sac_compile.planning.advice: one INFO line when a plan dominates a keep set).
 _session.set_advisor(_advice.advise)
 
-__version__ = "0.8.0"
+__version__ = "0.9.0"

@@ -21,6 +21,7 @@ from typing import TypeVar, cast
 __all__ = [
     "ENTER_WITHOUT_EXIT",
     "EXIT_WITHOUT_ENTER",
+    "POLICY_SCOPE",
     "MarkerKind",
     "OpenRegions",
     "balance",
@@ -29,6 +30,10 @@ __all__ = [
 
 EXIT_WITHOUT_ENTER = "exit without enter"
 ENTER_WITHOUT_EXIT = "enter without exit"
+#: a scope marker's id when the layer inside is checkpointed by PyTorch's selective checkpointing
+#: (Note [a seam inside a checkpoint compiled without the pass] in sac_compile/policy_checkpoint.py;
+#: 0: a wrapped layer's scope, 1: a layer compiled on its own, sac_compile.markers.regions)
+POLICY_SCOPE = 2
 
 
 class MarkerKind(str, enum.Enum):

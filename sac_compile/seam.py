@@ -37,7 +37,6 @@ undoes the wrapping.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 from typing import Any, SupportsIndex, cast
 
@@ -45,13 +44,14 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from . import policy_checkpoint
 from ._compat import frames
 from ._compat import transformers as transformers_layers
 from ._compat.dynamo import drop_compiled_call, has_compiled_call, unwrap_compiled
 from ._compat.nn import CALL_IMPL, next_call_impl
-from .arguments import BACKEND_KEYS, COMPILE_KEYS, Compile, SeamConfig
-from .compiled_forward import adopted_forward, compile_options_of, is_adopted, user_forward
-from .compiler.backend import backend_for
+from .arguments import Compile, SeamConfig
+from .compiled_forward import FORWARD_SCOPE, USER_FORWARD, forward_is_scope, scope_forward
+from .compiler.adopt import backend_and_compile_kwargs
 from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
@@ -155,11 +155,11 @@ def wrap(module: nn.Module, config: SeamConfig) -> nn.Module:
             "apply_selective_checkpointing first (or pass compile=True to it)"
         )
     if config.compile_options is not None:
-        _backend_and_compile_kwargs(config)  # bad mode / options fail here, not at the first call
+        backend_and_compile_kwargs(config)  # bad mode / options fail here, not at the first call
     cast(Any, module)._sac_seam = config
     module.__class__ = _subclass_for(type(module), config)
     _compile(module, config)
-    _forward_is_scope(module, config)  # an instance forward compiled before wrapping
+    forward_is_scope(module, config)  # an instance forward compiled before wrapping
     route_submodules(module)  # Note [compiled methods inside the seam] in sac_compile/eager/routing.py
     return module
 
@@ -189,8 +189,8 @@ def remove_selective_checkpointing(module: nn.Module) -> nn.Module:
             )
         sub.__class__ = type(sub).__mro__[1]
         del sub._sac_seam
-        if _USER_FORWARD in sub.__dict__:
-            sub.__dict__["forward"] = sub.__dict__.pop(_USER_FORWARD)
+        if USER_FORWARD in sub.__dict__:
+            sub.__dict__["forward"] = sub.__dict__.pop(USER_FORWARD)
         if config.compile_options is not None:
             drop_compiled_call(sub)
     unroute_submodules(root)
@@ -202,75 +202,31 @@ def _described(config: SeamConfig) -> str:
     return f"{config.actions.arguments()}, compile={config.compile_options}"
 
 
-def _backend_and_compile_kwargs(config: SeamConfig) -> tuple[Any, dict[str, Any]]:
-    """The backend and the ``torch.compile`` arguments of a ``compile=...`` wrap."""
-    opts = config.compile_kwargs()
-    backend = backend_for(config.actions, **{k: v for k, v in opts.items() if k in BACKEND_KEYS})
-    backend.compile_patches(opts.get("mode"), opts.get("options"))  # raises for bad ones
-    return backend, {k: v for k, v in opts.items() if k in COMPILE_KEYS}
-
-
 def _compile(module: nn.Module, config: SeamConfig) -> None:
     """Compile a ``compile=...`` wrap (at wrapping, and again when it is unpickled or copied:
     ``nn.Module.__getstate__`` drops the compiled call)."""
     if config.compile_options is not None:
-        backend, kwargs = _backend_and_compile_kwargs(config)
+        backend, kwargs = backend_and_compile_kwargs(config)
         module.compile(backend=backend, **kwargs)
 
 
 # the generated class's attribute holding its transformers cache-argument positions
 _CACHE_ARGS = "_sac_cache_args"
-# the generated class's: its forward is the seam's compile of the class's compiled forward
-_FORWARD_SCOPE = "_sac_forward_scope"
-# an instance's compiled forward the seam compiled again (put back by remove_selective_checkpointing)
-_USER_FORWARD = "_sac_user_forward"
-
-
-def _scope_forward(compiled: Any, config: SeamConfig, where: str) -> Any:
-    """The seam's compile of ``compiled``, a user's ``torch.compile`` of the layer's forward, with
-    the user's options and the layer's actions (Note [a compiled forward is the layer's scope])."""
-    function, _ = user_forward(compiled)
-    assert function is not None
-    scoped = SeamConfig(config.actions, config.preserve_rng_state, compile_options_of(compiled, where))
-    backend, kwargs = _backend_and_compile_kwargs(scoped)
-    return adopted_forward(function, backend, kwargs)
-
-
-def _forward_is_scope(module: nn.Module, config: SeamConfig) -> bool:
-    """Whether ``module``'s forward is the seam's compile of a compiled forward (its graph is the
-    layer's scope): its class's, or an instance attribute the user compiled, compiled again here
-    when first seen (at wrapping, or at the first call after ``layer.forward = torch.compile(...)``)."""
-    if config.compile_options is not None:
-        return False  # (the seam compiles the layer's whole call: a compiled forward is traced inline)
-    forward = module.__dict__.get("forward")
-    if forward is None:
-        return getattr(type(module), _FORWARD_SCOPE, False) is True
-    if is_adopted(forward):
-        return True
-    function, bound = user_forward(forward)
-    if function is None:
-        return False  # (not torch.compile's: another library's forward, left as it is)
-    if bound is not None and bound is not module:
-        return False  # (another object's method compiled: not this layer's forward)
-    scoped = _scope_forward(forward, config, f"{user_class_name(type(module))}.forward (set on the instance)")
-    module.__dict__[_USER_FORWARD] = forward
-    module.__dict__["forward"] = scoped if bound is None else types.MethodType(scoped, module)
-    return True
 
 
 def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
     """The generated subclass of ``cls`` whose ``_call_impl`` applies the seam."""
     routed = routed_compiled_methods(cls)  # Note [compiled methods inside the seam]
-    scope_forward = {}
+    forward: dict[str, Any] = {}
     if "forward" in routed and config.compile_options is None:
         # Note [a compiled forward is the layer's scope] in sac_compile/compiled_forward.py
         del routed["forward"]
-        scope_forward = {"forward": _scope_forward(cls.forward, config, f"{cls.__qualname__}.forward")}
+        forward = {"forward": scope_forward(cls.forward, config, f"{cls.__qualname__}.forward")}
     key = (
         cls,
         # (a method compiled again, by another backend, is another class)
         tuple(sorted((name, id(fn.__wrapped__)) for name, fn in routed.items())),
-        tuple(id(fn) for fn in scope_forward.values()),
+        tuple(id(fn) for fn in forward.values()),
         config.actions.text,
         config.preserve_rng_state,
         repr(config.compile_options),
@@ -288,8 +244,8 @@ def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
                 (cls,),
                 {
                     **routed,
-                    **scope_forward,
-                    _FORWARD_SCOPE: bool(scope_forward),
+                    **forward,
+                    FORWARD_SCOPE: bool(forward),
                     CALL_IMPL: call_impl,
                     "__module__": cls.__module__,
                     "_sac_seam_class": True,
@@ -348,13 +304,16 @@ def _seam_call_impl(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _transformers_training_call(self, args, kwargs)
     legacy = getattr(self, LEGACY_ATTR, False) is True
     if torch.compiler.is_compiling():
+        if not legacy and policy_checkpoint.applies(config.actions.text):
+            # Note [a seam inside a checkpoint compiled without the pass] in sac_compile/policy_checkpoint.py
+            return policy_checkpoint.run(call, args, kwargs, config.actions, config.preserve_rng_state)
         # See Note [straight-line under compile] in sac_compile/markers/regions.py.
         scope_id, keep_text = seam_scope_args(self)
         torch.ops.sac_compile.scope_enter(scope_id, keep_text)
         out = call(*args, **kwargs)
         torch.ops.sac_compile.scope_exit(scope_id, keep_text)
         return out
-    if not legacy and _forward_is_scope(self, config):
+    if not legacy and forward_is_scope(self, config):
         # the compiled forward is the checkpoint scope: no eager checkpoint around it
         # (Note [a compiled forward is the layer's scope] in sac_compile/compiled_forward.py)
         return call(*args, **kwargs)

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("markers",),
     ("declare", "passes"),
     ("compiler", "eager"),
-    ("seam", "config", "context_fn", "contexts"),
+    ("seam", "config", "context_fn", "contexts", "compiled_forward", "policy_checkpoint"),
     ("inspection",),
     ("planning",),
     ("hf", "hf_layers", "hf_plan"),  # (hf_layers, hf_plan: the old paths of hf.layers, hf.plan)
@@ -418,8 +418,8 @@ def test_import_sac_compile_loads_no_compiler_and_no_fixtures():
         or m.startswith("sac_compile.passes.")
     ]
     assert not heavy, heavy
-    # sac_compile's own modules plus the few torch modules they need (measured: 35 on torch 2.13)
-    assert len(got["new"]) <= 60, (len(got["new"]), got["new"])
+    # sac_compile's own modules plus the few torch modules they need (measured: 63 on torch 2.13)
+    assert len(got["new"]) <= 66, (len(got["new"]), got["new"])
 
 
 def test_the_top_level_holds_at_most_16_names_each_documented():

@@ -337,3 +337,13 @@ def stand_in_maker(t: torch.Tensor) -> Callable[[], torch.Tensor]:
         return made
 
     return make
+
+
+def reentrant_checkpoint_wrapper(module: torch.nn.Module) -> torch.nn.Module:
+    """``checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.REENTRANT)`` from
+    ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``, as trainers import it
+    (xtuner v1's recompute wrapper; the fixtures reproduce it)."""
+    wrapper = private("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper")
+    impl = private("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointImpl")
+    wrapped: torch.nn.Module = wrapper(module, checkpoint_impl=impl.REENTRANT)
+    return wrapped

@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,6 +31,8 @@ __all__ = [
     "has_compiled_call",
     "on_dynamo_compile_end",
     "skip_frame",
+    "trace_time_constant",
+    "traced_inside_checkpoint",
     "tx_module_stack",
     "tx_where",
     "unwrap_compiled",
@@ -179,6 +181,34 @@ def node_module_stack(node: Any) -> list[tuple[str, Any]]:
     outermost first (``node.meta["nn_module_stack"]``, which Dynamo records and AOTAutograd
     carries onto the joint graph)."""
     return list((node.meta.get("nn_module_stack") or {}).values())
+
+
+def trace_time_constant(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Have Dynamo call ``fn`` (with constant arguments) while it traces, its result a constant
+    of the trace, instead of tracing into it: ``torch._dynamo.assume_constant_result``, which sets
+    the attribute ``_dynamo_marked_constant`` that ``UserFunctionVariable`` reads (set here without
+    importing Dynamo)."""
+    cast(Any, fn)._dynamo_marked_constant = True
+    return fn
+
+
+def traced_inside_checkpoint(tx: Any = None) -> bool:
+    """Whether Dynamo is tracing the body of a ``torch.utils.checkpoint`` now (or code nested in
+    one): a subgraph tracer for the ``tag_activation_checkpoint`` higher-order op is open.
+
+    Relies on ``OutputGraph.current_tracer`` and ``SubgraphTracer.parent`` / ``source_target``
+    (the higher-order op whose body it traces) in ``torch/_dynamo/output_graph.py``.
+    """
+    tx = current_dynamo_tx() if tx is None else tx
+    hop = private("torch._higher_order_ops.wrap", "tag_activation_checkpoint")
+    tracer = getattr(getattr(tx, "output", None), "current_tracer", None)
+    for _ in range(64):
+        if tracer is None:
+            return False
+        if getattr(tracer, "source_target", None) is hop:
+            return True
+        tracer = getattr(tracer, "parent", None)
+    return False
 
 
 def tx_backend(tx: Any) -> Any:

@@ -191,7 +191,9 @@ def no_pass_layer(keep: KeepSet, where: str, backend_name: str, note: str = "") 
         where,
         f"a layer wrapped for selective checkpointing (keep={keep_repr}) was compiled by torch.compile "
         f"with backend {backend_name}, which does not run sac_compile's tagging pass: the layer is not "
-        f"checkpointed at all, every activation it makes is saved{note}. Compile with "
+        "checkpointed at all, every activation it makes is saved (inside a torch.utils.checkpoint, such as "
+        "checkpoint_wrapper's, it is recomputed whole: there only a keep set with neither budget nor "
+        f"offload is kept, through PyTorch's selective checkpointing){note}. Compile with "
         "backend=sac_compile.sac_backend or make_sac_backend(keep=...).",
     )
 

@@ -33,7 +33,7 @@ import torch.nn as nn
 from .._compat import TorchApiMoved, dynamo, frames
 from ..actions import keep_of_text
 from ..keep import ALL_REGIONS
-from ..marker_walk import MarkerKind
+from ..marker_walk import POLICY_SCOPE, MarkerKind
 from ..records import describe_stack_entry, user_class_name
 from . import messages
 from .core import (
@@ -48,7 +48,13 @@ from .core import (
 )
 from .eager import where_in
 
-__all__ = ["claim_trace", "marker_traced", "note_routed", "regions_compiled_in"]
+__all__ = [
+    "claim_trace",
+    "marker_traced",
+    "note_routed",
+    "regions_compiled_in",
+    "report_unkept_in_checkpoint",
+]
 
 log = logging.getLogger("sac_compile")
 
@@ -216,7 +222,9 @@ def _marker_traced(kind: str, payload: tuple) -> None:
                 state.open_scopes -= 1
         if kind == MarkerKind.SCOPE_ENTER and payload[0] == 1 and module_stack:
             found.append(((COMPILE_SWALLOWED, "-"), _where_in_trace(tx, module_stack)))
-        if kind == MarkerKind.SCOPE_ENTER or (not MarkerKind(kind).is_scope and not inside_scope):
+        if kind == MarkerKind.SCOPE_ENTER and payload[0] == POLICY_SCOPE:
+            pass  # kept by PyTorch's selective checkpointing: not a layer traced without the pass
+        elif kind == MarkerKind.SCOPE_ENTER or (not MarkerKind(kind).is_scope and not inside_scope):
             # a wrapped layer is reported once, as a layer (its regions, kept or not, are
             # all left unchecked with it); a region outside every wrapped layer, as a region
             found.append(((NO_PASS, region_name), _where_in_trace(tx, module_stack)))
@@ -277,6 +285,20 @@ def _on_compile_end(cid: str) -> None:
             report(d, root)
         except SacDiagnosticError:
             log.error("%s", d.message())
+
+
+def report_unkept_in_checkpoint(keep: Any, what: str) -> None:
+    """Dynamo traces a wrapped layer inside a checkpoint's body, with a backend without the tagging
+    pass, and the layer asks for what only the pass applies (``what``: a budget, an offload):
+    the checkpoint recomputes the layer whole (Note [a seam inside a checkpoint compiled without the
+    pass] in sac_compile/policy_checkpoint.py). Reported at once: a backend without AOTAutograd
+    gives no later sighting."""
+    tx = dynamo.current_dynamo_tx()
+    if tx is None:
+        return
+    where = _where_in_trace(tx, dynamo.tx_module_stack(tx))
+    note = f"; traced inside a torch.utils.checkpoint, which recomputes it whole: its {what} needs the pass"
+    report(messages.no_pass_layer(keep, where, _backend_name(dynamo.tx_backend(tx)), note), owner())
 
 
 def _where_in_trace(tx, module_stack: list) -> str:

@@ -15,6 +15,9 @@ import torch
 import torch.nn as nn
 
 from .._compat.dynamo import compiled_original
+from ..actions import Actions
+from ..arguments import SeamConfig
+from ..compiler.adopt import adopted_compile, backend_and_compile_kwargs, compile_options_of
 from ..diagnostics.trace_watch import note_routed
 from .session import current_session
 
@@ -58,11 +61,35 @@ def _route(compiled: Callable[..., Any], original: Callable[..., Any]) -> Callab
         session = current_session()
         if session is None:
             return compiled(self, *args, **kwargs)
-        return session.call_compiled(original, functools.partial(compiled, self), args, kwargs)
+        kept = functools.partial(_kept_run, compiled, original, session.actions, self)
+        return session.call_compiled(original, functools.partial(compiled, self), args, kwargs, kept)
 
     functools.update_wrapper(method, original)
     cast(Any, method).__wrapped__ = compiled  # (the class key in _subclass_for reads it)
     return method
+
+
+# (user's compiled method, the layer's actions' text) -> the method compiled as a scope, or None
+_KEPT: dict[tuple[Any, str], Any] = {}
+
+
+def _kept_run(compiled: Any, original: Any, actions: Actions, owner: nn.Module) -> Callable[..., Any] | None:
+    """How a routed method runs as a kept body: compiled again with the user's options and
+    ``make_sac_backend(<the layer's actions>, inner=<the user's backend>)``, so that its graph holds
+    its kept regions' costly values and recomputes the rest in its own backward (the user's compile,
+    run whole off the checkpoint, would hold every activation of the method); None when the
+    user's backend cannot be wrapped (the user's compile then runs)."""
+    key = (compiled, actions.text)
+    if key not in _KEPT:
+        try:
+            options = compile_options_of(compiled, original.__qualname__)
+        except ValueError:
+            _KEPT[key] = None
+        else:
+            backend, kwargs = backend_and_compile_kwargs(SeamConfig(actions, True, options))
+            _KEPT[key] = adopted_compile(original, backend, kwargs)
+    run = _KEPT[key]
+    return None if run is None else functools.partial(run, owner)
 
 
 _ROUTED_CLASS = "_sac_routed_class"  # marks route_submodules's generated classes

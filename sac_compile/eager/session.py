@@ -155,7 +155,12 @@ class EagerSession:
             self.exit_module(name, fn, out)
 
     def call_compiled(
-        self, fn: Callable[..., Any], run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        fn: Callable[..., Any],
+        run: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        kept_run: Callable[[], Callable[..., Any] | None] | None = None,
     ) -> Any:
         """A compiled method of the checkpointed layer (``torch.compile`` of a function on its
         class, routed here by the seam's class): ``fn`` the original function, ``run`` the
@@ -165,7 +170,9 @@ class EagerSession:
         from its first compile on), it runs once instead, as a kept body: in the forward off the
         checkpoint's hooks (its graph holds what it saves: with our backend the kept regions'
         costly values, its cheap ops recomputed in its own backward), in the recompute its
-        outputs are handed back. Otherwise it is recomputed with the rest of the layer."""
+        outputs are handed back. Otherwise it is recomputed with the rest of the layer.
+        ``kept_run()``: how it runs as a kept body (the method compiled as a scope of this layer's
+        actions, :func:`sac_compile.eager.routing._kept_run`), None for ``run``."""
         bodies, code = self.compiled_bodies, fn.__code__
         if bodies is None:
             return run(*args, **kwargs)
@@ -190,6 +197,8 @@ class EagerSession:
         try:
             if body is not None and not self.forward:
                 return bodies.replay(body, run, args, kwargs)
+            if body is not None and kept_run is not None:
+                run = kept_run() or run
             out = run(*args, **kwargs)
             return out
         finally:

@@ -271,3 +271,8 @@ def marker_kind(node: torch.fx.Node) -> MarkerKind | None:
     if node.op != "call_function":
         return None
     return _MARKER_KIND.get(node.target)
+
+
+def op_marker_kind(op: object) -> MarkerKind | None:
+    """The :class:`~sac_compile.marker_walk.MarkerKind` of a marker op (as dispatched), or None."""
+    return _MARKER_KIND.get(op)

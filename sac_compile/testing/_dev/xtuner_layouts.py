@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..._compat.checkpoint import reentrant_checkpoint_wrapper
 from ...markers import region
 
 __all__ = [
@@ -173,6 +174,4 @@ def compile_instance_forward(layer: nn.Module, **options: Any) -> nn.Module:
 
 def checkpoint_wrapped(layer: nn.Module) -> nn.Module:
     """xtuner's recompute wrapper: ``checkpoint_wrapper(layer, checkpoint_impl=REENTRANT)``."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-
-    return checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.REENTRANT)
+    return reentrant_checkpoint_wrapper(layer)
