@@ -27,10 +27,8 @@ import torch.nn as nn
 
 from .arguments import SeamConfig
 from .compiler.adopt import (
-    adopted_compile,
-    backend_and_compile_kwargs,
-    compile_options_of,
     is_adopted,
+    scope_compile,
     user_function,
 )
 from .records import user_class_name
@@ -46,11 +44,7 @@ USER_FORWARD = "_sac_user_forward"
 def scope_forward(compiled: Any, config: SeamConfig, where: str) -> Any:
     """The seam's compile of ``compiled``, a user's ``torch.compile`` of the layer's forward, with
     the user's options and the layer's actions (Note [a compiled forward is the layer's scope])."""
-    function, _ = user_function(compiled)
-    assert function is not None
-    scoped = SeamConfig(config.actions, config.preserve_rng_state, compile_options_of(compiled, where))
-    backend, kwargs = backend_and_compile_kwargs(scoped)
-    return adopted_compile(function, backend, kwargs)
+    return scope_compile(compiled, config.actions, where)
 
 
 def forward_is_scope(module: nn.Module, config: SeamConfig) -> bool:

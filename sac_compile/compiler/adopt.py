@@ -10,11 +10,13 @@ import types
 from typing import Any
 
 from .._compat.dynamo import TorchCompileCall, compiled_function, torch_compile_call
+from ..actions import Actions
 from ..arguments import BACKEND_KEYS, COMPILE_KEYS, SeamConfig, normalize_compile
 from .backend import SacBackend, backend_for
 
 __all__ = [
     "adopted_compile",
+    "scope_compile",
     "backend_and_compile_kwargs",
     "compile_options_of",
     "is_adopted",
@@ -115,3 +117,16 @@ def backend_and_compile_kwargs(config: SeamConfig) -> tuple[Any, dict[str, Any]]
     backend = backend_for(config.actions, **{k: v for k, v in opts.items() if k in BACKEND_KEYS})
     backend.compile_patches(opts.get("mode"), opts.get("options"))  # raises for bad ones
     return backend, {k: v for k, v in opts.items() if k in COMPILE_KEYS}
+
+
+def scope_compile(compiled: Any, actions: Actions, where: str) -> Any:
+    """``compiled`` (a user's ``torch.compile`` of a function) compiled again with the user's
+    options and ``make_sac_backend(<actions>, inner=<the user's backend>)``: its graph a
+    checkpoint scope of ``actions``. A ``ValueError`` naming ``where`` when the user's backend
+    cannot carry the tagging pass."""
+    function, _ = user_function(compiled)
+    assert function is not None, compiled
+    backend, kwargs = backend_and_compile_kwargs(
+        SeamConfig(actions, True, compile_options_of(compiled, where))
+    )
+    return adopted_compile(function, backend, kwargs)

@@ -16,8 +16,7 @@ import torch.nn as nn
 
 from .._compat.dynamo import compiled_original
 from ..actions import Actions
-from ..arguments import SeamConfig
-from ..compiler.adopt import adopted_compile, backend_and_compile_kwargs, compile_options_of
+from ..compiler.adopt import scope_compile
 from ..diagnostics.trace_watch import note_routed
 from .session import current_session
 
@@ -82,12 +81,9 @@ def _kept_run(compiled: Any, original: Any, actions: Actions, owner: nn.Module) 
     key = (compiled, actions.text)
     if key not in _KEPT:
         try:
-            options = compile_options_of(compiled, original.__qualname__)
+            _KEPT[key] = scope_compile(compiled, actions, original.__qualname__)
         except ValueError:
             _KEPT[key] = None
-        else:
-            backend, kwargs = backend_and_compile_kwargs(SeamConfig(actions, True, options))
-            _KEPT[key] = adopted_compile(original, backend, kwargs)
     run = _KEPT[key]
     return None if run is None else functools.partial(run, owner)
 
