@@ -14,6 +14,13 @@ module sets ``sac_legacy_checkpoint = True``            reentrant ``torch.utils.
                                                        ``keep`` ignored (reported once)
 traced by an outer ``torch.compile``                   scope markers carrying this site's keep
                                                        set; no eager checkpoint
+... inside a checkpoint, by a backend without the      a non-reentrant checkpoint keeping the
+pass                                                   regions through PyTorch's selective
+                                                       checkpointing (policy_checkpoint.py)
+the layer's ``forward`` compiled by the user (its      the seam's compile of it, with the user's
+class's, or the instance's)                            options and backend: its graph is the
+                                                       scope (compiled_forward.py); no eager
+                                                       checkpoint
 ``compile=True`` (or a dict of compile options)        the module compiled with the memoised
                                                        ``make_sac_backend(keep)``, one scope; no
                                                        eager checkpoint around it
