@@ -58,7 +58,7 @@ from ._compat.dynamo import drop_compiled_call, has_compiled_call, unwrap_compil
 from ._compat.nn import CALL_IMPL, next_call_impl
 from .arguments import Compile, SeamConfig
 from .compiled_forward import FORWARD_SCOPE, USER_FORWARD, forward_is_scope, scope_forward
-from .compiler.adopt import backend_and_compile_kwargs
+from .compiler.adopt import backend_and_compile_kwargs, calling
 from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
@@ -228,7 +228,7 @@ def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
     if "forward" in routed and config.compile_options is None:
         # Note [a compiled forward is the layer's scope] in sac_compile/compiled_forward.py
         del routed["forward"]
-        forward = {"forward": scope_forward(cls.forward, config, f"{cls.__qualname__}.forward")}
+        forward = {"forward": calling(scope_forward(cls.forward, config, f"{cls.__qualname__}.forward"))}
     key = (
         cls,
         # (a method compiled again, by another backend, is another class)

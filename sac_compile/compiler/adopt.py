@@ -16,6 +16,7 @@ from .backend import SacBackend, backend_for
 
 __all__ = [
     "adopted_compile",
+    "calling",
     "scope_compile",
     "backend_and_compile_kwargs",
     "compile_options_of",
@@ -99,6 +100,29 @@ def adopted_compile(function: types.FunctionType, backend: Any, compile_kwargs: 
         setattr(compiled, ADOPTED, True)
         _ADOPTED[key] = compiled
     return _ADOPTED[key]
+
+
+def calling(compiled: Any) -> Any:
+    """A plain function calling ``compiled`` (an :func:`adopted_compile`), to stand in a class for
+    the function compiled: the user may compile it again through an instance
+    (``layer.forward = torch.compile(layer.forward)``: xtuner's ``fully_shard`` after its
+    ``_compile_overwrite``), which ``torch.compile`` refuses for a method that is itself a
+    ``torch.compile`` wrapper; :func:`user_function` reads the original function behind it."""
+    if compiled not in _CALLING:  # (one per compile: the seam's generated class is keyed on it)
+        function = getattr(compiled, "_torchdynamo_orig_callable", None)
+        original = getattr(function, _ORIGINAL, function)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return compiled(*args, **kwargs)
+
+        for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(call, name, getattr(original, name, None))
+        setattr(call, _ORIGINAL, original)
+        _CALLING[compiled] = call
+    return _CALLING[compiled]
+
+
+_CALLING: dict[Any, Any] = {}
 
 
 def user_function(fn: Any) -> tuple[types.FunctionType | None, Any]:
