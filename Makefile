@@ -102,6 +102,7 @@ bench: install
 	$(PY) benchmarks/hf_moe_keep_sets.py
 	$(PY) benchmarks/ep_moe.py
 	-$(PY) benchmarks/compiled_methods.py  # exits 1 when keeping attention is slower than full recompute
+	$(PY) benchmarks/trainer_layouts.py  # every layout xtuner compiles a checkpointed layer in
 	-$(PY) benchmarks/hf_families.py --compiled  # exits 1: JetMoE's compiled router (graph-reused)
 	-$(PY) benchmarks/depth.py  # every family at 32 layers compiled per layer; exits 1 on a flagged row
 	-$(PY) benchmarks/hf_vision_families.py --compiled  # every stack of vision-language, audio, seq2seq families

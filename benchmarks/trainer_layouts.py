@@ -82,6 +82,11 @@ def _tower_layouts(backend: Any) -> dict[str, Callable[[torch.nn.Module, type], 
 
         return apply
 
+    def class_then_instance(model: torch.nn.Module, cls: type) -> Callable[[], None]:
+        restore = xt.compile_class_forward(cls, backend=backend, fullgraph=True)
+        instance(False)(model, cls)
+        return restore
+
     def in_wrapper(model: torch.nn.Module, cls: type) -> None:
         for i, layer in enumerate(model.layers):
             sc.apply_selective_checkpointing(layer, keep=keep)
@@ -106,6 +111,7 @@ def _tower_layouts(backend: Any) -> dict[str, Callable[[torch.nn.Module, type], 
         "class forward compiled": class_forward,
         "instance forward compiled, then seam": instance(True),
         "seam, then instance forward compiled": instance(False),
+        "class forward, seam, instance forward (xtuner dense)": class_then_instance,
         "seam inside compiled checkpoint_wrapper": in_wrapper,
         "submodule forward compiled (attention)": submodule,
     }
