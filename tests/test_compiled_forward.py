@@ -351,3 +351,31 @@ def test_no_layout_keeps_nothing_or_everything_in_silence(layout, backend_name, 
     if isinstance(held["attn"], str) or said:
         return
     assert isinstance(held["full"], int) and held["full"] < held["attn"] < none, (held, none)
+
+
+def test_our_backend_inside_an_eager_checkpoint_recomputes_no_more_than_a_plain_compile():
+    """Methods compiled by our backend, inside a layer the seam checkpoints eagerly: a method
+    recomputed with the layer runs without its own checkpointing (else its matmuls ran a third
+    time for no byte saved), a kept one as a scope of the layer's actions, as with a plain
+    compile: the same bytes and the same matmuls as methods compiled by ``aot_eager``."""
+    from sac_compile.testing._dev import method_compiled as mc
+
+    got = {}
+    for name in ("aot_eager", "sac"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = mc.MethodCompiledMoE(n=2)
+        x, cu = mc.packed((5, 9, 7, 11), 32, generator=torch.Generator().manual_seed(0))
+        restore = mc.compile_methods(_backend(name))
+        try:
+            sc.SacConfig(layers=("layers.*", "mtp.layer"), keep={"attn"}).apply(model)
+            held = autograd_saved_bytes(
+                lambda a, m=model, c=cu: m(a, c), x.clone().requires_grad_(), exclude=list(model.parameters())
+            )
+            loss = model(x.clone().requires_grad_(), cu)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss.backward()
+        finally:
+            restore()
+        got[name] = (held, sum(e.name in ("aten::mm", "aten::addmm", "aten::bmm") for e in prof.events()))
+    assert got["sac"] == got["aot_eager"], got

@@ -12,11 +12,12 @@ from typing import Any
 from .._compat.dynamo import TorchCompileCall, compiled_function, torch_compile_call
 from ..actions import Actions
 from ..arguments import BACKEND_KEYS, COMPILE_KEYS, SeamConfig, normalize_compile
-from .backend import SacBackend, backend_for
+from .backend import SacBackend, backend_for, baseline_backend
 
 __all__ = [
     "adopted_compile",
     "calling",
+    "plain_compile",
     "scope_compile",
     "backend_and_compile_kwargs",
     "compile_options_of",
@@ -154,3 +155,21 @@ def scope_compile(compiled: Any, actions: Actions, where: str) -> Any:
         SeamConfig(actions, True, compile_options_of(compiled, where))
     )
     return adopted_compile(function, backend, kwargs)
+
+
+def plain_compile(compiled: Any) -> Any:
+    """``compiled``, a user's compile of a function with a sac backend that checkpoints, compiled
+    again with the same inner compiler and no tagging pass (``baseline_backend``); None for any
+    other backend (its compile is plain already). What runs where an eager checkpoint recomputes
+    the call anyway: a graph that recomputes inside it too would run its matmuls a third time for
+    no byte saved (the checkpoint discards what the first run saves)."""
+    call = torch_compile_call(compiled)
+    backend = None if call is None else call.backend
+    if call is None or not isinstance(backend, SacBackend) or not backend.checkpoint:
+        return None
+    function, _ = user_function(compiled)
+    assert function is not None, compiled
+    kwargs: dict[str, Any] = {"fullgraph": call.fullgraph}
+    if call.dynamic is not None:
+        kwargs["dynamic"] = call.dynamic
+    return adopted_compile(function, baseline_backend(backend.inner), kwargs)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from .._compat.dynamo import compiled_original
 from ..actions import Actions
-from ..compiler.adopt import scope_compile
+from ..compiler.adopt import plain_compile, scope_compile
 from ..diagnostics.trace_watch import note_routed
 from .session import current_session
 
@@ -53,6 +53,7 @@ def routed_compiled_methods(cls: type[nn.Module]) -> dict[str, Any]:
 
 def _route(compiled: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
     note_routed(original.__code__)
+    plain: list[Any] = []  # (made on first use: plain_compile(compiled), or None)
 
     def method(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
@@ -60,8 +61,12 @@ def _route(compiled: Callable[..., Any], original: Callable[..., Any]) -> Callab
         session = current_session()
         if session is None:
             return compiled(self, *args, **kwargs)
+        if not plain:
+            plain.append(plain_compile(compiled))
+        # recomputed with the layer: a graph that checkpoints itself would recompute a third time
+        run = functools.partial(plain[0] or compiled, self)
         kept = functools.partial(_kept_run, compiled, original, session.actions, self)
-        return session.call_compiled(original, functools.partial(compiled, self), args, kwargs, kept)
+        return session.call_compiled(original, run, args, kwargs, kept)
 
     functools.update_wrapper(method, original)
     cast(Any, method).__wrapped__ = compiled  # (the class key in _subclass_for reads it)
