@@ -81,6 +81,63 @@ def test_fsdp2_outside_the_seam_matches_a_single_process(keep, compile):
         assert r["mro"] == ["FSDPSelectiveCheckpointedBlock", "FSDPModule", "SelectiveCheckpointedBlock"]
 
 
+def _xtuner_dense_vs_single_process(rank: int, world_size: int) -> dict:
+    """xtuner's dense model as it ships, the seam in its ``checkpoint_wrapper``'s place: the layer
+    class's ``forward`` compiled (``_compile_overwrite``), each layer wrapped, its instance ``forward``
+    compiled, then ``fully_shard``; compared with one process running the whole batch uncompiled."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import sac_compile as sc
+    from sac_compile.inspection import autograd_saved_bytes
+    from sac_compile.testing._dev import xtuner_layouts as xt
+
+    torch.manual_seed(0)
+    ref = xt.Tower(xt.DenseLayer, n=4)
+    model = copy.deepcopy(ref)
+    x, cu = xt.packed_rows((13, 21, 17, 29), 32)
+    none = autograd_saved_bytes(
+        lambda a: ref(a, cu), x.clone().requires_grad_(), exclude=list(ref.parameters())
+    )
+    full = copy.deepcopy(ref)
+    restore = xt.compile_class_forward(xt.DenseLayer, backend="aot_eager", fullgraph=True)
+    try:
+        for tower, keep in ((full, ()), (model, {"attn"})):
+            for layer in tower.layers:
+                sc.apply_selective_checkpointing(layer, keep=keep)
+                xt.compile_instance_forward(layer, backend="aot_eager", fullgraph=True)
+                fully_shard(layer)
+            fully_shard(tower)
+        held, held_full = (
+            autograd_saved_bytes(
+                lambda a, t=t: t(a, cu), x.clone().requires_grad_(), exclude=list(t.parameters())
+            )
+            for t in (model, full)
+        )
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        model(x, cu).square().mean().backward()  # (the same row on each rank: gradients averaged)
+        ref(x, cu).square().mean().backward()
+        worst = max(
+            (p.grad.full_tensor() - q.grad).abs().max().item()
+            for p, q in zip(model.parameters(), ref.parameters())
+        )
+    finally:
+        restore()
+    dist.barrier()
+    return {"held": held, "full": held_full, "none": none, "grad": worst}
+
+
+def test_xtuners_dense_layout_under_fsdp2_keeps_the_regions():
+    """The compiled forward is the layer's scope under ``fully_shard`` too: each rank holds more
+    than full recompute (attention kept) and far less than no checkpoint (the rest recomputed),
+    gradients equal one process."""
+    for r in run_ranks(_xtuner_dense_vs_single_process):
+        assert r["full"] < r["held"] < r["none"] / 5 and r["grad"] < 1e-5, r
+
+
 def _raise_on_rank_one(rank: int, world_size: int) -> None:
     import torch.distributed as dist
 
