@@ -13,8 +13,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import trainer_layouts  # noqa: E402
 
+from .releases import extended  # noqa: E402
 
-@pytest.mark.slow  # about 20 layouts compiled with aot_eager
+
+# about 25 layouts compiled with aot_eager (123 s in a CI run): the breadth tier, as what it
+# measures is held in CI by tests/test_compiled_forward.py, layout by layout at 32 layers
+@extended
+@pytest.mark.slow
 def test_the_trainer_layouts_benchmark_flags_no_layout(capsys):
     got = trainer_layouts.main(["--layers", "2", "--d", "32", "--tokens", "128"])
     assert not got["flagged"], got["flagged"]
