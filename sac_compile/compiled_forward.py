@@ -21,7 +21,6 @@ is found, with the fix.
 from __future__ import annotations
 
 import types
-from typing import Any
 
 import torch.nn as nn
 
@@ -33,18 +32,12 @@ from .compiler.adopt import (
 )
 from .records import user_class_name
 
-__all__ = ["FORWARD_SCOPE", "USER_FORWARD", "forward_is_scope", "scope_forward"]
+__all__ = ["FORWARD_SCOPE", "USER_FORWARD", "forward_is_scope"]
 
 #: the seam's generated class's attribute: its forward is the seam's compile of the class's compiled forward
 FORWARD_SCOPE = "_sac_forward_scope"
 #: an instance's compiled forward the seam compiled again (put back by remove_selective_checkpointing)
 USER_FORWARD = "_sac_user_forward"
-
-
-def scope_forward(compiled: Any, config: SeamConfig, where: str) -> Any:
-    """The seam's compile of ``compiled``, a user's ``torch.compile`` of the layer's forward, with
-    the user's options and the layer's actions (Note [a compiled forward is the layer's scope])."""
-    return scope_compile(compiled, config.actions, where)
 
 
 def forward_is_scope(module: nn.Module, config: SeamConfig) -> bool:
@@ -63,7 +56,8 @@ def forward_is_scope(module: nn.Module, config: SeamConfig) -> bool:
         return False  # (not torch.compile's: another library's forward, left as it is)
     if bound is not None and bound is not module:
         return False  # (another object's method compiled: not this layer's forward)
-    scoped = scope_forward(forward, config, f"{user_class_name(type(module))}.forward (set on the instance)")
+    where = f"{user_class_name(type(module))}.forward (set on the instance)"
+    scoped = scope_compile(forward, config.actions, where)  # (Note [a compiled forward is the layer's scope])
     module.__dict__[USER_FORWARD] = forward
     module.__dict__["forward"] = scoped if bound is None else types.MethodType(scoped, module)
     return True

@@ -33,7 +33,7 @@ from .actions import Actions
 from .compiler.backend import SacBackend
 from .diagnostics import trace_watch
 from .marker_walk import POLICY_SCOPE, MarkerKind, OpenRegions
-from .markers.ops import MARKER_OPS, op_marker_kind
+from .markers.ops import op_marker_kind
 from .policy import checked_decision
 
 __all__ = ["applies", "marker_policy_context_fn", "run"]
@@ -104,8 +104,8 @@ class _MarkerPolicy:
         self.regions = OpenRegions()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in MARKER_OPS:
-            kind = op_marker_kind(op)
+        kind = op_marker_kind(op)
+        if kind is not None:
             if kind is MarkerKind.REGION_ENTER:
                 self.regions.enter(str(args[0]))
             elif kind is MarkerKind.REGION_EXIT:

@@ -57,8 +57,8 @@ from ._compat import transformers as transformers_layers
 from ._compat.dynamo import drop_compiled_call, has_compiled_call, unwrap_compiled
 from ._compat.nn import CALL_IMPL, next_call_impl
 from .arguments import Compile, SeamConfig
-from .compiled_forward import FORWARD_SCOPE, USER_FORWARD, forward_is_scope, scope_forward
-from .compiler.adopt import backend_and_compile_kwargs, calling
+from .compiled_forward import FORWARD_SCOPE, USER_FORWARD, forward_is_scope
+from .compiler.adopt import backend_and_compile_kwargs, calling, scope_compile
 from .declare import undeclare_regions
 from .diagnostics import eager as diagnosed
 from .eager import checkpoint_with_regions
@@ -224,16 +224,10 @@ _CACHE_ARGS = "_sac_cache_args"
 def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
     """The generated subclass of ``cls`` whose ``_call_impl`` applies the seam."""
     routed = routed_compiled_methods(cls)  # Note [compiled methods inside the seam]
-    forward: dict[str, Any] = {}
-    if "forward" in routed and config.compile_options is None:
-        # Note [a compiled forward is the layer's scope] in sac_compile/compiled_forward.py
-        del routed["forward"]
-        forward = {"forward": calling(scope_forward(cls.forward, config, f"{cls.__qualname__}.forward"))}
     key = (
         cls,
         # (a method compiled again, by another backend, is another class)
         tuple(sorted((name, id(fn.__wrapped__)) for name, fn in routed.items())),
-        tuple(id(fn) for fn in forward.values()),
         config.actions.text,
         config.preserve_rng_state,
         repr(config.compile_options),
@@ -244,6 +238,11 @@ def _subclass_for(cls: type[nn.Module], config: SeamConfig) -> type[nn.Module]:
         # needs its own entries, so distinct layer classes or keep sets do not share
         # (and exhaust) one budget and silently run eagerly.
         call_impl = frames.fresh_function(_seam_call_impl, f"{SEAM_CALL_PREFIX}{cls.__name__}")
+        forward: dict[str, Any] = {}
+        if "forward" in routed and config.compile_options is None:
+            # Note [a compiled forward is the layer's scope] in sac_compile/compiled_forward.py
+            user = routed.pop("forward").__wrapped__
+            forward = {"forward": calling(scope_compile(user, config.actions, f"{cls.__qualname__}.forward"))}
         _SUBCLASSES[key] = cast(
             "type[nn.Module]",
             type(

@@ -52,6 +52,15 @@ def _step(model, x, cu):
     return held, sdpa, mms, loss.detach(), [xx.grad, *(p.grad for p in model.parameters())]
 
 
+def _step_counted(results: dict, name: str, model, x, cu, caplog) -> None:
+    """``results[name]``: :func:`_step` with the package's warnings captured;
+    ``results[name + " frames"]``: the graphs Dynamo compiled for it."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with caplog.at_level(logging.WARNING, logger="sac_compile"):
+        results[name] = _step(model, x, cu)
+    results[name + " frames"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+
+
 def _layout(name: str, backend, layer: torch.nn.Module, keep) -> torch.nn.Module:
     if name == "instance, then wrapped":
         xt.compile_instance_forward(layer, backend=backend, fullgraph=True)
@@ -88,10 +97,7 @@ def _run(towers, cls, layout, backend_name, caplog):
             model = copy.deepcopy(base)
             for i, layer in enumerate(model.layers):
                 model.layers[i] = _layout(layout, backend, layer, keep)
-            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            with caplog.at_level(logging.WARNING, logger="sac_compile"):
-                results[name] = _step(model, x, cu)
-            results[name + " frames"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames
+            _step_counted(results, name, model, x, cu, caplog)
     finally:
         if restore is not None:
             restore()
@@ -206,10 +212,7 @@ def test_a_submodules_compiled_forward_keeps_the_regions_at_depth(towers, backen
             model = copy.deepcopy(base)
             for layer in model.layers:
                 sc.apply_selective_checkpointing(layer, keep=keep)
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            with caplog.at_level(logging.WARNING, logger="sac_compile"):
-                results[name] = _step(model, x, cu)
-            results[name + " frames"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+            _step_counted(results, name, model, x, cu, caplog)
     finally:
         restore()
     # (the user's graph was compiled under full recompute; keeping, the attention module's kept
@@ -275,11 +278,8 @@ def _wrapped_in_checkpoint_wrapper(towers, backend_name, caplog):
             model.layers[i] = xt.compile_instance_forward(
                 xt.checkpoint_wrapped(layer), backend=backend, fullgraph=True
             )
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         caplog.clear()  # (the plain layout's markers are traced without the pass: no-pass, rightly)
-        with caplog.at_level(logging.WARNING, logger="sac_compile"):
-            results[name] = _step(model, x, cu)
-        results[name + " frames"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        _step_counted(results, name, model, x, cu, caplog)
     return results
 
 

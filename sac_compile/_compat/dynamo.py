@@ -18,8 +18,8 @@ from . import private
 __all__ = [
     "TorchCompileCall",
     "aot_cache_hits",
+    "compiled_function",
     "compiled_original",
-    "torch_compile_call",
     "compiled_self",
     "compiling_resume_of",
     "current_compile_id",
@@ -33,6 +33,7 @@ __all__ = [
     "skip_frame",
     "trace_time_constant",
     "traced_inside_checkpoint",
+    "torch_compile_call",
     "tx_module_stack",
     "tx_where",
     "unwrap_compiled",
@@ -74,7 +75,7 @@ def torch_compile_call(fn: Any) -> TorchCompileCall | None:
     (``_TorchCompileInductorWrapper``: ``config``; ``_TorchCompileWrapper``: ``compiler_fn``,
     ``compiler_name``, ``kwargs``) in ``torch/__init__.py``.
     """
-    if compiled_original(fn) is None and not callable(getattr(fn, "_torchdynamo_orig_callable", None)):
+    if not callable(getattr(fn, "_torchdynamo_orig_callable", None)):
         return None
     code = getattr(fn, "__code__", None)
     cells = dict(zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()))
@@ -83,11 +84,7 @@ def torch_compile_call(fn: Any) -> TorchCompileCall | None:
         fullgraph, dynamic, backend = bool(context.fullgraph), context._dynamic, context.callback
     except (KeyError, AttributeError, ValueError):
         return None
-    for _ in range(8):
-        inner = getattr(backend, "_torchdynamo_orig_backend", None)
-        if inner is None or inner is backend:
-            break
-        backend = inner
+    backend = _behind_dynamo_wrappers(backend)
     kind = type(backend).__name__
     if kind == "_TorchCompileInductorWrapper":
         config = getattr(backend, "config", None)
@@ -229,9 +226,19 @@ def tx_where(tx: Any) -> tuple[Any, str]:
 def unwrap_dynamo_backend(fn: Any) -> Any:
     """The user's backend behind Dynamo's wrappers (``WrapBackendDebug``, ``torch.compile``'s)."""
     for _ in range(8):
+        fn = _behind_dynamo_wrappers(fn)
+        inner = getattr(fn, "compiler_fn", None) if type(fn).__name__ == "_TorchCompileWrapper" else None
+        if inner is None or inner is fn:
+            return fn
+        fn = inner
+    return fn
+
+
+def _behind_dynamo_wrappers(fn: Any) -> Any:
+    """The end of a backend's ``_torchdynamo_orig_backend`` chain (Dynamo's ``ConvertFrame``,
+    ``WrapBackendDebug``, ...): ``torch.compile``'s own backend wrapper, or the backend itself."""
+    for _ in range(8):
         inner = getattr(fn, "_torchdynamo_orig_backend", None)
-        if inner is None and type(fn).__name__ == "_TorchCompileWrapper":
-            inner = getattr(fn, "compiler_fn", None)
         if inner is None or inner is fn:
             return fn
         fn = inner

@@ -109,21 +109,16 @@ def calling(compiled: Any) -> Any:
     (``layer.forward = torch.compile(layer.forward)``: xtuner's ``fully_shard`` after its
     ``_compile_overwrite``), which ``torch.compile`` refuses for a method that is itself a
     ``torch.compile`` wrapper; :func:`user_function` reads the original function behind it."""
-    if compiled not in _CALLING:  # (one per compile: the seam's generated class is keyed on it)
-        function = getattr(compiled, "_torchdynamo_orig_callable", None)
-        original = getattr(function, _ORIGINAL, function)
+    function = getattr(compiled, "_torchdynamo_orig_callable", None)
+    original = getattr(function, _ORIGINAL, function)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return compiled(*args, **kwargs)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return compiled(*args, **kwargs)
 
-        for name in ("__module__", "__name__", "__qualname__", "__doc__"):
-            setattr(call, name, getattr(original, name, None))
-        setattr(call, _ORIGINAL, original)
-        _CALLING[compiled] = call
-    return _CALLING[compiled]
-
-
-_CALLING: dict[Any, Any] = {}
+    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(call, name, getattr(original, name, None))
+    setattr(call, _ORIGINAL, original)
+    return call
 
 
 def user_function(fn: Any) -> tuple[types.FunctionType | None, Any]:

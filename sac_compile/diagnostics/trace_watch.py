@@ -156,9 +156,13 @@ def _routed_method(kind: str, payload: tuple, sink: object) -> bool:
     code = getattr(dynamo.current_dynamo_tx(), "f_code", None)
     if code is None or code not in _routed_codes:
         return False
-    with _lock:
-        _compiled_regions[code] = _compiled_regions.get(code, frozenset()) | {str(payload[0])}
+    _note_compiled_region(code, str(payload[0]))
     return True
+
+
+def _note_compiled_region(code: Any, name: str) -> None:
+    with _lock:
+        _compiled_regions[code] = _compiled_regions.get(code, frozenset()) | {name}
 
 
 def _inside_eager_checkpoint(kind: str, payload: tuple, sink: object) -> bool:
@@ -179,8 +183,7 @@ def _inside_eager_checkpoint(kind: str, payload: tuple, sink: object) -> bool:
         # a compiled method of the layer that the seam routes through the engine, which keeps
         # it whole in the forward and hands its outputs back in the recompute when a region
         # it holds is kept (eager/session.py): noted, nothing to report
-        with _lock:
-            _compiled_regions[routed] = _compiled_regions.get(routed, frozenset()) | {name}
+        _note_compiled_region(routed, name)
         return True
     if not getattr(sink, "forward", False):
         return False
