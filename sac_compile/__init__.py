@@ -8,8 +8,6 @@ layering it enforces. ``sac_compile.testing`` (demo and test models, the rank ru
 reports) is not imported by ``import sac_compile``.
 """
 
-from typing import TYPE_CHECKING, NoReturn
-
 from . import compiler as compiler
 from . import declare as declare
 from . import inspection as inspection
@@ -53,36 +51,8 @@ __all__ = [
     "strict",
 ]
 
-# Names that left the top level, and where they live now.
-_MOVED = {
-    "undeclare_regions": "declare",
-    "declared_regions": "declare",
-    "RegionDeclarations": "declare",
-    "baseline_backend": "compiler",
-    "is_costly": "policy",
-    "LEGACY_ATTR": "seam",
-    "capture_partition": "inspection",
-    "PartitionReport": "inspection",
-    "autograd_saved_bytes": "inspection",
-    "collectives_run": "inspection",
-    "collect_records": "inspection",
-    "recent_records": "inspection",
-}
-
-
-if not TYPE_CHECKING:  # (a module __getattr__ would make a type checker accept any name)
-
-    def __getattr__(name: str) -> NoReturn:
-        if name in _MOVED:
-            raise AttributeError(
-                f"sac_compile.{name} is sac_compile.{_MOVED[name]}.{name}: the top level holds what "
-                f"training code uses (from sac_compile.{_MOVED[name]} import {name})"
-            )
-        raise AttributeError(f"module 'sac_compile' has no attribute {name!r}")
-
-
 # The composition root wires the planner's advice into the compile session, which sits below
 # the planner (sac_compile.planning.advice: one INFO line when a plan dominates a keep set).
 _session.set_advisor(_advice.advise)
 
-__version__ = "0.9.0"
+__version__ = "0.10.0"

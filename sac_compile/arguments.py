@@ -12,9 +12,9 @@ the rule and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
+from typing import Any, TypedDict
 
 from .actions import Actions
 from .keep import Keep, Regions
@@ -46,7 +46,7 @@ class CompileOptions(TypedDict, total=False):
     dynamic: bool | None
     mode: str | None
     options: Mapping[str, Any]
-    inner: Literal["inductor", "aot_eager"]
+    inner: str | Callable[..., Any]  # make_sac_backend's inner: a name or a backend object
     inductor_config: Mapping[str, Any]
 
 

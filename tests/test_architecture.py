@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "sac_compile"
 # Lower layers first; a module may import only from its own layer or below (and never
 # from its own layer in a cycle). ``testing`` (fixtures) sits on top of everything.
 LAYERS: list[tuple[str, ...]] = [
-    ("_compat", "_moved"),  # (_moved: the old paths of renamed modules)
+    ("_compat",),
     (
         "keep",
         "memory",
@@ -29,7 +29,6 @@ LAYERS: list[tuple[str, ...]] = [
         "op_classes",
         "policy",
         "actions",
-        "scope_text",
         "arguments",
         "marker_walk",
     ),
@@ -37,10 +36,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("markers",),
     ("declare", "passes"),
     ("compiler", "eager"),
-    ("seam", "config", "context_fn", "contexts", "compiled_forward", "policy_checkpoint"),
+    ("seam", "config", "context_fn", "compiled_forward", "policy_checkpoint"),
     ("inspection",),
     ("planning",),
-    ("hf", "hf_layers", "hf_plan"),  # (hf_layers, hf_plan: the old paths of hf.layers, hf.plan)
+    ("hf",),
     ("__init__", "__main__", "plan_report"),
     ("testing",),
 ]
@@ -428,10 +427,6 @@ def test_the_top_level_holds_at_most_16_names_each_documented():
     import sac_compile as sc
 
     assert len(sc.__all__) <= 16, sc.__all__  # (each documented: tests/test_docs.py)
-    with pytest.raises(AttributeError, match=r"sac_compile\.inspection\.capture_partition"):
-        sc.capture_partition  # noqa: B018
-    for name, module in sc._MOVED.items():
-        assert getattr(getattr(sc, module), name) is not None
 
 
 def test_no_function_is_past_80_lines():
@@ -476,30 +471,6 @@ def test_the_docs_layer_table_is_the_one_this_test_checks():
                 continue
             have = {p.stem for p in (PACKAGE / name).glob("*.py") if p.stem != "__init__"}
             assert listed == have, (name, sorted(have - listed), sorted(listed - have))
-
-
-def _moved() -> dict[str, tuple[str, str]]:
-    from sac_compile._moved import MOVED
-
-    return MOVED
-
-
-@pytest.mark.parametrize("old", sorted(_moved()))
-def test_an_old_module_path_imports_the_new_module_and_names_it(old):
-    """A renamed or moved module's old path (``sac_compile.hf_plan``, ``sac_compile.scope_text``,
-    ...) is the new module, with a ``FutureWarning`` naming it; its file holds nothing else."""
-    import importlib
-    import warnings
-
-    new, _ = _moved()[old]
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        moved = importlib.import_module(old)
-    assert moved is importlib.import_module(new)
-    assert any(f"import {new}" in str(w.message) and w.category is FutureWarning for w in caught), caught
-    shim = PACKAGE.parent / (old.replace(".", "/") + ".py")
-    assert "alias(__name__)" in shim.read_text() and len(shim.read_text().splitlines()) <= 6
 
 
 def test_public_parameters_are_typed_for_a_reader():

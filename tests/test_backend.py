@@ -164,7 +164,8 @@ class TestNoRuntimeTrace:
         unmarked = Block(16, marked=False)
         unmarked.load_state_dict(marked.state_dict())
         x = torch.randn(2, 4, 16, requires_grad=True)
-        backend = sc.make_sac_backend((), inner=inner)
+        # (whole_graph: the unmarked module is checkpointed too; by default it would compile untouched)
+        backend = sc.make_sac_backend((), inner=inner, whole_graph=True)
 
         def graphs_of(module):
             torch._dynamo.reset()
@@ -276,8 +277,9 @@ class TestGraphBreakInDecoratedRegion:
         x = torch.randn(4, 8, requires_grad=True)
         report = sc.inspection.capture_partition(model, x, backend=sc.make_sac_backend({"r"}, inner=inner))
         training = [g for g in report.graphs if g.record is not None and g.record.is_training]
-        # the caller before the call, the two pieces of `inner`, the caller after it
-        assert len(training) == 4
+        # the two pieces of `inner` are tagged; the caller before and after the call hold no
+        # marker and start inside no region: compiled untouched (no record)
+        assert len(training) == 2 and sum(g.untouched for g in report.graphs) == 2
         pieces = [g for g in training if g.record.starts_inside == ("r",)]
         assert len(pieces) == 2
         # each piece saves its matmul (the costly value); tanh / sigmoid are recomputed from it

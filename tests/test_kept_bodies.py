@@ -407,7 +407,7 @@ def test_the_call_is_freed_without_the_cyclic_collector():
     import gc
     import weakref
 
-    from sac_compile.eager import bodies
+    from sac_compile.eager import kept_bodies as bodies
 
     made = []
     real = bodies.Bodies.__init__

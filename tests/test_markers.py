@@ -47,8 +47,14 @@ class TestValidation:
             sc.make_sac_backend(keep)
 
     def test_bad_inner(self):
-        with pytest.raises(ValueError, match="inner must be one of"):
+        with pytest.raises(ValueError, match="inner='eager' runs the graph without AOTAutograd"):
             sc.make_sac_backend({"attn"}, inner="eager")
+        with pytest.raises(ValueError, match="no torch.compile backend is registered as 'no_such'"):
+            sc.make_sac_backend({"attn"}, inner="no_such")
+        with pytest.raises(TypeError, match="inner must be a backend name"):
+            sc.make_sac_backend({"attn"}, inner=3)
+        with pytest.raises(ValueError, match="is a sac backend already"):
+            sc.make_sac_backend({"attn"}, inner=sc.sac_backend)
 
 
 class TestEager:

@@ -248,7 +248,8 @@ def test_compiled_saves_only_kept_values_and_matches(program, keep):
     module = Program(program)
     x = _input()
     has_dropout = any(what in RANDOM for _, what in program)
-    backend = sc.make_sac_backend(keep, inner="aot_eager")
+    # (whole_graph: a program without markers is one scope too, not compiled untouched)
+    backend = sc.make_sac_backend(keep, inner="aot_eager", whole_graph=True)
     report, got, hooks = _captured(module, x, backend)
     # the reference: the same compile without the tagging pass when random ops are in play
     # (the compiled RNG stream is the compiled graph's), else eager

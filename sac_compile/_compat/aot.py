@@ -21,6 +21,14 @@ __all__ = [
     "OFFLOADED_PREFIX",
     "SHOULD_OFFLOAD",
     "aot_autograd",
+    "aot_autograd_kwargs",
+    "budget_annotation",
+    "default_partition",
+    "drop_budget_annotation",
+    "rewrite_budget_annotation",
+    "is_min_cut_partition",
+    "partition_hook",
+    "set_budget_annotation",
     "compute_intensive_ops",
     "copy_joint",
     "forward_saved_outputs",
@@ -47,6 +55,143 @@ def aot_autograd(**kwargs: Any) -> Callable[..., Callable[..., Any]]:
     return backend
 
 
+def aot_autograd_kwargs(backend: Any) -> dict[str, Any] | None:
+    """The keyword arguments of an ``aot_autograd(...)`` backend object (``AotAutograd.kwargs``:
+    its compilers, ``partition_fn``, ``decompositions``, ...), a copy; ``None`` for anything
+    else (a function that calls ``aot_autograd`` inside is not one)."""
+    cls = private("torch._dynamo.backends.common", "AotAutograd")
+    if not isinstance(backend, cls):
+        return None
+    return dict(backend.kwargs)
+
+
+_HOOKED = "_sac_partition_hooked"
+
+
+@contextlib.contextmanager
+def partition_hook(rewrite: Callable[[dict[str, Any]], dict[str, Any]]) -> Iterator[None]:
+    """While open, every ``aot_autograd(...)`` backend called compiles with
+    ``rewrite(its keyword arguments)`` instead (a copy: the backend object is left as it is).
+
+    For a backend we cannot look into (a function that builds ``aot_autograd(...)`` inside, as
+    ``aot_eager_decomp_partition`` and Inductor's ``compile_fx`` do): relies on every such
+    compile going through ``torch._dynamo.backends.common.AotAutograd.__call__``, which is
+    swapped for the block (Dynamo compiles one frame at a time, under its compile lock)."""
+    cls = private("torch._dynamo.backends.common", "AotAutograd")
+    original = cls.__call__
+
+    def call(self: Any, gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        if getattr(self, _HOOKED, False):  # (AotAutograd calls itself again for nested inputs)
+            return original(self, gm, example_inputs, **kwargs)
+        hooked = cls(**rewrite(dict(self.kwargs)))
+        setattr(hooked, _HOOKED, True)
+        return original(hooked, gm, example_inputs, **kwargs)
+
+    cls.__call__ = call
+    try:
+        yield
+    finally:
+        cls.__call__ = original
+
+
+def default_partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """AOTAutograd's partitioner when a backend names none (``aot_autograd(...)`` without
+    ``partition_fn``): ``torch._functorch.partitioners.default_partition``."""
+    return private("torch._functorch.partitioners", "default_partition")(joint, joint_inputs, **kwargs)
+
+
+def is_min_cut_partition(fn: Any) -> bool:
+    """``fn`` is the min-cut partitioner (or a ``functools.partial`` of it)."""
+    target = private("torch._functorch.partitioners", "min_cut_rematerialization_partition")
+    while hasattr(fn, "func") and hasattr(fn, "keywords"):
+        fn = fn.func
+    return fn is target
+
+
+# Note [a budget through PyTorch's region annotation]: since 2.13 the min-cut partitioner reads
+# a joint graph's activation memory budget, in increasing precedence, from
+# ``functorch.config.activation_memory_budget``, the legacy ``node.meta["memory_budget"]`` (first
+# node wins) and ``torch.autograd.graph.region_activation_memory_budget``'s annotation
+# (``node.meta["custom"][torch.fx.traceback.MEMORY_BUDGET_ANNOTATION_KEY]``), which must cover
+# every forward op of the graph and of its HOP bodies and agree everywhere
+# (``min_cut_rematerialization_partition``). A scope's ``budget=`` is written as that
+# annotation on every op of the graph; the legacy field only where a release lacks it.
+_BUDGET_SET = "sac_budget_annotated"  # node.meta: the annotation is ours (to undo it)
+
+
+def _annotation_key() -> str | None:
+    key = getattr(private("torch.fx", "traceback"), "MEMORY_BUDGET_ANNOTATION_KEY", None)
+    return None if key is None else str(key)
+
+
+def budget_annotation(node: torch.fx.Node) -> float | None:
+    """The ``region_activation_memory_budget`` a node was traced under, if any."""
+    key = _annotation_key()
+    custom = node.meta.get("custom")
+    if key is None or not isinstance(custom, dict):
+        return None
+    value = custom.get(key)
+    return None if value is None else float(value)
+
+
+def _annotated_graphs(graph: torch.fx.Graph) -> Iterator[torch.fx.Graph]:
+    """A joint graph and its HOP bodies (the submodules of its owning module)."""
+    yield graph
+    owner = graph.owning_module
+    if owner is not None:
+        for _, sub in owner.named_modules():
+            if isinstance(sub, torch.fx.GraphModule) and sub.graph is not graph:
+                yield sub.graph
+
+
+def set_budget_annotation(graph: torch.fx.Graph, budget: float) -> None:
+    """Hand ``budget`` to the partitioner's knapsack for the joint ``graph`` (Note [a budget
+    through PyTorch's region annotation])."""
+    key = _annotation_key()
+    if key is None:  # a release without the annotation: the legacy field
+        first = next((n for n in graph.nodes if n.op == "call_function"), None)
+        if first is not None:
+            first.meta["memory_budget"] = float(budget)
+            first.meta[_BUDGET_SET] = True
+        return
+    for g in _annotated_graphs(graph):
+        for n in g.nodes:
+            if n.op != "call_function" or key in (n.meta.get("custom") or {}):
+                continue
+            n.meta["custom"] = {**(n.meta.get("custom") or {}), key: float(budget)}
+            n.meta[_BUDGET_SET] = True
+
+
+def rewrite_budget_annotation(graph: torch.fx.Graph, old: float, new: float) -> bool:
+    """Every ``region_activation_memory_budget(old)`` annotation of the joint ``graph`` (and its
+    HOP bodies) made ``new``; whether there was one."""
+    key = _annotation_key()
+    found = False
+    for g in _annotated_graphs(graph):
+        for n in g.nodes:
+            custom = n.meta.get("custom")
+            if key is not None and isinstance(custom, dict) and custom.get(key) == old:
+                n.meta["custom"] = {**custom, key: new}
+                found = True
+    return found
+
+
+def drop_budget_annotation(graph: torch.fx.Graph) -> None:
+    """Undo :func:`set_budget_annotation` (what the user annotated stays)."""
+    key = _annotation_key()
+    for g in _annotated_graphs(graph):
+        for n in g.nodes:
+            if not n.meta.pop(_BUDGET_SET, False):
+                continue
+            n.meta.pop("memory_budget", None)
+            custom = dict(n.meta.get("custom") or {})
+            custom.pop(key, None)
+            if custom:
+                n.meta["custom"] = custom
+            else:
+                n.meta.pop("custom", None)
+
+
 def make_boxed_func(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` taking its inputs as one list (what AOTAutograd calls a compiled graph with)."""
     boxed: Callable[..., Any] = private("functorch.compile", "make_boxed_func")(fn)
@@ -54,7 +199,12 @@ def make_boxed_func(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def min_cut_rematerialization_partition(
-    joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], *, fallback: Any = None, **kwargs: Any
+    joint: torch.fx.GraphModule,
+    joint_inputs: Sequence[Any],
+    *,
+    fallback: Any = None,
+    partition: Callable[..., Any] | None = None,
+    **kwargs: Any,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """The min-cut partitioner (``torch/_functorch/partitioners.py``): reads ``node.meta``
     ``"recompute"`` (a ``CheckpointPolicy``) and ``"ac_graph_id"`` on forward nodes.
@@ -67,9 +217,10 @@ def min_cut_rematerialization_partition(
     (pytorch/pytorch#188014). Keeping every region of an attention layer with ``budget=``
     hits it under ``aot_eager``. When the partition saves a tuple, ``fallback()`` (the joint
     graph tagged without the budget: the knapsack had no choice to make) is partitioned
-    instead.
+    instead. ``partition``: a user's ``functools.partial`` of the partitioner, else PyTorch's.
     """
-    partition = private("torch._functorch.partitioners", "min_cut_rematerialization_partition")
+    if partition is None:
+        partition = private("torch._functorch.partitioners", "min_cut_rematerialization_partition")
     fw, bw = partition(joint, joint_inputs, **kwargs)
     if fallback is None or not _saves_a_tuple(fw):
         return fw, bw

@@ -29,6 +29,7 @@ __all__ = [
     "guard_module_hooks",
     "node_module_stack",
     "has_compiled_call",
+    "lookup_backend",
     "on_dynamo_compile_end",
     "skip_frame",
     "trace_time_constant",
@@ -232,6 +233,18 @@ def unwrap_dynamo_backend(fn: Any) -> Any:
             return fn
         fn = inner
     return fn
+
+
+def lookup_backend(name: str) -> Callable[..., Any]:
+    """The backend registered as ``name`` (``torch._dynamo.backends.registry.lookup_backend``:
+    PyTorch's own and the ``torch_dynamo_backends`` entry points); ``ValueError`` if none is."""
+    registry = private("torch._dynamo.backends", "registry")
+    try:
+        found: Callable[..., Any] = registry.lookup_backend(name)
+    except Exception as e:  # InvalidBackend (a torch._dynamo.exc class)
+        known = ", ".join(sorted(registry.list_backends(exclude_tags=())))
+        raise ValueError(f"no torch.compile backend is registered as {name!r} (registered: {known})") from e
+    return found
 
 
 def _behind_dynamo_wrappers(fn: Any) -> Any:

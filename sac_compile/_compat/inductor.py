@@ -20,6 +20,8 @@ __all__ = [
     "compile_caches_enabled",
     "compile_fx",
     "compile_fx_inner",
+    "compile_fx_parts",
+    "is_compile_fx",
     "pass_skipping_caches_disabled",
     "get_hash_for_files",
     "inductor_config",
@@ -52,6 +54,28 @@ def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs
         gm, example_inputs, **kwargs
     )
     return compiled
+
+
+def _compile_fx_function() -> Any:
+    return private("torch._inductor.compile_fx", "compile_fx")
+
+
+def is_compile_fx(backend: Any) -> bool:
+    """``backend`` is Inductor's ``compile_fx`` or a ``functools.partial`` of it (keywords only)."""
+    if not callable(backend) or "torch._inductor" not in sys.modules:
+        return False  # (a partial of compile_fx would have imported Inductor)
+    target = _compile_fx_function()
+    return backend is target or (
+        isinstance(backend, functools.partial) and backend.func is target and not backend.args
+    )
+
+
+def compile_fx_parts(backend: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """``(compile_fx, its keyword arguments)`` of ``backend`` (:func:`is_compile_fx`; ``None``:
+    plain Inductor)."""
+    if isinstance(backend, functools.partial):
+        return backend.func, dict(backend.keywords)
+    return compile_fx, {}
 
 
 def compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ import functools
 import types
 from typing import Any
 
+from .._compat import aot, inductor
 from .._compat.dynamo import TorchCompileCall, compiled_function, torch_compile_call
 from ..actions import Actions
 from ..arguments import BACKEND_KEYS, COMPILE_KEYS, SeamConfig, normalize_compile
@@ -64,15 +65,19 @@ def compile_options_of(compiled: Any, where: str) -> tuple[tuple[str, Any], ...]
     return normalized
 
 
-def _inner(call: TorchCompileCall, where: str) -> str:
+def _inner(call: TorchCompileCall, where: str) -> Any:
     if isinstance(call.backend, SacBackend):
         return call.backend.inner
-    inner = _INNER_BY_NAME.get(call.backend_name) if isinstance(call.backend_name, str) else None
+    inner: Any = _INNER_BY_NAME.get(call.backend_name) if isinstance(call.backend_name, str) else None
+    if inner is None and (
+        aot.aot_autograd_kwargs(call.backend) is not None or inductor.is_compile_fx(call.backend)
+    ):
+        inner = call.backend  # an aot_autograd(...) object or a compile_fx partial: the pass runs in it
     if inner is None:
         raise ValueError(
             f"{where} is compiled with backend {call.backend_name!r}, which sac_compile cannot wrap: the "
-            "tagging pass runs inside AOTAutograd backends ('inductor', 'aot_eager' or a "
-            "make_sac_backend(...)), and in an eager checkpoint the compiled graph's saved values are "
+            "tagging pass runs inside AOTAutograd backends ('inductor', 'aot_eager', an aot_autograd(...) "
+            "object, a compile_fx partial or a make_sac_backend(...)), and in an eager checkpoint the compiled graph's saved values are "
             "discarded, so the layer's kept regions would keep nothing. Compile it with one of those "
             "backends, or through the seam: apply_selective_checkpointing(layer, keep=..., compile=True)"
         )
@@ -134,7 +139,9 @@ def user_function(fn: Any) -> tuple[types.FunctionType | None, Any]:
 def backend_and_compile_kwargs(config: SeamConfig) -> tuple[Any, dict[str, Any]]:
     """The backend and the ``torch.compile`` arguments of a ``compile=...`` wrap."""
     opts = config.compile_kwargs()
-    backend = backend_for(config.actions, **{k: v for k, v in opts.items() if k in BACKEND_KEYS})
+    backend = backend_for(
+        config.actions, **{k: v for k, v in opts.items() if k in BACKEND_KEYS}, whole_graph=True
+    )
     backend.compile_patches(opts.get("mode"), opts.get("options"))  # raises for bad ones
     return backend, {k: v for k, v in opts.items() if k in COMPILE_KEYS}
 

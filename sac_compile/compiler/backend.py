@@ -1,15 +1,16 @@
 """The Dynamo backends: ``sac_backend`` and the memoised ``make_sac_backend``.
 
-A backend compiles each Dynamo graph with the tagging pass installed before the
-min-cut partitioner:
+A backend compiles each Dynamo graph it owns with the tagging pass installed before
+the inner backend's partitioner (:mod:`.inner`: each kind of inner backend and where the
+pass runs in it), and hands every other graph to the inner backend untouched.
 
-* ``inner="inductor"``: Inductor with ``joint_custom_pre_pass`` set through
-  ``compile_fx(config_patches=...)``, which scopes the config to this compile and
-  re-applies it for the lazily compiled backward (nothing is set globally).
-* ``inner="aot_eager"``: AOTAutograd with no codegen; the pass runs in our
-  partition function right before ``min_cut_rematerialization_partition``.
-  Inductor decomposes before partitioning, so node-level partitions differ
-  between the two, while the regions kept are the same.
+Note [a backend changes only what it owns]: a graph holding no marker of ours (region or
+scope markers, also inside HOP bodies) and not starting inside a wrapped layer or a region
+(a graph break) is compiled exactly as the inner backend compiles it: PyTorch's
+``activation_memory_budget``, ``region_activation_memory_budget`` and checkpoints keep their
+meaning there. Reported once (``unmarked``) unless the compiled callable holds wrapped layers.
+``whole_graph=True`` (the seam's ``compile=True`` and adopted forwards, the planner) makes
+every graph one checkpoint scope, marked or not.
 
 Dynamo guards on backend identity, so ``make_sac_backend`` returns the same
 object for the same configuration: one new backend per layer would exhaust
@@ -18,26 +19,25 @@ object for the same configuration: one new backend per layer would exhaust
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from .. import records
 from .._compat import aot, dynamo, frames, inductor
-from .._compat.ops import is_view_op, op_name
 from ..actions import Actions
 from ..diagnostics import compiled as diagnosed
-from ..diagnostics import describe_module, side_file, trace_watch
+from ..diagnostics import describe_module, messages, report, side_file, trace_watch
 from ..keep import ALL_REGIONS, Keep, Regions
 from ..marker_walk import MarkerKind
 from ..markers import marker_kind
 from ..markers.context import NO_CONTEXT, Enclosing, enclosing_context, running_regions, with_block_fallbacks
 from ..policy import SAVE_COSTLY, RegionPolicy
 from . import session
+from .inner import Inner, inner_key, resolve_inner
 from .session import CompileUnit
 
 if TYPE_CHECKING:
@@ -52,10 +52,19 @@ __all__ = [
     "make_sac_backend",
     "new_unit",
     "sac_backend",
-    "snapshot",
 ]
 
-_INNER = ("inductor", "aot_eager")
+
+def _holds_ours(gm: torch.fx.GraphModule, context: Enclosing) -> bool:
+    """Whether a graph is ours to tag: it holds a marker (region or scope, here or in a HOP
+    body) or starts inside a wrapped layer's scope or a region (a graph break split them)."""
+    if context.scopes or context.regions:
+        return True
+    for _, module in gm.named_modules():
+        if isinstance(module, torch.fx.GraphModule):
+            if any(marker_kind(n) is not None for n in module.graph.nodes):
+                return True
+    return False
 
 
 def new_unit(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> CompileUnit:
@@ -129,24 +138,31 @@ class SacBackend:
     def __init__(
         self,
         actions: Actions,
-        inner: str,
+        inner: Any,
         inductor_config: tuple[tuple[str, Any], ...],
         *,
         checkpoint: bool = True,
+        whole_graph: bool = False,
     ) -> None:
         # checkpoint=False: the same compile without the tagging pass (the
         # "compiled, no checkpoint" baseline of capture_partition and benchmarks).
         self.checkpoint = checkpoint
+        self.whole_graph = whole_graph
         self.actions = actions
-        self.inner = inner
+        self.inner = inner  # as the user gave it (a name or a backend object)
+        self._inner = resolve_inner(inner)
         self.inductor_config = inductor_config
-        self._options_key = f"inner={inner}|inductor_config={inductor_config!r}"
+        self._options_key = (
+            f"inner={self._inner.label}|inductor_config={inductor_config!r}|whole_graph={whole_graph}"
+        )
         self._passes: dict[Enclosing, TagRegionsPass] = {}
 
     def __repr__(self) -> str:
+        inner = self.inner if isinstance(self.inner, str) else self._inner.label
         if not self.checkpoint:
-            return f"<{self.inner} without checkpointing>"
-        return f"make_sac_backend({self.actions.arguments()}, inner={self.inner!r})"
+            return f"<{inner} without checkpointing>"
+        whole = ", whole_graph=True" if self.whole_graph else ""
+        return f"make_sac_backend({self.actions.arguments()}, inner={inner!r}{whole})"
 
     def tagging_pass(self, context: Enclosing = NO_CONTEXT) -> TagRegionsPass:
         """The (cached) :class:`~sac_compile.passes.tag_regions.TagRegionsPass` for graphs
@@ -169,14 +185,15 @@ class SacBackend:
         self, mode: str | None = None, options: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
         """The Inductor config this backend compiles with when ``torch.compile`` passes it
-        ``mode`` / ``options``: its ``inductor_config``, then theirs (they win). With
-        ``inner="aot_eager"`` there is no Inductor to configure: a ``ValueError``."""
+        ``mode`` / ``options``: its ``inductor_config``, then theirs (they win). With an inner
+        backend that is not Inductor there is nothing to configure: a ``ValueError`` (a plain
+        callable gets them as ``torch.compile`` gives them, see :meth:`__call__`)."""
         if not mode and not options:
             return dict(self.inductor_config)
-        if self.inner != "inductor":
+        if not self._inner.is_inductor:
             raise ValueError(
                 f"torch.compile(mode={mode!r}, options={options!r}) configures Inductor, but {self!r} compiles "
-                f"with inner={self.inner!r}, where they would do nothing; drop them, or use "
+                f"with inner={self._inner.label!r}, where they would do nothing; drop them, or use "
                 "make_sac_backend(..., inner='inductor') (mode and options are then forwarded to Inductor, "
                 "as is make_sac_backend(inductor_config={...}))"
             )
@@ -191,43 +208,38 @@ class SacBackend:
         unknown = set(compile_kwargs) - {"mode", "options"}
         if unknown:
             raise TypeError(f"{self!r} got unexpected keyword arguments {sorted(unknown)}")
-        patches = self.compile_patches(compile_kwargs.get("mode"), compile_kwargs.get("options"))
+        if self._inner.kind == "callable":
+            patches: dict[str, Any] = {}  # mode / options go to the callable as torch.compile passes them
+        else:
+            patches = self.compile_patches(
+                compile_kwargs.pop("mode", None), compile_kwargs.pop("options", None)
+            )
         unit = new_unit(gm, example_inputs)
         capturing = session.capturing()
-        pass_ = self.tagging_pass(unit.context) if self.checkpoint else None
+        owned = self.checkpoint and (self.whole_graph or _holds_ours(gm, unit.context))
+        pass_ = self.tagging_pass(unit.context) if owned else None
         if pass_ is not None:
             session.advise(self, gm, example_inputs, unit)  # the planner's, at log level INFO
+        elif self.checkpoint:
+            unit.untouched = True
+            if not unit.context.wrapped_inside:
+                report(messages.unmarked(unit.module, repr(self), self._inner.label))
         trace_watch.claim_trace()  # this graph is ours: its markers are not "no-pass"
         # (offload= from the backend or scope markers: the pass marks, the partitioner moves)
         with session.compiling(unit), aot.offloading(example_inputs, pass_ is not None):
-            if self.inner == "inductor":
-                compiled = self._compile_inductor(gm, example_inputs, pass_, unit, capturing, patches)
-            else:
-                compiled = self._compile_aot_eager(gm, example_inputs, pass_, unit)
+            compiled = self._inner.compile(
+                gm,
+                example_inputs,
+                pass_,
+                unit,
+                capturing=capturing,
+                patches=patches,
+                compile_kwargs=compile_kwargs,
+                partition=self.partition,
+            )
         if pass_ is None:
             return compiled
         return diagnosed.with_reporter(compiled, _graph_reporter(self, unit, gm, example_inputs, pass_))
-
-    def _compile_inductor(
-        self,
-        gm: GraphModule,
-        example_inputs: list[Any],
-        pass_: TagRegionsPass | None,
-        unit: CompileUnit,
-        capturing: bool,
-        patches: dict[str, Any],
-    ) -> Callable[..., Any]:
-        if pass_ is not None:
-            from ..passes.untag_seeds import UNTAG_SEEDS  # loads Inductor, as the pass does
-
-            patches["joint_custom_pre_pass"] = pass_
-            # after any post pass of the user's (scoped or global): seeds drawn once
-            user_post = patches.get(
-                "joint_custom_post_pass", inductor.inductor_config().joint_custom_post_pass
-            )
-            patches["joint_custom_post_pass"] = (*inductor.custom_graph_passes(user_post), UNTAG_SEEDS)
-        inner = functools.partial(_capturing_inner_compile, unit, capturing)
-        return inductor.compile_fx(gm, example_inputs, config_patches=patches, inner_compile=inner)
 
     def partition(
         self,
@@ -235,12 +247,18 @@ class SacBackend:
         joint_inputs: Any,
         pass_: TagRegionsPass | None = None,
         untagged: Callable[[], GraphModule] | None = None,
+        partition_fn: Callable[..., Any] | None = None,
         **kwargs: Any,
     ) -> Any:
         """Tag ``joint`` with ``pass_`` (this backend's tagging pass for the graph's context;
-        none for the baseline) and partition it, as ``inner="aot_eager"`` compiles do.
-        ``untagged()``: a fresh copy of the joint graph before tagging, should the partition
-        need redoing (default: ``joint`` is copied before it is tagged)."""
+        none for the baseline) and partition it with ``partition_fn`` (default: the min-cut
+        partitioner, as ``inner="aot_eager"`` compiles do). ``untagged()``: a fresh copy of the
+        joint graph before tagging, should a min-cut partition need redoing (default: ``joint``
+        is copied before it is tagged)."""
+        if partition_fn is not None and not aot.is_min_cut_partition(partition_fn):
+            if pass_ is not None:
+                pass_(joint.graph)
+            return partition_fn(joint, joint_inputs, **kwargs)
         fallback = None
         if pass_ is not None:  # a budget may come from the backend or a seam's scope
             if untagged is None:
@@ -253,47 +271,11 @@ class SacBackend:
                 return graph
 
             pass_(joint.graph)
+        if partition_fn is None:
+            kwargs.setdefault("compiler", "inductor")
         return aot.min_cut_rematerialization_partition(
-            joint, joint_inputs, compiler="inductor", fallback=fallback, **kwargs
+            joint, joint_inputs, fallback=fallback, partition=partition_fn, **kwargs
         )
-
-    def _compile_aot_eager(
-        self, gm: GraphModule, example_inputs: list[Any], pass_: TagRegionsPass | None, unit: CompileUnit
-    ) -> Callable[..., Any]:
-        def compiler(kind: str) -> Callable[[GraphModule, Any], Callable[..., Any]]:
-            def compile_graph(g: GraphModule, _inputs: Any) -> Callable[..., Any]:
-                if kind == "inference" and pass_ is not None:
-                    # Inductor runs joint passes on inference graphs too; here we do it.
-                    pass_(g.graph)
-                unit.graphs[kind] = snapshot(g)
-                if kind == "forward":
-                    unit.saved_names = aot.forward_saved_outputs(g)
-                return aot.make_boxed_func(g.forward)
-
-            return compile_graph
-
-        return aot.aot_autograd(
-            fw_compiler=compiler("forward"),
-            bw_compiler=compiler("backward"),
-            inference_compiler=compiler("inference"),
-            partition_fn=functools.partial(self.partition, pass_=pass_),
-            keep_inference_input_mutations=True,
-        )(gm, example_inputs)
-
-
-def _capturing_inner_compile(
-    unit: CompileUnit, capturing: bool, gm: GraphModule, example_inputs: list[Any], **kwargs: Any
-) -> Any:
-    if kwargs.get("is_backward"):
-        kind = "backward"
-    elif kwargs.get("is_inference"):
-        kind = "inference"
-    else:
-        kind = "forward"
-        unit.saved_names = aot.forward_saved_outputs(gm)
-    if capturing:
-        unit.graphs[kind] = snapshot(gm)  # before Inductor's post-grad passes mutate gm
-    return inductor.compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 # --- Diagnostics for one compiled graph ---------------------------------------------
@@ -342,23 +324,6 @@ def _context_check(unit: CompileUnit) -> dict[str, Any]:
     return {"context": unit.context.regions, "read_context": running_regions}
 
 
-def snapshot(gm: torch.fx.GraphModule) -> dict[str, Any]:
-    """What the partition report needs of a partitioned graph, taken before codegen."""
-    placeholders = []
-    calls = []
-    inputs = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            placeholders.append((n.name, n.meta.get("val")))
-        elif n.op == "call_function":
-            base = None
-            if is_view_op(n.target) and n.args and isinstance(n.args[0], torch.fx.Node):
-                base = n.args[0].name
-            calls.append((n.name, op_name(n.target), base))
-            inputs[n.name] = tuple(a.name for a in n.all_input_nodes)
-    return {"placeholders": placeholders, "calls": calls, "inputs": inputs}
-
-
 _BACKENDS: dict[tuple[Any, ...], SacBackend] = {}
 _BACKENDS_LOCK = threading.Lock()
 
@@ -368,9 +333,10 @@ def make_sac_backend(
     *,
     policy: RegionPolicy = SAVE_COSTLY,
     budget: float | None = None,
-    inner: Literal["inductor", "aot_eager"] = "inductor",
+    inner: str | Callable[..., Any] = "inductor",
     inductor_config: Mapping[str, Any] | None = None,
     offload: Regions = (),
+    whole_graph: bool = False,
 ) -> SacBackend:
     """Return the (memoised) backend keeping the regions named in ``keep``.
 
@@ -385,37 +351,60 @@ def make_sac_backend(
             saved values first, then PyTorch's knapsack
             (``activation_memory_budget``) chooses the rest of the scope. ``None``
             (or 0): everything the policy does not save is recomputed.
-        inner: ``"inductor"`` (default) or ``"aot_eager"`` (no codegen).
+        inner: the backend that compiles: ``"inductor"`` (default), ``"aot_eager"`` (no
+            codegen), an ``aot_autograd(fw_compiler=..., bw_compiler=..., partition_fn=...)``
+            object (the pass runs right before its ``partition_fn``), a ``compile_fx`` partial,
+            or another registered name or backend callable (it must compile through Inductor's
+            ``compile_fx`` for regions to be kept).
         inductor_config: extra ``torch._inductor.config`` entries, scoped to this
-            backend's compiles (only with ``inner="inductor"``).
+            backend's compiles (only with an Inductor ``inner``).
         offload: region names whose saved values go to host memory in the forward and
             come back for the backward (disjoint from ``keep``).
+        whole_graph: every graph compiled is one checkpoint scope, marked or not (full
+            recompute outside kept regions). Default: a graph holding no region marker and
+            no wrapped layer is compiled exactly as ``inner`` compiles it (reported once).
 
     The same arguments return the same object, so every layer compiled with it
     shares Dynamo's cache entries instead of recompiling per backend object.
     """
-    return backend_for(Actions.of(keep, policy, budget, offload), inner, inductor_config)
+    return backend_for(
+        Actions.of(keep, policy, budget, offload), inner, inductor_config, whole_graph=whole_graph
+    )
 
 
 def backend_for(
-    actions: Actions, inner: str = "inductor", inductor_config: Mapping[str, Any] | None = None
+    actions: Actions,
+    inner: Any = "inductor",
+    inductor_config: Mapping[str, Any] | None = None,
+    *,
+    whole_graph: bool = False,
 ) -> SacBackend:
     """:func:`make_sac_backend` for actions made already (the seam's, the planner's)."""
-    if inner not in _INNER:
-        raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
+    resolved = _resolved(inner)
     config_items: tuple[tuple[str, Any], ...] = ()
     if inductor_config:
-        if inner != "inductor":
+        if not resolved.is_inductor:
             raise ValueError(
-                f"inductor_config={dict(inductor_config)!r} does nothing with inner={inner!r}; "
+                f"inductor_config={dict(inductor_config)!r} does nothing with inner={resolved.label!r}; "
                 "drop it or use inner='inductor'"
             )
         if not isinstance(inductor_config, Mapping):
             raise TypeError(f"inductor_config must be a mapping, got {type(inductor_config).__name__}")
         _check_inductor_keys(inductor_config, "inductor_config")
         config_items = tuple(sorted((str(k), v) for k, v in inductor_config.items()))
-    key = (actions.text, inner, repr(config_items))
-    return _memoised(key, lambda: SacBackend(actions, inner, config_items))
+    if not isinstance(whole_graph, bool):
+        raise TypeError(f"whole_graph must be True or False, got {whole_graph!r}")
+    key = (actions.text, inner_key(inner), repr(config_items), whole_graph)
+    return _memoised(key, lambda: SacBackend(actions, inner, config_items, whole_graph=whole_graph))
+
+
+def _resolved(inner: Any) -> Inner:
+    if isinstance(inner, SacBackend):
+        raise ValueError(
+            f"inner={inner!r} is a sac backend already; pass the backend it compiles with "
+            f"(make_sac_backend(..., inner={inner.inner!r}))"
+        )
+    return resolve_inner(inner)
 
 
 def _check_inductor_keys(config: Mapping[str, Any], what: str) -> None:
@@ -435,15 +424,16 @@ def _memoised(key: tuple[Any, ...], make: Callable[[], SacBackend]) -> SacBacken
     return backend
 
 
-def baseline_backend(inner: str = "inductor") -> SacBackend:
+def baseline_backend(inner: Any = "inductor") -> SacBackend:
     """The same compile without the tagging pass: the "compiled, no checkpoint" baseline.
 
     For comparisons (benchmarks, ``capture_partition(..., backend="inductor")``):
     the partitioner saves whatever it likes and markers are dropped unread.
     """
-    if inner not in _INNER:
-        raise ValueError(f"inner must be one of {_INNER}, got {inner!r}")
-    return _memoised(("<baseline>", inner, "()"), lambda: SacBackend(Actions(), inner, (), checkpoint=False))
+    _resolved(inner)  # (its errors)
+    return _memoised(
+        ("<baseline>", inner_key(inner), "()"), lambda: SacBackend(Actions(), inner, (), checkpoint=False)
+    )
 
 
 #: Inductor backend keeping every marked region.

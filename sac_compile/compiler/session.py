@@ -52,6 +52,7 @@ class CompileUnit:
     records: list[records.GraphRecord] = field(default_factory=list)  # the tagging pass's
     graphs: dict[str, Any] = field(default_factory=dict)  # "forward"/"backward"/"inference" -> snapshot
     saved_names: list[str] | None = None  # what the partitioned forward saves
+    untouched: bool = False  # compiled exactly as the inner backend compiles it (no marker of ours)
 
 
 _CURRENT: contextvars.ContextVar[CompileUnit | None] = contextvars.ContextVar(

@@ -30,6 +30,9 @@ kind                        situation
 - ``graph-reused``          a graph compiled inside some regions runs inside others: a graph
                             break compiled a module's code as a frame of its own, and Dynamo
                             reuses it for another module of the class in other regions
+- ``unmarked``              a sac backend compiled a graph with no region marker and no wrapped
+                            layer: it was handed to the inner backend untouched (nothing
+                            checkpointed; ``make_sac_backend(whole_graph=True)`` checkpoints it)
 ==========================  ==================================================================
 
 Deduplication is on the whole diagnosis per root model (:mod:`.core`), so a repeated
@@ -77,6 +80,7 @@ from .core import (
     NO_PASS,
     NO_SCOPE,
     UNBALANCED,
+    UNMARKED,
     Diagnosis,
     SacDiagnosticError,
     describe_module,
@@ -102,6 +106,7 @@ __all__ = [
     "NO_PASS",
     "NO_SCOPE",
     "UNBALANCED",
+    "UNMARKED",
     "Diagnosis",
     "SacDiagnosticError",
     "describe_module",

@@ -53,6 +53,7 @@ COMPILE_FALLBACK = "compile-fallback"
 LEGACY_KEEP_IGNORED = "legacy-keep-ignored"
 COLLECTIVE_RECOMPUTED = "collective-recomputed"
 GRAPH_REUSED = "graph-reused"
+UNMARKED = "unmarked"
 KINDS = (
     KEEP_UNUSED,
     KEPT_NOTHING,
@@ -67,6 +68,7 @@ KINDS = (
     LEGACY_KEEP_IGNORED,
     COLLECTIVE_RECOMPUTED,
     GRAPH_REUSED,
+    UNMARKED,
 )
 
 

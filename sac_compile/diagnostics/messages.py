@@ -20,6 +20,7 @@ from .core import (
     NO_PASS,
     NO_SCOPE,
     UNBALANCED,
+    UNMARKED,
     Diagnosis,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "no_pass",
     "no_scope",
     "unbalanced",
+    "unmarked",
 ]
 
 # Why a kept region kept nothing (the first clause of a kept-nothing message).
@@ -278,4 +280,17 @@ def graph_reused(where: str, compiled_in: tuple[str, ...], runs_in: tuple[str, .
         "as in the first. Declare the same regions around every module of this class (or declare "
         "this module itself), remove the graph break (TORCH_LOGS=graph_breaks), or checkpoint the "
         "layer eagerly (compile=False).",
+    )
+
+
+def unmarked(where: str, backend_name: str, inner: str) -> Diagnosis:
+    return Diagnosis(
+        UNMARKED,
+        "-",
+        where,
+        f"{backend_name} compiled a graph holding no region marker and no wrapped layer: it was "
+        f"compiled exactly as {inner} compiles it, with nothing checkpointed (PyTorch's own "
+        "activation_memory_budget and checkpoints apply as without sac_compile). Mark regions "
+        "(sac_compile.region, declare_regions), wrap layers (apply_selective_checkpointing), or pass "
+        "make_sac_backend(..., whole_graph=True) to checkpoint every graph the backend compiles.",
     )

@@ -8,7 +8,7 @@
 A model's stacks (:func:`stacks`) are the lists of layers transformers itself checkpoints:
 a vision tower's blocks, the language decoder's layers, an audio encoder's, both sides of an
 encoder-decoder. :func:`regions_for` declares regions in every layer of every stack with one
-vocabulary (:mod:`sac_compile.hf_layers` documents it); :func:`config_for`,
+vocabulary (:mod:`sac_compile.hf.layers` documents it); :func:`config_for`,
 :func:`checkpointing_kwargs` and :func:`plan_for` cover every stack, with one keep set for
 all or a keep set per stack.
 """

@@ -58,6 +58,8 @@ class GraphPartition:
     recomputed: dict[str, list[tuple[str, str]]]  # region -> [(node name, op)] recomputed
     record: GraphRecord | None
     backward_compiled: bool
+    #: a sac backend compiled it exactly as its inner backend does: no marker, no wrapped layer
+    untouched: bool = False
 
     @property
     def activation_bytes(self) -> int:
@@ -200,6 +202,8 @@ def _op_histogram(nodes: list[tuple[str, str]]) -> str:
 def _graph_header(g: GraphPartition, ordinal: dict[int, int]) -> str:
     head = f"graph {g.index}"
     rec = g.record
+    if g.untouched:
+        return head + ": no marker and no wrapped layer: compiled untouched, not checkpointed"
     if rec is None:
         return head + ": no tagging pass"
     if not rec.is_training:
@@ -247,7 +251,7 @@ def build_partition(index: int, unit: CompileUnit) -> GraphPartition | None:
     fw = unit.graphs.get("forward")
     bw = unit.graphs.get("backward")
     if fw is None and "inference" in unit.graphs:
-        return GraphPartition(index, [], {}, record, backward_compiled=False)
+        return GraphPartition(index, [], {}, record, backward_compiled=False, untouched=unit.untouched)
     if fw is None:
         return None
     fw_ops = {name: op for name, op, _ in fw["calls"]}
@@ -307,7 +311,9 @@ def build_partition(index: int, unit: CompileUnit) -> GraphPartition | None:
             if name in fw_ops:
                 regions = regions_of(name)
                 recomputed["+".join(regions) if regions else NO_REGION].append((name, op))
-    return GraphPartition(index, saved, dict(recomputed), record, backward_compiled=bw is not None)
+    return GraphPartition(
+        index, saved, dict(recomputed), record, backward_compiled=bw is not None, untouched=unit.untouched
+    )
 
 
 def _storage_key(val: Any, base: str) -> Any:

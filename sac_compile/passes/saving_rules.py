@@ -7,7 +7,8 @@ Reads and writes ``node.meta["recompute"]`` on forward nodes of a joint graph th
   result is saved, so the backward does not communicate again to rebuild it;
 * :func:`save_small_reads_of_kept_matmuls`: a saved matmul output whose reads are all
   recomputed cheap ops, together at most half its size, is replaced by those reads;
-* :func:`set_graph_budget`: hands the scopes' ``budget=`` to the partitioner's knapsack.
+* :func:`scope_budget` / :func:`set_graph_budget`: a scope's budget (its ``budget=`` or
+  PyTorch's region annotation) handed to the partitioner's knapsack.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import torch
 import torch.fx as fx
 
 from .. import records
+from .._compat import aot
 from .._compat import ops as op_types
 from .._compat.checkpoint import CheckpointPolicy
-from ..markers import ops
+from ..actions import Actions
 from ..op_classes import MATMULS
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "TAGGED",
     "save_small_reads_of_kept_matmuls",
     "save_what_collectives_feed",
+    "region_budget_zero_as_none",
+    "scope_budget",
     "set_graph_budget",
 ]
 
@@ -157,20 +161,40 @@ def save_small_reads_of_kept_matmuls(nodes, forward, rec: records.GraphRecord) -
                 rec.node_policy[u.name] = "MUST_SAVE"
 
 
-def set_graph_budget(nodes, forward, budgets: set[float], rec: records.GraphRecord) -> None:
-    """Hand the scopes' budget to the partitioner's knapsack for this graph.
+def scope_budget(n: fx.Node, actions: Actions, source: str) -> float | None:
+    """The knapsack budget of a node's scope (``actions``, made from ``source``): its
+    ``budget=``, else the ``torch.autograd.graph.region_activation_memory_budget`` the node
+    was traced under (the kept regions are saved first either way); both, and different: an
+    error naming both."""
+    region = aot.budget_annotation(n)
+    own = actions.budget
+    if own is not None and region is not None and region != own:
+        raise ValueError(
+            f"{n.name} ({n.target}) is in a checkpoint scope with budget={own} (from {source}: "
+            f"{actions.arguments()}) and was traced under "
+            f"torch.autograd.graph.region_activation_memory_budget({region}); PyTorch's partitioner applies "
+            "one budget per graph. Drop one of them, or make them equal."
+        )
+    return own if own is not None else (region or None)  # (0: no budget, as budget=0)
 
-    Relies on the min-cut partitioner reading ``node.meta["memory_budget"]`` (a
-    float, first node wins) over ``config.activation_memory_budget``
-    (``torch/_functorch/partitioners.py``); the budget is per joint graph, so
-    scopes with different budgets in one graph get the smallest (recorded).
+
+def region_budget_zero_as_none(graph: fx.Graph, rec: records.GraphRecord) -> None:
+    """A graph holding our scopes under ``region_activation_memory_budget(0)``: the annotation
+    is rewritten to 1, so that the partitioner keeps within our tags (budget 0 means no budget
+    in a scope, :func:`scope_budget`; PyTorch's own 0 saves only the graph's inputs, dropping
+    the kept values). Code outside every scope in such a graph is then partitioned as at 1."""
+    if rec.scopes:
+        aot.rewrite_budget_annotation(graph, 0.0, 1.0)
+
+
+def set_graph_budget(graph: fx.Graph, budgets: set[float], rec: records.GraphRecord) -> None:
+    """Hand the scopes' budget to the partitioner's knapsack for this graph, through PyTorch's
+    region annotation (Note [a budget through PyTorch's region annotation] in
+    ``_compat/aot.py``); the budget is per joint graph, so scopes with different budgets in
+    one graph get the smallest (recorded).
     """
     budget = min(budgets)
     rec.budget = budget
     if len(budgets) > 1:
         rec.budget_conflict = sorted(budgets)
-    first = next(
-        (n for n in nodes if n in forward and n.op == "call_function" and ops.marker_kind(n) is None), None
-    )
-    if first is not None:
-        first.meta["memory_budget"] = float(budget)
+    aot.set_budget_annotation(graph, float(budget))

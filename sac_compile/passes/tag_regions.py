@@ -46,6 +46,7 @@ Rules (the product spec's Semantics):
 from __future__ import annotations
 
 import operator
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,8 +123,12 @@ class TagRegionsPass(_PASS_BASE):
         self.actions = actions
         self.options_key = options_key
         self.context = context
+        self._done: weakref.WeakSet[fx.Graph] = weakref.WeakSet()  # graphs this pass tagged
 
     def __call__(self, graph: fx.Graph) -> None:
+        if graph in self._done:
+            return  # (run before a backend's partitioner and again as Inductor's pre pass)
+        self._done.add(graph)
         rec = tag_regions(graph, self.actions, context=self.context)
         if not rec.repeat:
             self.publish(rec)
@@ -139,8 +144,7 @@ class TagRegionsPass(_PASS_BASE):
 
         def run(graph: fx.Graph) -> None:
             plain(graph)
-            for n in graph.nodes:
-                n.meta.pop("memory_budget", None)
+            aot.drop_budget_annotation(graph)
 
         return run
 
@@ -186,7 +190,7 @@ def tag_regions(
     if is_training:
         forward = _forward_nodes(nodes)
         rec.forward_nodes = {n.name for n in forward}
-        _tag_forward(nodes, forward, actions, context, rec)
+        _tag_forward(graph, nodes, forward, actions, context, rec)
         backward_collectives.keep_backward_collectives(nodes, forward)
     else:
         _scan_markers(markers, context, rec)
@@ -289,6 +293,7 @@ class _Tally:
 
 
 def _tag_forward(
+    graph: fx.Graph,
     nodes: list[fx.Node],
     forward: set[fx.Node],
     actions: Actions,
@@ -325,7 +330,9 @@ def _tag_forward(
     rec.outside_scope = sorted(tally.outside)
     rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(tally.overrides.items())]
     if tally.budgets:
-        saving_rules.set_graph_budget(nodes, forward, tally.budgets, rec)
+        saving_rules.set_graph_budget(graph, tally.budgets, rec)
+    else:
+        saving_rules.region_budget_zero_as_none(graph, rec)
 
 
 def _follow(
@@ -386,8 +393,9 @@ def _tag_node(
         rec.hop_kept.append("invoke_subgraph")
     if decision is None:
         return
-    if scope.actions.budget is not None:
-        tally.budgets.add(scope.actions.budget)
+    budget = saving_rules.scope_budget(n, scope.actions, scope.info.source)
+    if budget is not None:
+        tally.budgets.add(budget)
         if not saves(decision) and not any(r in scope.actions.saving for r in open_names):
             # PyTorch's knapsack chooses among everything outside the kept regions (inside
             # them the policy's decisions stand: a cheap kept op is still recomputed)

@@ -47,7 +47,7 @@ def advise(backend: Any, gm: Any, example_inputs: list[Any], unit: Any) -> None:
         return measuring
 
     mine = backend.actions
-    own = backend_for(mine, "aot_eager")
+    own = backend_for(mine, "aot_eager", whole_graph=True)
     first = measured({"own": own})
     if first.scopes != [1] or not first.regions:
         return  # a graph holding several scopes (a whole model) has no one keep set to judge
@@ -55,7 +55,7 @@ def advise(backend: Any, gm: Any, example_inputs: list[Any], unit: Any) -> None:
     for keep in keep_sets(first.regions)[0]:
         for budget in DEFAULT_BUDGETS:
             actions = Actions(frozenset(keep), mine.policy, budget)
-            configs.setdefault(actions, backend_for(actions, "aot_eager"))
+            configs.setdefault(actions, backend_for(actions, "aot_eager", whole_graph=True))
     figures = measured(configs).figures
     base_flops = figures.pop("none")[1]
     recomputed = {k: (saved, flops - base_flops) for k, (saved, flops, *_) in figures.items()}

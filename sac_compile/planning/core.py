@@ -277,7 +277,7 @@ def plan(
     regions = first.regions
     target = _target(memory, base_bytes)
     actions, search = configurations(regions, budgets, policies, offload)
-    configs = {a: backend_for(a, "aot_eager") for a in actions}
+    configs = {a: backend_for(a, "aot_eager", whole_graph=True) for a in actions}
     found = _candidates(module, example_args, example_kwargs, configs, first.figures[none], eager)
     found = mark_pareto(found)
     base_time = None
@@ -315,7 +315,7 @@ def _first(module: nn.Module, example_args: tuple[Any, ...], example_kwargs: dic
 
     configs = {
         "none": baseline_backend("aot_eager"),
-        frozenset({"every region"}): backend_for(Actions(ALL_REGIONS), "aot_eager"),
+        frozenset({"every region"}): backend_for(Actions(ALL_REGIONS), "aot_eager", whole_graph=True),
         TORCHTITAN_OP: TorchtitanOpSac(),
     }
     return measure(module, example_args, example_kwargs, configs)

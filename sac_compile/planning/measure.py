@@ -48,6 +48,7 @@ class PartitionEach:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]):
         from .._compat import aot
         from ..compiler import backend as backends
+        from ..compiler.inner import snapshot
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_attention_flops, graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
@@ -75,7 +76,7 @@ class PartitionEach:
                         untagged=lambda: aot.copy_joint(joint),
                         **kwargs,
                     )
-                one.graphs = {"forward": backends.snapshot(fw), "backward": backends.snapshot(bw)}
+                one.graphs = {"forward": snapshot(fw), "backward": snapshot(bw)}
                 part = build_partition(0, one)
                 assert part is not None  # (it has a forward graph)
                 self.figures[key][0] += part.activation_bytes + part.input_bytes
@@ -218,7 +219,7 @@ def timed(
             "none": step(stack.enter_context(fresh_compile(module, baseline_backend(inner))))
         }
         for key, c in points.items():
-            backend = backend_for(c.actions, inner)
+            backend = backend_for(c.actions, inner, whole_graph=True)
             steps[key] = step(stack.enter_context(fresh_compile(module, backend)))
         for run in steps.values():
             run()  # compile, outside the timed rounds

@@ -1,5 +1,0 @@
-"""Moved: see ``sac_compile._moved.MOVED``."""
-
-from ._moved import alias
-
-alias(__name__)
