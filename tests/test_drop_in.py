@@ -67,6 +67,14 @@ def test_an_unmarked_graph_is_said_once_and_whole_graph_checkpoints_it(caplog):
     assert len(said) == 1 and "whole_graph=True" in said[0], said
     plain = _held("aot_eager", marked=False)
     assert _held(backend, marked=False) == plain > 0
+    # the same partitioned graphs, op for op, as PyTorch's aot_eager
+    x = torch.randn(16, D)
+    ours = sc.inspection.capture_partition(Layer(marked=False), x, backend=backend)
+    theirs = sc.inspection.capture_partition(Layer(marked=False), x, backend="aot_eager")
+    assert [(v.name, v.op, v.nbytes) for v in ours.graphs[0].saved] == [
+        (v.name, v.op, v.nbytes) for v in theirs.graphs[0].saved
+    ]
+    assert ours.graphs[0].untouched and "compiled untouched" in ours.format()
     # the explicit option: the whole graph one scope, everything recomputed
     assert _held(sc.make_sac_backend(inner="aot_eager", whole_graph=True), marked=False) < plain
     assert sc.make_sac_backend(inner="aot_eager", whole_graph=True) is not backend

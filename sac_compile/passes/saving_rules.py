@@ -31,7 +31,6 @@ __all__ = [
     "TAGGED",
     "save_small_reads_of_kept_matmuls",
     "save_what_collectives_feed",
-    "region_budget_zero_as_none",
     "scope_budget",
     "set_graph_budget",
 ]
@@ -178,21 +177,20 @@ def scope_budget(n: fx.Node, actions: Actions, source: str) -> float | None:
     return own if own is not None else (region or None)  # (0: no budget, as budget=0)
 
 
-def region_budget_zero_as_none(graph: fx.Graph, rec: records.GraphRecord) -> None:
-    """A graph holding our scopes under ``region_activation_memory_budget(0)``: the annotation
-    is rewritten to 1, so that the partitioner keeps within our tags (budget 0 means no budget
-    in a scope, :func:`scope_budget`; PyTorch's own 0 saves only the graph's inputs, dropping
-    the kept values). Code outside every scope in such a graph is then partitioned as at 1."""
-    if rec.scopes:
-        aot.rewrite_budget_annotation(graph, 0.0, 1.0)
-
-
 def set_graph_budget(graph: fx.Graph, budgets: set[float], rec: records.GraphRecord) -> None:
-    """Hand the scopes' budget to the partitioner's knapsack for this graph, through PyTorch's
+    """Hand the scopes' budget (none: see below) to the partitioner's knapsack for this graph, through PyTorch's
     region annotation (Note [a budget through PyTorch's region annotation] in
     ``_compat/aot.py``); the budget is per joint graph, so scopes with different budgets in
     one graph get the smallest (recorded).
     """
+    if not budgets:
+        # A graph holding our scopes under region_activation_memory_budget(0): the annotation
+        # made 1, so that the partitioner keeps within our tags (0 means no budget in a scope,
+        # scope_budget; PyTorch's own 0 saves only the graph's inputs, dropping the kept values).
+        # Code outside every scope in such a graph is then partitioned as at 1.
+        if rec.scopes:
+            aot.rewrite_budget_annotation(graph, 0.0, 1.0)
+        return
     budget = min(budgets)
     rec.budget = budget
     if len(budgets) > 1:

@@ -329,10 +329,7 @@ def _tag_forward(
     saving_rules.save_small_reads_of_kept_matmuls(nodes, forward, rec)
     rec.outside_scope = sorted(tally.outside)
     rec.policy_overrides = [(name, ac, cnt) for (name, ac), cnt in sorted(tally.overrides.items())]
-    if tally.budgets:
-        saving_rules.set_graph_budget(graph, tally.budgets, rec)
-    else:
-        saving_rules.region_budget_zero_as_none(graph, rec)
+    saving_rules.set_graph_budget(graph, tally.budgets, rec)
 
 
 def _follow(
