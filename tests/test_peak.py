@@ -10,6 +10,7 @@ dense and an MoE transformers model: no checkpoint, full recompute, attention ke
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -343,6 +344,22 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
         ValueError, match=r"no plan fits h100-80gb with .* smallest predicted peak is .* GiB .*largest term"
     ):
         gpu.select("10MB")
+    # The message prints the figure it compares (reserved), the allocated beside it: at a memory
+    # whose usable part lies between the smallest plan's allocated and reserved peaks, the printed
+    # peak is above the usable (red before: it printed the allocated peak, below it)
+    gib = r"([0-9.]+) GiB"
+    with pytest.raises(ValueError) as tiny:
+        gpu.select("10MB")
+    found = re.search(rf"peak is {gib} reserved, the figure compared \({gib} allocated", str(tiny.value))
+    assert found, str(tiny.value)
+    reserved, allocated = (float(v) * 2**30 for v in found.groups())
+    assert allocated < reserved
+    between = (allocated + reserved) / 2 / (1 - gpu.target.headroom)
+    with pytest.raises(ValueError) as e:
+        gpu.select(int(between))
+    usable = float(re.search(rf"with {gib} usable", str(e.value)).group(1)) * 2**30
+    printed = float(re.search(rf"peak is {gib} reserved", str(e.value)).group(1)) * 2**30
+    assert printed > usable, str(e.value)
 
 
 @default_torch_only

@@ -348,7 +348,8 @@ def choose(
     raise ValueError(
         f"no plan fits {target.device.name} with {target.usable / 2**30:.3f} GiB usable "  # type: ignore[union-attr]
         f"({target.memory / 2**30:.2f} GiB less {target.headroom:.0%} headroom{host if target.offload else ''}): the smallest predicted "  # type: ignore[operator]
-        f"peak is {walk.smallest.bytes / 2**30:.3f} GiB (every layer at its least memory), its largest term {term} "
+        f"peak is {walk.smallest.reserved / 2**30:.3f} GiB reserved, the figure compared ("
+        f"{walk.smallest.bytes / 2**30:.3f} GiB allocated; every layer at its least memory), its largest term {term} "
         f"({walk.smallest.breakdown[term] / 2**30:.2f} GiB): {_FIX[term]}"
     )
 
