@@ -113,7 +113,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--pp-schedule",
         default="1f1b",
-        help="with --pp: 1f1b (default), interleaved-1f1b (two stages a rank) or gpipe",
+        help="with --pp: one of PyTorch's schedules: 1f1b (default), gpipe, interleaved-1f1b, looped-bfs, "
+        "interleaved-zero-bubble, zbv-zero-bubble, dualpipev (PyTorch's names too: Interleaved1F1B)",
+    )
+    parser.add_argument(
+        "--pp-virtual-stages",
+        type=int,
+        default=None,
+        help="with --pp: stages a rank runs (the interleave degree; default the schedule's: 1, or 2 for the "
+        "interleaved and V-shaped ones)",
     )
     parser.add_argument(
         "--microbatch-size",
@@ -266,6 +274,7 @@ def _target(args: argparse.Namespace) -> Any:
             cp=args.cp,
             pp=args.pp,
             pp_schedule=args.pp_schedule,
+            pp_virtual_stages=args.pp_virtual_stages,
             microbatch_size=args.microbatch_size,
             gpus_per_node=args.gpus_per_node,
             network=args.network_gbps * 1e9 / 8,

@@ -21,6 +21,7 @@ def report(plan: Any, seconds: float) -> dict[str, Any]:
         "cp": t.cp,
         "pp": t.pp,
         "pp_schedule": t.pp_schedule,
+        "pp_virtual_stages": t.stages_per_rank,
         "microbatch_size": t.microbatch_size,
         "sequence_parallel": t.sequence_parallel,
         "loss_parallel": t.loss_parallel,
@@ -36,6 +37,16 @@ def report(plan: Any, seconds: float) -> dict[str, Any]:
         "reserved_bytes": plan.reserved_bytes,
         "phase": plan.peak.phase,
         "breakdown": plan.breakdown,
+        "stages": [
+            {
+                "rank": i,
+                "peak_bytes": p.bytes,
+                "reserved_bytes": p.reserved,
+                "phase": p.phase,
+                "fits": p.reserved <= t.usable,
+            }
+            for i, p in enumerate(plan.stages())
+        ],
         **step_json(plan.step),
         "gpus_per_node": t.gpus_per_node,
         "network": t.network,

@@ -14,7 +14,7 @@ import torch
 
 from sac_compile.testing.ranks import RankFailed, run_ranks
 
-from .releases import beyond, every_release
+from .releases import every_release, extended
 
 pytestmark = pytest.mark.distributed
 
@@ -495,10 +495,10 @@ def test_the_predicted_tensor_parallel_peak_matches_each_ranks_measured_peak():
 PP_BATCH, PP_SEQ = 4, 128
 
 
-def _pp_llama():
+def _pp_llama(pp: int = 2):
     from sac_compile.testing.hf_families import tiny_llama
 
-    return tiny_llama(layers=4, hidden=128, vocab=2048)
+    return tiny_llama(layers=2 * pp, hidden=128, vocab=2048)
 
 
 class _PipelineStage(torch.nn.Module):
@@ -527,59 +527,87 @@ def _torchtitan_loss(logits, labels):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def _pipeline_step_peaks(rank: int, world_size: int, schedule: str) -> dict:
-    """Per rank (= stage), the allocator's peak over one AdamW step of a 2-stage pipeline of a
-    tiny Llama (float32, 4 microbatches of 1 sequence, torchtitan's loss, outputs not
-    returned as torchtitan steps), with no checkpoint and with full recompute (the eager
-    engine), plus the stage's parameters and optimizer state live before it."""
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
+#: what each pipeline rank is measured with: no checkpoint, full recompute and attention kept
+#: (the eager engine), and attention kept in layers compiled per layer (aot_eager)
+PP_CONFIGS = {
+    "none": None,
+    "full": {},
+    "attn": {"keep": {"attn"}},
+    "attn compiled": {"keep": {"attn"}, "compile": {"inner": "aot_eager"}},
+}
+
+
+def _pp_target(schedule: str, pp: int, **kw):
+    from sac_compile.planning.devices import Target
+
+    return Target(
+        "cpu",
+        pp=pp,
+        pp_schedule=schedule,
+        batch=PP_BATCH * pp // 2,
+        seq=PP_SEQ,
+        param_dtype="float32",
+        loss="torchtitan",
+        **kw,
     )
 
+
+def _pipeline_step_peaks(rank: int, world_size: int, runs: dict) -> dict:
+    """Per rank, the allocator's peak over one AdamW step of a pipeline of a tiny Llama
+    (float32, 4 microbatches of 1 sequence, torchtitan's loss, outputs not returned as
+    torchtitan steps) under each of PyTorch's schedules ``runs`` names (its class, the stages
+    this rank runs and the layers of each as the planner reads them: ``planning.pipeline``)
+    with each of its configs (``PP_CONFIGS``), plus the stages' parameters, optimizer state and receive
+    buffers live before it."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
     from sac_compile import hf
+    from sac_compile._compat.pipelining import SCHEDULES
+    from sac_compile.planning.pipeline import rank_schedules, stage_layers
 
     peaks = {}
-    for keep in (None, ()):
-        model = _pp_llama().train()
-        if keep is not None:
-            hf.config_for(model, keep=keep, compile=False).apply(model)
-        layers = list(model.model.layers)
-        # interleaved: two stages a rank, looped (rank r runs stages r and r + world_size)
-        count = world_size * (2 if schedule == "interleaved-1f1b" else 1)
-        per = len(layers) // count
-        ids_here = range(rank, count, world_size)
-        stages = [
-            PipelineStage(
-                _PipelineStage(model, i == 0, i == count - 1, layers[i * per : (i + 1) * per]),
-                i,
-                count,
-                torch.device("cpu"),
+    for schedule, configs in runs.items():
+        target = _pp_target(schedule, world_size)
+        count = world_size * target.stages_per_rank
+        kind = get_schedule_class(SCHEDULES[schedule][0])
+        for name in configs:
+            model = _pp_llama(world_size).train()
+            if PP_CONFIGS[name] is not None:
+                hf.config_for(model, **PP_CONFIGS[name]).apply(model)
+            layers, split = list(model.model.layers), stage_layers(len(model.model.layers), count)
+            stages = [
+                PipelineStage(
+                    _PipelineStage(model, i == 0, i == count - 1, [layers[j] for j in split[i]]),
+                    i,
+                    count,
+                    torch.device("cpu"),
+                )
+                for i in rank_schedules(target)[rank].stages
+            ]
+            module = torch.nn.ModuleList([s.submod for s in stages])
+            del model
+            single = issubclass(kind, PipelineScheduleSingle)
+            pipeline = kind(
+                stages[0] if single else stages,
+                n_microbatches=PP_BATCH * world_size // 2,
+                loss_fn=_torchtitan_loss,
             )
-            for i in ids_here
-        ]
-        module = torch.nn.ModuleList([s.submod for s in stages])
-        del model
-        if schedule == "interleaved-1f1b":
-            pipeline = ScheduleInterleaved1F1B(stages, n_microbatches=PP_BATCH, loss_fn=_torchtitan_loss)
-        else:
-            kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule]
-            pipeline = kind(stages[0], n_microbatches=PP_BATCH, loss_fn=_torchtitan_loss)
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-        ids = torch.randint(0, 2048, (PP_BATCH, PP_SEQ), generator=torch.Generator().manual_seed(1))
+            opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+            ids = torch.randint(
+                0, 2048, (PP_BATCH * world_size // 2, PP_SEQ), generator=torch.Generator().manual_seed(1)
+            )
+            first = any(s.is_first for s in stages)
 
-        def step(pipeline=pipeline, opt=opt, ids=ids):
-            if rank == 0:
-                pipeline.step(ids)
-            else:
-                pipeline.step(target=ids, return_outputs=False)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            def step(pipeline=pipeline, opt=opt, ids=ids, first=first):
+                pipeline.step(ids, target=ids, return_outputs=False) if first else pipeline.step(
+                    target=ids, return_outputs=False
+                )
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
-        step()
-        peaks[str(keep)] = _step_peak(step, [*module.parameters(), *_receive_buffers(stages)], opt)
+            step()
+            peaks[schedule, name] = _step_peak(step, [*module.parameters(), *_receive_buffers(stages)], opt)
     return peaks
 
 
@@ -592,34 +620,70 @@ def _receive_buffers(stages) -> list:
     return [i.buffer for i in infos if isinstance(getattr(i, "buffer", None), torch.Tensor)]
 
 
-# extended: GPipe (its first and second backward); CI checks 1F1B, the schedule torchtitan defaults to
-@pytest.mark.parametrize("schedule", beyond(["1f1b", "gpipe", "interleaved-1f1b"], "1f1b"))
-def test_the_predicted_pipeline_stage_peaks_match_each_ranks_measured_peak(schedule):
-    """The pipeline terms of the predicted peak (a stage's layers and its end of the model,
-    the microbatches its schedule keeps in flight, the gradients accumulated over the earlier
-    ones, the last stage's outputs kept to their backward, the pipeline's receive buffers and
-    kept stage outputs) against each rank's allocator peak and the receive buffers live from
-    the step before, PyTorch's pipelining on two gloo ranks, no checkpoint and full recompute:
-    1F1B within 5% (0.97-1.00 here), GPipe and interleaved 1F1B within 10% (0.99-1.06,
-    0.96-0.98). Red before the last stage's kept outputs and the accumulated gradients were
-    counted (1F1B's last stage at 0.77-0.79), and before the pipeline's buffers were (1F1B's
-    first stage at 0.935, interleaved at 0.88-0.93)."""
-    from sac_compile import hf
-    from sac_compile.planning.devices import Target
+#: PyTorch's schedules that split a backward into its input's gradient (I) and its weights'
+#: (W), keeping the graph between them
+SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
+_ALL_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b", "looped-bfs", *SPLIT_BACKWARD)
 
-    measured = run_ranks(_pipeline_step_peaks, schedule)
-    target = Target(
-        "cpu",
-        pp=2,
-        pp_schedule=schedule,
-        batch=PP_BATCH,
-        seq=PP_SEQ,
-        param_dtype="float32",
-        loss="torchtitan",
-    )
-    figures = hf.step_figures(_pp_llama(), target)
-    for keep in (None, ()):
-        predicted = [p.bytes for p in figures.stages(keep)]
-        for stage_peak, rank in zip(predicted, measured):
-            bar = 0.05 if schedule == "1f1b" else 0.10
-            assert abs(stage_peak - rank[str(keep)]) <= bar * rank[str(keep)], (keep, predicted, measured)
+
+def _pipeline_matrix(pp: int, runs: dict[str, tuple[str, ...]]) -> list[tuple[str, str, list[float]]]:
+    """``(schedule, config, predicted / measured per rank)`` for PyTorch's pipelining on ``pp``
+    gloo ranks (:func:`_pipeline_step_peaks`: ``runs`` maps a schedule to its configs)
+    against ``hf.step_figures``'s stage peaks (measured once: the schedule is priced after)."""
+    import dataclasses
+
+    from sac_compile import hf
+
+    keeps = {"none": None, "full": (), "attn": {"attn"}, "attn compiled": {"attn"}}
+    measured = run_ranks(_pipeline_step_peaks, runs, world_size=pp)
+    figures = hf.step_figures(_pp_llama(pp), _pp_target("1f1b", pp))
+    out = []
+    for schedule, configs in runs.items():
+        priced = dataclasses.replace(figures, target=_pp_target(schedule, pp))
+        for name in configs:
+            predicted = [p.bytes for p in priced.stages(keeps[name], compile=name.endswith("compiled"))]
+            out.append((schedule, name, [p / r[schedule, name] for p, r in zip(predicted, measured)]))
+    return out
+
+
+def _check_pipeline(ratios, bar: float) -> None:
+    """Each rank within ``bar`` of its measured peak; where a split backward (zero bubble)
+    meets a checkpoint, PyTorch's ``stage_backward_weight`` recomputes each checkpointed
+    layer once per weight group and holds what it recomputed until the last: measured above
+    the prediction (a stated limitation, docs/planning.md), checked to stay so."""
+    for schedule, name, per_rank in ratios:
+        if schedule in SPLIT_BACKWARD and name != "none":
+            assert min(per_rank) < 0.9, (schedule, name, per_rank)  # (fixed in PyTorch: move it above)
+            continue
+        assert all(abs(r - 1) <= bar for r in per_rank), (schedule, name, per_rank)
+
+
+def test_the_predicted_pipeline_stage_peaks_match_each_ranks_measured_peak():
+    """The pipeline terms of the predicted peak (a rank's stages' layers and its ends of the
+    model, the microbatches each of its stages holds at every backward of PyTorch's schedule,
+    the gradients made so far, the last stage's outputs kept to their backward, the
+    pipeline's receive buffers and kept stage outputs) against each rank's allocator peak and
+    the receive buffers live from the step before, PyTorch's pipelining on two gloo ranks:
+    1F1B, interleaved 1F1B and ZBV; no checkpoint, full recompute and attention kept by the
+    eager engine, attention kept in compiled layers (1F1B, interleaved: a compiled backward's
+    donated buffers refuse the split backward's ``retain_graph``, PyTorch's rule). Within 10%
+    (0.96-1.00 here), ZBV without a checkpoint too (0.91-0.99). Red before the schedule's own
+    actions were read (a formula for three schedules; none for ZBV), before the last stage's
+    kept outputs and the accumulated gradients were counted (1F1B's last stage at 0.77-0.79)
+    and before the pipeline's buffers were (1F1B's first stage at 0.935)."""
+    runs = {
+        "1f1b": ("none", "full", "attn", "attn compiled"),
+        "interleaved-1f1b": ("none", "full", "attn compiled"),
+    }
+    _check_pipeline(_pipeline_matrix(2, {**runs, "zbv-zero-bubble": ("none", "full")}), 0.10)
+
+
+@extended
+def test_every_pytorch_schedule_at_four_stages_matches_each_ranks_measured_peak():
+    """The same on four gloo ranks (eight layers, eight microbatches), every schedule PyTorch
+    has, no checkpoint, full recompute and attention kept: 1F1B and GPipe within 5% (0.96-1.05
+    here); the interleaved ones' ranks 0.85-1.03 (their third rank's under-prediction not
+    found yet: a stated limitation); the split-backward ones without a checkpoint 0.78-1.01."""
+    ratios = _pipeline_matrix(4, dict.fromkeys(_ALL_SCHEDULES, ("none", "full", "attn")))
+    _check_pipeline([r for r in ratios if r[0] in ("1f1b", "gpipe")], 0.05)
+    _check_pipeline([r for r in ratios if r[0] not in ("1f1b", "gpipe")], 0.23)

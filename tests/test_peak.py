@@ -463,6 +463,19 @@ def test_the_plan_command_writes_the_plan(tmp_path):
     ac = json.loads(out.read_text())["ac"]
     assert peers["full AC"]["peak_bytes"] < ac["peak_bytes"] < peers["no AC"]["peak_bytes"], (ac, peers)
     assert ac["fits"] and ac["peak_bytes"] == sum(ac["breakdown"].values())
+    # a pipelined plan lists every rank's peak; PyTorch's schedule names are understood
+    pp = ["--pp", "2", "--batch", "4", "--pp-schedule", "ZBVZeroBubble", "--json", str(out)]
+    assert main([*argv, *pp]) == 0
+    piped = json.loads(out.read_text())
+    assert (piped["pp_schedule"], piped["pp_virtual_stages"], len(piped["stages"])) == (
+        "zbv-zero-bubble",
+        2,
+        2,
+    )
+    assert max(s["reserved_bytes"] for s in piped["stages"]) == piped["reserved_bytes"], piped["stages"]
+
+
+_V3 = ["--pp-schedule", "dualpipev", "--pp-virtual-stages", "3"]
 
 
 def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
@@ -499,6 +512,8 @@ def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
     for ac in ("some", "keep=attn@2", "keep=attn@x", "budget=", "budget=0"):
         with pytest.raises(SystemExit, match=rf"--ac {ac}: none, full, torchtitan-op, budget=B"):
             main(["plan", str(path), "--seq", "64", "--device", "h200", "--ac", ac])
+    with pytest.raises(SystemExit, match=r"pp_virtual_stages=3\): dualpipev runs exactly 2 stage"):
+        main(["plan", str(path), "--seq", "64", "--device", "h200", "--pp", "2", "--batch", "4", *_V3])
     for bad in (["--seq", "0"], ["--seq", "64", "--batch", "-1"], ["--seq", "64", "--tp", "0"]):
         with pytest.raises(SystemExit, match=r"a positive int"):
             main(["plan", str(path), "--device", "h200", *bad])
@@ -717,8 +732,12 @@ def test_an_eager_losss_allocator_slack_is_reserved_at_the_loss_on_a_gpu():
 
 
 def test_pipeline_stages_hold_the_microbatches_their_schedule_keeps_in_flight():
+    """What a pipeline rank holds is read off PyTorch's schedule: 1F1B's warm-up forwards,
+    GPipe's every microbatch, interleaved 1F1B's (v - 1) pp + 2 (pp - 1 - rank) + 1 chunks;
+    the layers split as torchtitan splits them (the embeddings and the head a layer each)."""
     from sac_compile.planning.devices import Target
-    from sac_compile.planning.peak import in_flight, step_peak
+    from sac_compile.planning.peak import in_flight, stage_peaks, step_peak
+    from sac_compile.planning.pipeline import stage_layers
 
     def target(**kw):
         return Target("h100-80gb", batch=8, seq=16, optimizer="sgd", **kw)
@@ -728,17 +747,56 @@ def test_pipeline_stages_hold_the_microbatches_their_schedule_keeps_in_flight():
     assert in_flight(target(pp=4, pp_schedule="gpipe"), 0) == 8  # every microbatch
     # interleaved, two stages a rank: (v - 1) pp + 2 (pp - 1) + 1 chunks of half a stage
     assert in_flight(target(pp=4, pp_schedule="interleaved-1f1b"), 0) == (4 + 6 + 1) / 2
-    assert in_flight(target(pp=4, microbatch_size=4), 0) == 2  # only 2 microbatches
+    assert in_flight(target(pp=4, pp_schedule="Interleaved1F1B"), 0) == (4 + 6 + 1) / 2  # (PyTorch's name)
+    # PyTorch's 1F1B refuses fewer microbatches than stages: so does a target
+    with pytest.raises(
+        ValueError, match=r"1F1B schedule refuses pp=4, 2 microbatches.*greater than or equal"
+    ):
+        target(pp=4, microbatch_size=4)
+    # torchtitan's split: 8 layers + 2 over 4 stages, the first two one more, less the ends
+    assert stage_layers(8, 4) == [range(0, 2), range(2, 5), range(5, 7), range(7, 8)]
+    assert stage_layers(126, 8)[0] == range(0, 15) and len(stage_layers(126, 8)[3]) == 16
     layers, sizes = _pipeline_model()
-    whole, staged = step_peak(sizes, layers, target()), step_peak(sizes, layers, one_f)
+    whole, staged = step_peak(sizes, layers, target()), stage_peaks(sizes, layers, one_f)
     assert whole.breakdown["activations"] == 8 * 4096  # every layer, one (whole) batch
     # the first stage: its 2 layers for each of 4 microbatches in flight; its parameters and
-    # the embeddings' (fp32 master copies), not the head's
-    assert staged.breakdown["activations"] == 4 * 2 * 4096
-    assert staged.breakdown["parameters"] == (2 * 1000 + 400) * 4
+    # the embeddings' (fp32 master copies), not the head's; the second its 3 layers, 3 in flight
+    assert staged[0].breakdown["activations"] == 4 * 2 * 4096
+    assert staged[1].breakdown["activations"] == 3 * 3 * 4096
+    assert staged[0].breakdown["parameters"] == (2 * 1000 + 400) * 4
     assert whole.breakdown["parameters"] == (8 * 1000 + 600) * 4
-    gpipe = step_peak(sizes, layers, target(pp=4, pp_schedule="gpipe"))
-    assert gpipe.breakdown["activations"] == 8 * 2 * 4096
+    gpipe = stage_peaks(sizes, layers, target(pp=4, pp_schedule="gpipe"))
+    assert gpipe[0].breakdown["activations"] == 8 * 2 * 4096
+
+
+def test_each_pytorch_schedule_is_priced_from_its_own_actions():
+    """Zero-bubble schedules keep a backward's graph from its input gradient (I) to its
+    weights' (W); the V-shaped ones put the first and the last stage on rank 0 (embeddings
+    and head on one rank); the interleave degree (``pp_virtual_stages``) changes what a rank
+    holds; a degree a schedule cannot run is refused."""
+    from sac_compile.planning.devices import Target
+    from sac_compile.planning.peak import in_flight, stage_peaks
+    from sac_compile.planning.pipeline import rank_schedules
+
+    def target(**kw):
+        return Target("h100-80gb", batch=8, seq=16, optimizer="sgd", pp=2, **kw)
+
+    layers, sizes = _pipeline_model()
+    zbv = target(pp_schedule="zbv-zero-bubble")
+    assert rank_schedules(zbv)[0].stages == (0, 3) and rank_schedules(zbv)[1].stages == (1, 2)
+    rank0 = stage_peaks(sizes, layers, zbv)[0]
+    assert rank0.breakdown["parameters"] == (3 * 1000 + 600) * 4  # stages 0 and 3: 2 + 1 layers, both ends
+    assert stage_peaks(sizes, layers, zbv)[1].breakdown["parameters"] == 5 * 1000 * 4  # stages 1 and 2
+    held = {m.kind for r in rank_schedules(target(pp_schedule="interleaved-zero-bubble")) for m in r.moments}
+    assert held == {"I", "W"}
+    looped = [in_flight(target(pp_schedule="interleaved-1f1b", pp_virtual_stages=v), 0) for v in (2, 4)]
+    assert looped[0] != looped[1]
+    for schedule in ("looped-bfs", "dualpipev", "DualPipeV", "gpipe"):
+        assert len(stage_peaks(sizes, layers, target(pp_schedule=schedule))) == 2
+    with pytest.raises(ValueError, match=r"pp_virtual_stages=3.*dualpipev runs exactly 2"):
+        target(pp_schedule="dualpipev", pp_virtual_stages=3)
+    with pytest.raises(ValueError, match=r"pp_virtual_stages=2.*1f1b runs exactly 1"):
+        target(pp_virtual_stages=2)
 
 
 def test_with_many_microbatches_a_middle_stage_holds_the_most():

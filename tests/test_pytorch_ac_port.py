@@ -48,6 +48,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import sac_compile as sc
 
+from .releases import extended
+
 REFERENCE = os.environ.get("SAC_AC_PORT_REFERENCE") == "1"
 
 PARTITIONERS = pytest.mark.parametrize(
@@ -73,7 +75,8 @@ def sac(inner):
     return sc.make_sac_backend(inner=inner, whole_graph=whole)
 
 
-@pytest.fixture(params=[False, True], ids=["untouched", "tagging_pass"])
+# extended: the untouched variant (its graphs are PyTorch's own backend's, tests/test_drop_in.py)
+@pytest.fixture(params=[pytest.param(False, marks=extended), True], ids=["untouched", "tagging_pass"])
 def both_ways(request, monkeypatch):
     """Each checkpoint test twice: with the graph handed to PyTorch's backend untouched (no
     marker: the default), and with ``whole_graph=True``, where our tagging pass runs on every

@@ -57,8 +57,8 @@ def advise(backend: Any, gm: Any, example_inputs: list[Any], unit: Any) -> None:
             actions = Actions(frozenset(keep), mine.policy, budget)
             configs.setdefault(actions, backend_for(actions, "aot_eager", whole_graph=True))
     figures = measured(configs).figures
-    base_flops = figures.pop("none")[1]
-    recomputed = {k: (saved, flops - base_flops) for k, (saved, flops, *_) in figures.items()}
+    base_flops = figures.pop("none").backward_flops
+    recomputed = {k: (f.saved_bytes, f.backward_flops - base_flops) for k, f in figures.items()}
     own_bytes, own_flops = recomputed.pop("own")
     better = [
         Candidate(actions, saved, flops)

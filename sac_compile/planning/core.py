@@ -35,7 +35,7 @@ from ..actions import Actions, validate_budget
 from ..memory import Memory, parse_memory
 from ..policy import SAVE_COSTLY, RegionPolicy, validate_policy
 from .candidates import MAX_EXHAUSTIVE_REGIONS, Candidate, configurations, flops_order, keep_sets, mark_pareto
-from .measure import eager_bytes, measure, plain_bytes, timed
+from .measure import LayerMeasure, eager_bytes, measure, plain_bytes, timed
 from .op_sac import TORCHTITAN_OP
 
 if TYPE_CHECKING:
@@ -270,15 +270,12 @@ def plan(
 
     first = _first(module, example_args, example_kwargs)
     none = "none"
-    base_bytes, base_flops, base_transient, forward_flops, base_traffic, forward_traffic, *rest = (
-        first.figures[none]
-    )
-    base_tp, base_ring = rest[:3], rest[5:7]
+    base = first.figures[none]
     regions = first.regions
-    target = _target(memory, base_bytes)
+    target = _target(memory, base.saved_bytes)
     actions, search = configurations(regions, budgets, policies, offload)
     configs = {a: backend_for(a, "aot_eager", whole_graph=True) for a in actions}
-    found = _candidates(module, example_args, example_kwargs, configs, first.figures[none], eager)
+    found = _candidates(module, example_args, example_kwargs, configs, base, eager)
     found = mark_pareto(found)
     base_time = None
     if estimator == "time":
@@ -286,22 +283,22 @@ def plan(
             module, example_args, example_kwargs, found, order=flops_order, inner=inner, iters=iters
         )
     plain = plain_bytes(module, example_args, example_kwargs) if eager else None
-    table = Plan(target, found[0], tuple(found), base_bytes, tuple(regions), search, estimator, base_time)
+    table = Plan(
+        target, found[0], tuple(found), base.saved_bytes, tuple(regions), search, estimator, base_time
+    )
     table = dataclasses.replace(
         table,
-        no_checkpoint_transient=base_transient,
+        no_checkpoint_transient=base.backward_transient,
         no_checkpoint_eager_bytes=plain,
-        forward_flops=forward_flops,
-        no_checkpoint_flops=base_flops,
-        forward_traffic=forward_traffic,
-        forward_attention_flops=first.figures[none][17],
-        no_checkpoint_traffic=base_traffic,
-        no_checkpoint_tp=(base_tp[0], base_tp[1], base_tp[2]),
-        no_checkpoint_ring=(base_ring[0], base_ring[1]),
+        forward_flops=base.forward_flops,
+        no_checkpoint_flops=base.backward_flops,
+        forward_traffic=base.forward_traffic,
+        forward_attention_flops=base.forward_attention_flops,
+        no_checkpoint_traffic=base.backward_traffic,
+        no_checkpoint_tp=base.tp_split,
+        no_checkpoint_ring=base.ring,
         stream_input_bytes=_stream_input_bytes(example_args, example_kwargs),
-        op_sac=_candidate(
-            first.figures[TORCHTITAN_OP], first.figures[none], Actions(), first.eager.get(TORCHTITAN_OP)
-        ),
+        op_sac=_candidate(first.figures[TORCHTITAN_OP], base, Actions(), first.eager.get(TORCHTITAN_OP)),
     )
     return _choose(target, table)
 
@@ -326,7 +323,7 @@ def _candidates(
     example_args: tuple[Any, ...],
     example_kwargs: dict[str, Any],
     configs: dict[Actions, Any],
-    base: Sequence[int],
+    base: LayerMeasure,
     eager: bool,
 ) -> list[Candidate]:
     """One ``Candidate`` per ``configs`` entry, its recompute counted over the no-checkpoint
@@ -368,27 +365,25 @@ def _stream_input_bytes(args: Sequence[Any], kwargs: dict[str, Any]) -> int:
 
 
 def _candidate(
-    figures: Sequence[int],
-    base: Sequence[int],
+    figures: LayerMeasure,
+    base: LayerMeasure,
     actions: Actions,
     held: int | None = None,
 ) -> Candidate:
     """A candidate from its :class:`~sac_compile.planning.measure.PartitionEach` figures,
     recompute counted over the no-checkpoint figures ``base``."""
-    saved, flops, transient, _, traffic, _, *split, offloaded, ring_base, ring_rank = figures[:13]
-    moved = figures[13:17]
     return Candidate(
         actions,
-        saved,
-        max(flops - base[1], 0),
+        figures.saved_bytes,
+        max(figures.backward_flops - base.backward_flops, 0),
         eager_bytes=held,
-        transient_bytes=transient,
-        recompute_traffic=max(traffic - base[4], 0),
-        tp_split=(split[0], split[1], split[2]),
-        tp_row_outputs=split[3],
-        offloaded_bytes=offloaded,
-        ring_transient=(ring_base, ring_rank),
-        tp_offloaded_split=(moved[0], moved[1], moved[2], moved[3]),
+        transient_bytes=figures.backward_transient,
+        recompute_traffic=max(figures.backward_traffic - base.backward_traffic, 0),
+        tp_split=figures.tp_split,
+        tp_row_outputs=figures.tp_row_outputs,
+        offloaded_bytes=figures.offloaded_bytes,
+        ring_transient=figures.ring,
+        tp_offloaded_split=figures.tp_offloaded_split,
     )
 
 

@@ -104,6 +104,16 @@ class DevicePlan(ModelPlan):
             return False
         return self.peak.reserved <= self.target.usable and self.host_bytes <= (self.target.host_memory or 0)  # type: ignore[operator]
 
+    def stages(self) -> list[Peak]:
+        """Each rank's predicted peak with the plan's choices: every pipeline rank's in rank
+        order (:func:`~sac_compile.planning.peak.stage_peaks`), the one without pipelining."""
+        assert self.target is not None and self.sizes is not None
+        figures = [
+            figures_of(g.plan.chosen, g.plan, p, len(g.paths), self.target, compile=self.compile)
+            for g, p in zip(self.groups, self.params)
+        ]
+        return stage_peaks(self.sizes, figures, self.target)
+
     @property
     def transfer_seconds(self) -> float:
         """Seconds a step copies offloaded values to the host and back (hidden or not)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._compat.pipelining import SCHEDULES
 from ..memory import Memory, parse_memory
 from .catalog import DEVICES, EAGER_SLOWDOWN, Device, device, present
 from .host import HOST_LINKS, HostLink, check_target
@@ -108,8 +109,14 @@ class Target:
         pp: pipeline-parallel degree: the layers split evenly into ``pp`` stages, embeddings
             on the first, the head on the last; ``batch`` is split into microbatches of
             ``microbatch_size`` (torchtitan's default 1).
-        pp_schedule: ``"1f1b"`` (default), ``"interleaved-1f1b"`` (two stages a rank) or
-            ``"gpipe"``: how many microbatches a stage holds at once (:mod:`.peak`).
+        pp_schedule: one of PyTorch's schedules (:data:`PP_SCHEDULES`: ``"1f1b"``, the
+            default, ``"gpipe"``, ``"interleaved-1f1b"``, ``"looped-bfs"``,
+            ``"interleaved-zero-bubble"``, ``"zbv-zero-bubble"``, ``"dualpipev"``; PyTorch's
+            names, ``"Interleaved1F1B"``, too): the microbatches each stage holds at every
+            backward are read off its actions (:mod:`.pipeline`).
+        pp_virtual_stages: stages a rank runs (the interleave degree): 1 for GPipe and
+            1F1B, 2 for the V-shaped ZBV and DualPipeV, any from 2 (default 2) for the
+            looped ones.
         microbatch_size: sequences per microbatch with ``pp`` (a divisor of ``batch``).
         gpus_per_node: GPUs joined by the device's link (:attr:`Device.link`); a collective
             whose group spans nodes runs over ``network``.
@@ -142,6 +149,7 @@ class Target:
     cp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
+    pp_virtual_stages: int | None = None
     microbatch_size: int = 1
     gpus_per_node: int = 8
     network: float = 400e9 / 8
@@ -179,13 +187,13 @@ class Target:
         for name in ("sequence_parallel", "loss_parallel", "repeat_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Target({name}={getattr(self, name)!r}): True or False")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"Target(pp_schedule={self.pp_schedule!r}): one of {', '.join(PP_SCHEDULES)}")
+        object.__setattr__(self, "pp_schedule", _schedule(self.pp_schedule))
         if self.pp > 1 and self.batch % self.microbatch_size:
             raise ValueError(
                 f"Target(batch={self.batch}, microbatch_size={self.microbatch_size}): with pp the batch is split "
                 "into microbatches: microbatch_size divides batch"
             )
+        self._check_stages()
         if self.seq % self.cp:
             raise ValueError(
                 f"Target(seq={self.seq}, cp={self.cp}): the sequence is split cp ways: cp divides seq"
@@ -205,6 +213,35 @@ class Target:
             )
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"Target(headroom={self.headroom!r}): a fraction in [0, 1)")
+
+    def _check_stages(self) -> None:
+        fixed, v = PP_SCHEDULES[self.pp_schedule], self.pp_virtual_stages
+        if v is not None and (
+            isinstance(v, bool)
+            or not isinstance(v, int)
+            or v < 1
+            or fixed
+            and v != fixed
+            or not fixed
+            and v < 2
+        ):
+            runs = f"exactly {fixed}" if fixed else "2 or more"
+            raise ValueError(
+                f"Target(pp_virtual_stages={v!r}): {self.pp_schedule} runs {runs} stage(s) a rank "
+                "(leave it unset for the schedule's default)"
+            )
+        if self.pp > 1:
+            from .pipeline import rank_schedules
+
+            try:
+                rank_schedules(self)
+            except ValueError as e:
+                raise ValueError(f"Target(pp={self.pp}, pp_schedule={self.pp_schedule!r}): {e}") from None
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages a rank runs: ``pp_virtual_stages``, else its schedule's default."""
+        return self.pp_virtual_stages or PP_SCHEDULES[self.pp_schedule] or 2
 
     @property
     def microbatches(self) -> int:
@@ -251,8 +288,25 @@ class Target:
         return dataclasses.replace(self, **changes)
 
 
-#: pipeline schedule -> model stages a rank holds (torchtitan's interleaved default: 2)
-PP_SCHEDULES = {"1f1b": 1, "interleaved-1f1b": 2, "gpipe": 1}
+#: pipeline schedule -> the stages a rank runs (0: any from 2, default 2), PyTorch's
+#: ``torch.distributed.pipelining`` schedules (:data:`~sac_compile._compat.pipelining.SCHEDULES`)
+PP_SCHEDULES = {name: v or 0 for name, (_, v) in SCHEDULES.items()}
+_SCHEDULE_NAMES = {
+    key.replace("-", "").replace("_", "").lower(): name
+    for name, (torch_name, _) in SCHEDULES.items()
+    for key in (name, torch_name)
+}
+
+
+def _schedule(name: str) -> str:
+    """A schedule's name here from ours or PyTorch's (any case, ``-`` / ``_`` ignored)."""
+    found = _SCHEDULE_NAMES.get(str(name).replace("-", "").replace("_", "").lower())
+    if found is None:
+        raise ValueError(
+            f"Target(pp_schedule={name!r}): one of {', '.join(PP_SCHEDULES)} (or PyTorch's names)"
+        )
+    return found
+
 
 #: optimizer -> states kept per parameter (in ``master_dtype``)
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "sgd-momentum": 1}

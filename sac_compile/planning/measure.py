@@ -20,7 +20,39 @@ import torch.nn as nn
 
 from ..actions import Actions
 
-__all__ = ["PartitionEach", "eager_bytes", "measure", "plain_bytes", "timed"]
+__all__ = ["LayerMeasure", "PartitionEach", "eager_bytes", "measure", "plain_bytes", "timed"]
+
+
+@dataclasses.dataclass
+class LayerMeasure:
+    """What one configuration's partitions of a traced unit hold and run, summed over its
+    graphs (the transient and the ring's: the largest, the graphs run in turn)."""
+
+    saved_bytes: int = 0  # held for the backward, the unit's inputs included
+    backward_flops: int = 0  # costly FLOPs of the backward (recompute included)
+    backward_transient: int = 0  # the backward graph's transient (graph_memory.backward_figures)
+    forward_flops: int = 0
+    backward_traffic: int = 0  # bytes the memory-bound ops move
+    forward_traffic: int = 0
+    # the saved bytes' tensor-parallel split (planning.parallel.tensor_parallel_split): split
+    # tp ways, whole, whole with sequence parallelism only, the row-parallel outputs
+    tp_split: tuple[int, int, int] = (0, 0, 0)
+    tp_row_outputs: int = 0
+    offloaded_bytes: int = 0  # saved to host memory (the configuration's offloaded regions)
+    ring: tuple[int, int] = (0, 0)  # the backward's attention as ring attention: base, per rank
+    tp_offloaded_split: tuple[int, int, int, int] = (0, 0, 0, 0)  # the offloaded bytes' split
+    forward_attention_flops: int = 0
+
+    def add_split(self, held: tuple[int, ...], moved: tuple[int, ...] | None) -> None:
+        self.tp_split = (self.tp_split[0] + held[0], self.tp_split[1] + held[1], self.tp_split[2] + held[2])
+        self.tp_row_outputs += held[3]
+        if moved is not None:
+            self.tp_offloaded_split = (
+                self.tp_offloaded_split[0] + moved[0],
+                self.tp_offloaded_split[1] + moved[1],
+                self.tp_offloaded_split[2] + moved[2],
+                self.tp_offloaded_split[3] + moved[3],
+            )
 
 
 class PartitionEach:
@@ -33,13 +65,7 @@ class PartitionEach:
 
     def __init__(self, configs: dict[Any, Any]) -> None:
         self.configs = configs
-        # bytes, backward FLOPs, backward transient (the largest of the graphs': they run in
-        # turn), forward FLOPs, backward and forward traffic (bytes the memory-bound ops move),
-        # their tensor-parallel split (planning.parallel.tensor_parallel_split: four figures), and the
-        # bytes saved to host memory (a configuration's offloaded regions), and the backward's
-        # attention run as ring attention (graph_memory.graph_ring: base and per-rank bytes), the
-        # offloaded bytes' tensor-parallel split (four figures), and the forward's attention FLOPs
-        self.figures: dict[Any, list[int]] = {key: [0] * 18 for key in configs}
+        self.figures: dict[Any, LayerMeasure] = {key: LayerMeasure() for key in configs}
         self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
         self.copies: dict[Any, list[Any]] = {}  # per offloading configuration: each graph's Copies
         self.regions: list[str] = []
@@ -79,22 +105,21 @@ class PartitionEach:
                 one.graphs = {"forward": snapshot(fw), "backward": snapshot(bw)}
                 part = build_partition(0, one)
                 assert part is not None  # (it has a forward graph)
-                self.figures[key][0] += part.activation_bytes + part.input_bytes
-                self.figures[key][10] += part.offloaded_bytes
+                found = self.figures[key]
+                found.saved_bytes += part.activation_bytes + part.input_bytes
+                found.offloaded_bytes += part.offloaded_bytes
                 if part.offloaded_bytes:
                     self.copies.setdefault(key, []).append(graph_copies(fw, bw))
-                self.figures[key][1] += graph_costly_flops(bw)
+                found.backward_flops += graph_costly_flops(bw)
                 transient, ring = backward_figures(bw)
-                self.figures[key][2] = max(self.figures[key][2], transient)
-                found = self.figures[key]
-                found[11:13] = larger_ring((found[11], found[12]), ring)
-                self.figures[key][3] += graph_costly_flops(fw)
-                self.figures[key][4] += graph_traffic(bw)
-                self.figures[key][5] += graph_traffic(fw)
-                self.figures[key][17] += graph_attention_flops(fw)
+                found.backward_transient = max(found.backward_transient, transient)
+                found.ring = larger_ring(found.ring, ring)
+                found.forward_flops += graph_costly_flops(fw)
+                found.backward_traffic += graph_traffic(bw)
+                found.forward_traffic += graph_traffic(fw)
+                found.forward_attention_flops += graph_attention_flops(fw)
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
-                for i, part_bytes in _splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes):
-                    self.figures[key][i] += part_bytes
+                found.add_split(*_splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes))
                 if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)
                     self.eager[key] = self.eager.get(key, 0) + backend.held_eagerly(tagged, is_param)
                 for rec in one.records[-1:]:
@@ -123,18 +148,18 @@ def _splits(
     node_regions: dict[str, tuple[str, ...]],
     actions: Any,
     offloaded: int,
-) -> list[tuple[int, int]]:
-    """``(figure index, bytes)``: the saved values' tensor-parallel split (figures 6-9) and, where
-    the partition offloads, the offloaded values' (13-16)."""
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """The saved values' tensor-parallel split (four figures) and, where the partition
+    offloads, the offloaded values' (else ``None``)."""
     from .parallel import tensor_parallel_split, tensor_parallel_splits
 
     regions = functools.partial(_regions, node_regions)
     saving = functools.partial(_saves, actions.saving if actions is not None else frozenset())
     if not offloaded:
-        return list(enumerate(tensor_parallel_split(fw, bw, is_param, regions, saving), 6))
+        return tuple(tensor_parallel_split(fw, bw, is_param, regions, saving)), None
     moving = functools.partial(_saves, actions.offload if actions is not None else frozenset())
     held, moved = tensor_parallel_splits(fw, bw, is_param, regions, saving, moving)
-    return [*enumerate(held, 6), *enumerate(moved, 13)]
+    return tuple(held), tuple(moved)
 
 
 def _regions(node_regions: dict[str, tuple[str, ...]], name: str) -> tuple[str, ...]:

@@ -25,14 +25,14 @@ Gradients are freed before the next forward (``zero_grad(set_to_none=True)``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .allocator import loss_slack
-from .devices import OPTIMIZER_STATES, PP_SCHEDULES, Target, parse_loss
+from .devices import OPTIMIZER_STATES, Target, parse_loss
+from .pipeline import Moment, RankSchedule, in_flight, rank_schedules, stage_layers
 
 __all__ = [
     "TERMS",
@@ -130,43 +130,37 @@ def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target)
 
 def stage_peaks(model: ModelSizes, layers: Sequence[LayerFigures], target: Target) -> list[Peak]:
     """The predicted peak of each rank: without pipeline parallelism the one; with it each
-    stage's in pipeline order, ``ceil(layers / pp)`` layers a stage (the last takes the last
-    ones): the first holds the embeddings and the most microbatches in flight, the last the
-    head and its loss, one between them a receive buffer per microbatch both ways
-    (:func:`_pipeline_buffers`), which with many microbatches outweighs an in-flight one."""
+    pipeline rank's, in rank order: the layers of the stages it runs
+    (:func:`~.pipeline.stage_layers`: torchtitan's split), the embeddings where it runs the
+    first stage, the head and its loss where it runs the last, and at every backward its
+    schedule runs (:func:`~.pipeline.rank_schedules`) the microbatches each of its stages
+    holds then, the gradients made so far and the pipeline's buffers."""
     order = [dataclasses.replace(g, count=1) for g in layers for _ in range(g.count)]  # forward order
     if target.pp == 1:
-        return [_rank_peak(model, order, target, _Stage(0, len(order), True, True, 1.0))]
-    per, pp = math.ceil(len(order) / target.pp), target.pp
-    stages = [
-        _Stage(r * per, min((r + 1) * per, len(order)), r == 0, False, in_flight(target, r))
-        for r in range(pp - 1)
+        return [_rank_peak(model, order, target, _Stage((range(len(order)),), True, True))]
+    split = stage_layers(len(order), target.pp * target.stages_per_rank)
+    last = len(split) - 1
+    return [
+        _rank_peak(
+            model,
+            order,
+            target,
+            _Stage(tuple(split[s] for s in r.stages), 0 in r.stages, last in r.stages, r, r.stages),
+        )
+        for r in rank_schedules(target)
     ]
-    stages.append(_Stage(max(len(order) - per, 0), len(order), False, True, in_flight(target, pp - 1)))
-    return [_rank_peak(model, order, target, stage) for stage in stages]
 
 
 @dataclass(frozen=True)
 class _Stage:
-    start: int  # its layers: every[start:stop], in forward order
-    stop: int
-    embed: bool  # holds the embeddings
-    head: bool  # holds the final norm, the output projection and the loss
-    in_flight: float  # microbatches whose activations it holds at once (in whole stages)
+    """What one rank runs: its pipeline stages' layers (forward order), and where it runs
+    the first or the last stage (the embeddings; the final norm, the head and the loss)."""
 
-
-def in_flight(target: Target, rank: int) -> float:
-    """Microbatches pipeline rank ``rank`` holds the activations of at once, in units of its
-    whole stage: GPipe all of them; 1F1B ``pp - rank`` (its warm-up forwards, then one
-    backward per forward); interleaved 1F1B with ``v`` stages a rank, ``(v - 1) pp + 2 (pp - 1
-    - rank) + 1`` chunks of ``1 / v`` of them (PyTorch's ``ScheduleInterleaved1F1B`` warm-up)."""
-    pp, n = target.pp, target.microbatches
-    if target.pp_schedule == "gpipe":
-        return float(n)
-    v = PP_SCHEDULES[target.pp_schedule]
-    if v == 1:
-        return float(min(pp - rank, n))
-    return min((v - 1) * pp + 2 * (pp - 1 - rank) + 1, v * n) / v
+    layers: tuple[range, ...]
+    embed: bool
+    head: bool
+    schedule: RankSchedule | None = None  # with pipeline parallelism
+    ids: tuple[int, ...] = ()  # its stages' indices
 
 
 @dataclass
@@ -187,7 +181,7 @@ class _Rank:
 
 def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, stage: _Stage) -> Peak:
     """The peak of one rank running the stage ``stage`` of the model's layers ``every``."""
-    layers = every[stage.start : stage.stop]
+    layers = [every[i] for r in stage.layers for i in r]
     shard, tp = target.fsdp * target.cp, target.tp  # (torchtitan shards parameters over fsdp x cp)
     master = dtype_bytes(target.master_dtype)  # type: ignore[arg-type]
     param_b = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
@@ -213,20 +207,16 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         param_b=param_b,
         reduce_b=dtype_bytes(target.reduce_dtype),  # type: ignore[arg-type]
     )
-    if target.pp == 1:
-        phases = _backward_phases(rank, model, target, stage, 1.0, False)
-    elif target.pp_schedule == "gpipe":  # its first backward (every microbatch in flight, no
-        # gradient yet) or its second (one fewer, every gradient of the stage)
-        phases = _backward_phases(rank, model, target, stage, stage.in_flight, False)
-        phases += _backward_phases(rank, model, target, stage, stage.in_flight - 1, True)
-    else:  # 1F1B's steady state: as many in flight, the earlier microbatches' gradients
-        phases = _backward_phases(rank, model, target, stage, stage.in_flight, True)
+    if stage.schedule is None:
+        phases = _backward_phases(rank, model, target, stage)
+    else:
+        phases = _pipeline_phases(rank, model, target, stage, stage.schedule)
     done = rank.outside + sum(rank.grads_of)
     # The optimizer step: foreach implementations (CUDA's default) make one temporary the
     # size of the parameters; the single-tensor loop (CPU's default) one of the largest.
     largest = max([g.params for g in layers] + [0]) / tp
     temp = params_all if target.device.cuda else int(largest * master / shard)  # type: ignore[union-attr]
-    buffers = _pipeline_buffers(model, target, stage, 0.0, param_b)  # (the receive buffers stay)
+    buffers = _pipeline_buffers(model, target, stage, None, param_b)  # (the receive buffers stay)
     phases.append(
         (
             "optimizer step",
@@ -258,52 +248,77 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
 
 
 def _backward_phases(
-    rank: _Rank, model: ModelSizes, target: Target, stage: _Stage, in_flight: float, earlier: bool
+    rank: _Rank, model: ModelSizes, target: Target, stage: _Stage
 ) -> list[tuple[str, dict[str, int]]]:
-    """The loss's backward (on the head's stage) and each layer's, last to first, with
-    ``in_flight`` microbatches' activations held and, with ``earlier``, the gradients the
-    earlier microbatches accumulated. With pp and FSDP, torchtitan reshards nothing between
-    microbatches and accumulates unsharded gradients (in ``reduce_dtype``) until the last."""
-    pipelined, sharded = target.pp > 1, target.fsdp * target.cp > 1
-    held = int((in_flight - 1) * sum(rank.acts))  # other microbatches' activations
-    stage_buffers = 0
-    if pipelined and sharded:
-        per = rank.param_b + (rank.reduce_b if earlier else 0)
-        stage_buffers = int(sum(rank.gathered) * per)
-    done = rank.outside + (sum(rank.grads_of) if earlier and not sharded else 0)
-    phases: list[tuple[str, dict[str, int]]] = []
-    # the last stage's own microbatches in flight: GPipe's all; a 1F1B schedule's one (the last
-    # stage runs each microbatch's backward right after its forward; with interleaving its
-    # rank's other stages hold the rest of in_flight)
-    head_in_flight = in_flight if target.pp_schedule == "gpipe" else 1.0
-    buffers = _pipeline_buffers(model, target, stage, in_flight, rank.param_b)
-    if stage.head:
-        extra = {
-            "gradients": done if pipelined and not sharded else 0,
-            "fsdp_buffers": rank.root + stage_buffers,
-            "activations": held + sum(rank.acts) + rank.last_offloaded,
-            "logits_loss": _pipeline_head(model, target, head_in_flight)
-            if pipelined
-            else _head(model, target),
-            "pipeline_buffers": buffers,
-        }
-        phases.append((LOSS_PHASE, _terms(**rank.base, **extra)))
+    """Without pipeline parallelism: the loss's backward and each layer's, last to first,
+    the gradients of the layers after it made."""
+    sharded = target.fsdp * target.cp > 1
+    done = rank.outside
+    extra = {
+        "fsdp_buffers": rank.root,
+        "activations": sum(rank.acts) + rank.last_offloaded,
+        "logits_loss": _head(model, target),
+    }
+    phases = [(LOSS_PHASE, _terms(**rank.base, gradients=done, **extra))]
     for i, gathered in enumerate(rank.gathered):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
         # its gradients unsharded before the reduce-scatter
-        one = 0
-        if sharded and not pipelined:
-            one = int(2 * gathered * rank.param_b + gathered * rank.reduce_b)
+        one = int(2 * gathered * rank.param_b + gathered * rank.reduce_b) if sharded else 0
         extra = {
-            "gradients": done if not (pipelined and sharded) else 0,
-            "fsdp_buffers": rank.root + stage_buffers + one,
-            "activations": held + sum(rank.acts[i:]),
+            "gradients": done,
+            "fsdp_buffers": rank.root + one,
+            "activations": sum(rank.acts[i:]),
             "backward_transient": rank.transients[i],
-            "pipeline_buffers": buffers,
         }
-        phases.append((f"backward of layer {stage.stop - 1 - i}", _terms(**rank.base, **extra)))
-        if not pipelined:
-            done += rank.grads_of[i]
+        phases.append((f"backward of layer {len(rank.acts) - 1 - i}", _terms(**rank.base, **extra)))
+        done += rank.grads_of[i]
+    return phases
+
+
+def _pipeline_phases(
+    rank: _Rank, model: ModelSizes, target: Target, stage: _Stage, schedule: RankSchedule
+) -> list[tuple[str, dict[str, int]]]:
+    """With pipeline parallelism, one phase per distinct moment of the rank's schedule (a
+    backward of one of its stages, :class:`~.pipeline.Moment`): the activations its stages
+    hold for the other microbatches in flight then, the running stage's own (its layer whose
+    remaining activations and transient are the most: gradients do not grow within a
+    pipelined backward), the gradients the earlier backwards made, on the last stage the
+    loss's backward, and the pipeline's buffers. With FSDP, torchtitan reshards nothing
+    between microbatches and accumulates unsharded gradients (in ``reduce_dtype``) until
+    the last microbatch: the rank's stages' parameters stay unsharded all along."""
+    sharded = target.fsdp * target.cp > 1
+    blocks, end = {}, len(rank.acts)  # each stage's layers in the backward-ordered lists
+    for sid, layers in zip(stage.ids, stage.layers):
+        blocks[sid] = slice(end - len(layers), end)
+        end -= len(layers)
+    acts = {sid: sum(rank.acts[b]) for sid, b in blocks.items()}
+    grads = {sid: sum(rank.grads_of[b]) for sid, b in blocks.items()}
+    gathered = {sid: sum(rank.gathered[b]) for sid, b in blocks.items()}
+    last = target.pp * target.stages_per_rank - 1
+    phases: list[tuple[str, dict[str, int]]] = []
+    for m in schedule.moments:
+        held = sum(n * acts[s] for s, n in m.held)
+        if sharded:
+            unsharded = (
+                sum(gathered.values()) * rank.param_b + sum(gathered[s] for s in m.grads) * rank.reduce_b
+            )
+            common = {"fsdp_buffers": rank.root + int(unsharded)}
+        else:
+            common = {"gradients": rank.outside + sum(grads[s] for s in m.grads)}
+        common["pipeline_buffers"] = _pipeline_buffers(model, target, stage, m, rank.param_b)
+        own, transients = rank.acts[blocks[m.stage]], rank.transients[blocks[m.stage]]
+        where = f"stage {m.stage}, microbatches held {'/'.join(str(n) for _, n in m.held)}"
+        if m.stage == last and m.kind != "W":
+            extra = {
+                "activations": held + sum(own),
+                "logits_loss": _pipeline_head(model, target, 1 + schedule.held(m, last)),
+            }
+            phases.append((f"{LOSS_PHASE} ({where})", _terms(**rank.base, **common, **extra)))
+        if own:
+            i = max(range(len(own)), key=lambda i: sum(own[i:]) + transients[i])
+            layer = stage.layers[stage.ids.index(m.stage)].stop - 1 - i
+            extra = {"activations": held + sum(own[i:]), "backward_transient": transients[i]}
+            phases.append((f"backward of layer {layer} ({where})", _terms(**rank.base, **common, **extra)))
     return phases
 
 
@@ -319,24 +334,26 @@ def _pipeline_head(model: ModelSizes, target: Target, in_flight: float) -> int:
 
 
 def _pipeline_buffers(
-    model: ModelSizes, target: Target, stage: _Stage, in_flight: float, param_b: int
+    model: ModelSizes, target: Target, stage: _Stage, moment: Moment | None, param_b: int
 ) -> int:
     """What PyTorch's pipelining (``PipelineStage``) holds on a rank beyond its layers' saved
-    values, in residual-stream units (one microbatch's stage input, one rank's share: split
-    ``tp`` ways with sequence parallelism, as torchtitan's stages pass it): a stage that is not
-    the first preallocates a receive buffer for every microbatch's input, one that is not the
-    last one for every microbatch's output gradient, both kept for the whole run; a stage
-    that is not the last keeps each microbatch's output from its forward to its backward
-    (``fwd_cache``). An in-flight microbatch's input buffer is its first layer's saved input,
-    counted there. With ``v`` stages a rank the in-flight chunks are spread evenly over them."""
-    if target.pp == 1:
+    values at ``moment`` (``None``: between steps), in residual-stream units (one
+    microbatch's stage input, one rank's share: split ``tp`` ways with sequence parallelism,
+    as torchtitan's stages pass it): a stage that is not the first preallocates a receive
+    buffer for every microbatch's input, one that is not the last one for every
+    microbatch's output gradient, both kept for the whole run; a stage that is not the last
+    keeps each microbatch's output from its forward to its backward (``fwd_cache``). An
+    in-flight microbatch's input buffer is its first layer's saved input, counted there."""
+    if stage.schedule is None:
         return 0
     stream = model.tokens * model.hidden_size * param_b // (target.tp if target.sequence_parallel else 1)
-    v, n = PP_SCHEDULES[target.pp_schedule], target.microbatches
-    inputs, gradients = v - stage.embed, v - stage.head  # its stages that receive each
-    chunks = in_flight * v
-    held = n * (inputs + gradients) + chunks * (gradients - inputs) / v
-    return int(held * stream)
+    last, n = target.pp * target.stages_per_rank - 1, target.microbatches
+    inputs, gradients = sum(s != 0 for s in stage.ids), sum(s != last for s in stage.ids)
+    flight = dict(moment.held) if moment is not None else {}
+    if moment is not None:
+        flight[moment.stage] += 1  # (the running microbatch's)
+    kept = sum(c for s, c in flight.items() if s != last) - sum(c for s, c in flight.items() if s != 0)
+    return int((n * (inputs + gradients) + kept) * stream)
 
 
 def _logits_split(target: Target) -> int:

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .core import Candidate, Plan
-from .devices import EAGER_SLOWDOWN, PP_SCHEDULES, Target, parse_loss
+from .devices import EAGER_SLOWDOWN, Target, parse_loss
 from .offload import transfer
 from .peak import ModelSizes, dtype_bytes
 
@@ -145,7 +145,7 @@ def step_time(
     if target.pp > 1 and total.gathers:  # gathered once and reduced once a step, hidden behind it all
         fsdp = max(sum(total.gathers) - total.compute, 0.0)
     fsdp += total.first + total.last
-    v = PP_SCHEDULES[target.pp_schedule]
+    v = target.stages_per_rank
     bubble = total.compute * (target.pp - 1) / (target.microbatches * v) if target.pp > 1 else 0.0
     return StepTime(
         total.compute,

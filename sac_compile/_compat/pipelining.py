@@ -1,0 +1,70 @@
+"""PyTorch's pipeline schedules (``torch.distributed.pipelining``) as the actions each rank runs.
+
+The device planner reads the microbatches a pipeline stage holds off the schedule PyTorch
+runs, not a formula: :func:`schedule_actions` builds the schedule class on stand-in stages
+(``_schedule_visualizer.get_schedule_ops``, PyTorch's own way to list a schedule without
+process groups) and returns each rank's compute actions in order. Relies on
+``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops`` and the
+``_Action`` / ``_ComputationType`` names of ``schedules``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from . import private
+
+__all__ = ["SCHEDULES", "schedule_actions"]
+
+#: the schedules a plan may name -> (PyTorch's name for ``get_schedule_class``, stages a rank
+#: holds: ``None`` any number from 2, else exactly that many)
+SCHEDULES: dict[str, tuple[str, int | None]] = {
+    "gpipe": ("GPipe", 1),
+    "1f1b": ("1F1B", 1),
+    "interleaved-1f1b": ("Interleaved1F1B", None),
+    "looped-bfs": ("LoopedBFS", None),
+    "interleaved-zero-bubble": ("InterleavedZeroBubble", None),
+    "zbv-zero-bubble": ("ZBVZeroBubble", 2),
+    "dualpipev": ("DualPipeV", 2),
+}
+
+#: an action: (kind, stage, microbatch); kind "F" forward, "B" full backward, "I" the
+#: backward to the stage's input (its graph kept for "W"), "W" the weights' gradients
+Action = tuple[str, int, int]
+
+
+@functools.lru_cache(maxsize=256)
+def schedule_actions(
+    schedule: str, pp: int, microbatches: int, stages_per_rank: int
+) -> tuple[tuple[Action, ...], ...]:
+    """Each pipeline rank's compute actions, in the order PyTorch's ``schedule`` runs them
+    with ``pp`` ranks, ``stages_per_rank`` stages a rank and ``microbatches`` microbatches. A
+    forward and a backward run overlapped (DualPipeV's ``OVERLAP_F_B``) are listed forward
+    first. A schedule PyTorch refuses for these figures raises its own error as a
+    ``ValueError``."""
+    get_schedule_ops = private("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops")
+    name = SCHEDULES[schedule][0]
+    try:
+        ops = get_schedule_ops(name, pp, microbatches, stages_per_rank)
+    except (AssertionError, ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"PyTorch's {name} schedule refuses pp={pp}, {microbatches} microbatches, {stages_per_rank} "
+            f"stage(s) a rank: {e}"
+        ) from None
+    return tuple(tuple(_compute(rank)) for rank in ops)
+
+
+_KINDS = frozenset("FBIW")
+
+
+def _compute(actions: Any) -> list[Action]:  # (torch's _Action list)
+    out: list[Action] = []
+    for a in actions:
+        if a is None:
+            continue
+        if a.sub_actions:  # (OVERLAP_F_B: a forward and a backward at once)
+            out += _compute(a.sub_actions)
+        elif a.computation_type.value in _KINDS:
+            out.append((a.computation_type.value, a.stage_index, a.microbatch_index))
+    return out

@@ -1,0 +1,104 @@
+"""Pipeline parallelism as PyTorch runs it: the layers each stage holds, the stages each rank
+runs, and what a rank holds whenever a backward runs, read off the schedule's own actions.
+
+* **The split** (:func:`stage_layers`): torchtitan's ``generate_llm_fqn_per_model_part``
+  with its defaults: the embeddings and the final norm with the head each weigh one layer,
+  ``layers + 2`` spread evenly over the stages, the remainder to the first ones.
+* **The schedule** (:func:`rank_schedules`): each rank's compute actions as PyTorch's
+  schedule class lists them (:func:`~sac_compile._compat.pipelining.schedule_actions`), for
+  the target's ``pp``, stages a rank (``Target.stages_per_rank``) and microbatches. Walking
+  them gives, at every backward (``B``, or ``I`` and ``W`` of the zero-bubble schedules),
+  the microbatches whose activations each of the rank's stages holds and the stages whose
+  gradients exist: a :class:`Moment`. A forward adds its microbatch to its stage; a full
+  backward frees it; a backward to the input (``I``) keeps its graph for the weights'
+  gradients (``W``, ``stage_backward_input`` retains it), which free it. A forward run
+  beside a backward (DualPipeV's ``OVERLAP_F_B``) is held during it.
+
+:func:`~sac_compile.planning.peak.stage_peaks` prices each moment's phases.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from .._compat.pipelining import schedule_actions
+
+__all__ = ["Moment", "RankSchedule", "in_flight", "rank_schedules", "stage_layers"]
+
+
+def stage_layers(layers: int, stages: int) -> list[range]:
+    """The layers (forward order) each of ``stages`` pipeline stages holds, as torchtitan
+    splits a model (``generate_llm_fqn_per_model_part``, input and output weight 1): a
+    ``ValueError`` where a stage would hold nothing."""
+    if stages == 1:
+        return [range(layers)]
+    per, extra = divmod(layers + 2, stages)
+    if per < 1:
+        raise ValueError(
+            f"{layers} layers cannot fill {stages} pipeline stages (the embeddings and the head count as a "
+            "layer each): fewer stages (pp or pp_virtual_stages)"
+        )
+    out, start = [], 0
+    for s in range(stages):
+        count = per + (s < extra) - (s == 0) - (s == stages - 1)
+        stop = min(start + max(count, 0), layers)
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+@dataclass(frozen=True)
+class Moment:
+    """A backward running on a rank and what the rank holds meanwhile."""
+
+    stage: int  # the stage whose backward runs
+    held: tuple[tuple[int, int], ...]  # (stage, microbatches held beside the running one)
+    grads: frozenset[int]  # the stages whose gradients an earlier backward made
+    kind: str = "B"  # "B", "I" or "W"
+
+
+@dataclass(frozen=True)
+class RankSchedule:
+    """One pipeline rank: the stages it runs (forward order) and its distinct moments."""
+
+    rank: int
+    stages: tuple[int, ...]
+    moments: tuple[Moment, ...]
+
+    def held(self, moment: Moment, stage: int) -> int:
+        return dict(moment.held).get(stage, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedules(schedule: str, pp: int, microbatches: int, v: int) -> tuple[RankSchedule, ...]:
+    out = []
+    for rank, actions in enumerate(schedule_actions(schedule, pp, microbatches, v)):
+        stages = tuple(sorted({s for _, s, _ in actions}))
+        held = dict.fromkeys(stages, 0)
+        done: set[int] = set()
+        moments: dict[Moment, None] = {}
+        for kind, stage, _ in actions:
+            if kind == "F":
+                held[stage] += 1
+                continue
+            others = tuple((s, held[s] - (s == stage)) for s in stages)
+            moments.setdefault(Moment(stage, others, frozenset(done), kind))
+            if kind in "BW":
+                held[stage] -= 1
+                done.add(stage)
+        out.append(RankSchedule(rank, stages, tuple(moments)))
+    return tuple(out)
+
+
+def rank_schedules(target) -> tuple[RankSchedule, ...]:  # noqa: ANN001 (a Target)
+    """Each pipeline rank's stages and moments under ``target``'s schedule."""
+    return _schedules(target.pp_schedule, target.pp, target.microbatches, target.stages_per_rank)
+
+
+def in_flight(target, rank: int) -> float:  # noqa: ANN001 (a Target)
+    """The most microbatches rank ``rank`` holds the activations of at once (the running one
+    included), in units of its whole share of the layers (its stages' microbatches over the
+    stages it runs)."""
+    sched = rank_schedules(target)[rank]
+    return max(sum(n for _, n in m.held) + 1 for m in sched.moments) / len(sched.stages)
