@@ -2,8 +2,8 @@
 
 Plans a transformers model for a device from its ``config.json`` (a decoder, an MoE, a
 vision-language model): the model is built on the meta device (nothing allocated), each kind
-of layer traced with the device's attention kernel and measured, and the least recompute
-whose predicted step peak fits the memory is printed per kind of layer, with the peak's
+of layer traced with the device's attention kernel and measured, and the fastest predicted
+step whose predicted peak fits the memory is printed per kind of layer, with the peak's
 breakdown and a step-time estimate; ``--json`` writes the same as JSON.
 """
 
@@ -86,6 +86,36 @@ def _progress(done: int, total: int, what: str) -> None:
     sys.stderr.flush()
 
 
+#: the layout's integer flags: (flag, default, help)
+_LAYOUT = (
+    ("--fsdp", 1, "FSDP degree (default 1)"),
+    ("--dp", None, "DDP replicas (nothing sharded: --fsdp 1)"),
+    ("--replicate", None, "HSDP: replicas of the --fsdp shards"),
+    ("--zero", 0, "with --dp: ZeRO stage 1 (optimizer state sharded) or 2 (gradients too)"),
+    ("--tp", 1, "tensor-parallel degree (default 1)"),
+    ("--ep", 1, "expert-parallel degree, a divisor of --fsdp (or, without FSDP, of --dp)"),
+    ("--cp", 1, "context-parallel degree: the sequence split cp ways (default 1)"),
+    ("--pp", 1, "pipeline-parallel degree (default 1)"),
+    ("--pp-virtual-stages", None, "with --pp: stages a rank runs (default the schedule's)"),
+    (
+        "--microbatch-size",
+        1,
+        "with --pp: sequences per microbatch, a divisor of --batch (default 1, as torchtitan)",
+    ),
+)
+
+
+def _layout_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, default, text in _LAYOUT:
+        parser.add_argument(flag, type=int, default=default, help=text)
+    parser.add_argument(
+        "--pp-schedule",
+        default="1f1b",
+        help="with --pp: one of PyTorch's schedules: 1f1b (default), gpipe, interleaved-1f1b, looped-bfs, "
+        "interleaved-zero-bubble, zbv-zero-bubble, dualpipev (PyTorch's names too: Interleaved1F1B)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     from .planning.devices import DEVICES
 
@@ -101,34 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--memory", default=None, help="memory per device, bytes or '80GiB' (default: the device's)"
     )
-    parser.add_argument("--fsdp", type=int, default=1, help="FSDP degree (default 1)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    parser.add_argument(
-        "--ep", type=int, default=1, help="expert-parallel degree, a divisor of --fsdp (default 1)"
-    )
-    parser.add_argument(
-        "--cp", type=int, default=1, help="context-parallel degree: the sequence split cp ways (default 1)"
-    )
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (default 1)")
-    parser.add_argument(
-        "--pp-schedule",
-        default="1f1b",
-        help="with --pp: one of PyTorch's schedules: 1f1b (default), gpipe, interleaved-1f1b, looped-bfs, "
-        "interleaved-zero-bubble, zbv-zero-bubble, dualpipev (PyTorch's names too: Interleaved1F1B)",
-    )
-    parser.add_argument(
-        "--pp-virtual-stages",
-        type=int,
-        default=None,
-        help="with --pp: stages a rank runs (the interleave degree; default the schedule's: 1, or 2 for the "
-        "interleaved and V-shaped ones)",
-    )
-    parser.add_argument(
-        "--microbatch-size",
-        type=int,
-        default=1,
-        help="with --pp: sequences per microbatch, a divisor of --batch (default 1, as torchtitan)",
-    )
+    _layout_arguments(parser)
     parser.add_argument(
         "--no-sequence-parallel",
         action="store_true",
@@ -275,6 +278,8 @@ def _target(args: argparse.Namespace) -> Any:
             pp=args.pp,
             pp_schedule=args.pp_schedule,
             pp_virtual_stages=args.pp_virtual_stages,
+            replicate=_replicas(args),
+            zero=args.zero,
             microbatch_size=args.microbatch_size,
             gpus_per_node=args.gpus_per_node,
             network=args.network_gbps * 1e9 / 8,
@@ -284,6 +289,21 @@ def _target(args: argparse.Namespace) -> Any:
         )
     except ValueError as e:
         raise SystemExit(f"sac_compile plan: {e}") from None
+
+
+def _replicas(args: argparse.Namespace) -> int:
+    """``--dp`` (DDP: nothing sharded) or ``--replicate`` (HSDP, with ``--fsdp``): the replicas."""
+    if args.dp is not None and args.replicate is not None:
+        raise ValueError("--dp (DDP) and --replicate (HSDP) name the same replicas: give one")
+    if args.dp is not None and args.fsdp > 1:
+        raise ValueError(
+            f"--dp {args.dp} with --fsdp {args.fsdp}: DDP shards nothing; HSDP is --replicate R --fsdp S"
+        )
+    if args.replicate is not None and args.fsdp == 1:
+        raise ValueError(
+            f"--replicate {args.replicate} without --fsdp: HSDP replicates FSDP shards; DDP is --dp N"
+        )
+    return args.dp or args.replicate or 1
 
 
 def _check_offload(args: argparse.Namespace) -> None:

@@ -625,3 +625,39 @@ def test_no_public_parameter_is_any_where_it_has_a_real_type():
     loose = [(q, n) for q, n, a in found if str(a) in ("Any", "object", "Any | None", "object | None")]
     assert sorted(set(loose) - ANYTHING) == [], "type these parameters"
     assert ANYTHING <= set(loose), "a parameter in ANYTHING is typed now: take it out"
+
+
+def _planning_literals(root) -> set[float]:
+    """Every number written in the device planner's code (``sac_compile/planning``)."""
+    import ast
+
+    found: set[float] = set()
+    for path in (root / "planning").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+                found.add(float(node.value))
+    return found
+
+
+def test_the_planners_world_is_data_not_code():
+    """No figure of the world the planner prices a step in is written in its code: the fitted
+    step-time figures (each naming the calibrating run it was solved from), the kernel rates
+    and every device's datasheet rates are read from ``planning/world.json``; the code's
+    constants are the model's own (red before: the efficiencies, the eager slowdown, the
+    attention rate and the datasheets sat in ``planning/catalog.py``)."""
+    import json
+
+    from sac_compile.planning import catalog
+
+    world = json.loads((PACKAGE / "planning" / "world.json").read_text())
+    figures = {f["value"] for f in world["fitted"].values()} | {k["flops"] for k in world["kernels"].values()}
+    figures |= {link["bandwidth"] for link in world["host_links"]} | {
+        e["value"] for e in world["links"].values()
+    }
+    for d in world["devices"]:
+        figures |= {d["bf16_flops"], d["bandwidth"], d["memory_gib"]} | ({d["link"]} if d["link"] else set())
+    written = _planning_literals(PACKAGE) & figures
+    assert not written, f"planning/ writes the world's figures {sorted(written)}: read them from world.json"
+    assert all(f["calibrating_run"] and f["source"] for f in world["fitted"].values()), world["fitted"]
+    assert catalog.DEVICES["a100-80gb"].efficiency == world["fitted"]["a100"]["value"]
+    assert catalog.EAGER_SLOWDOWN == world["fitted"]["eager_slowdown"]["value"]

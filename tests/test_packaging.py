@@ -55,6 +55,7 @@ def test_the_wheel_holds_the_package_its_type_marker_and_nothing_else(wheel):
     info = f"sac_compile-{sac_compile.__version__}.dist-info/"
     assert {n.split("/")[0] + "/" for n in names} == {"sac_compile/", info}, sorted(names)
     assert "sac_compile/py.typed" in names
+    assert "sac_compile/planning/world.json" in names  # (the device planner's data)
     sources = {
         p.relative_to(ROOT).as_posix()
         for p in (ROOT / "sac_compile").rglob("*.py")

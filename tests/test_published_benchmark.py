@@ -110,7 +110,7 @@ def test_the_step_time_constants_are_what_the_calibrating_runs_set(cache):
     before = dict(devices.DEVICES), step_time.EAGER_SLOWDOWN
     found = published.calibrate(cache)
     assert (dict(devices.DEVICES), step_time.EAGER_SLOWDOWN) == before
-    assert found["h100-96gb"] == pytest.approx(catalog.H100_EFFICIENCY, abs=0.001)
+    assert found["h100-96gb"] == pytest.approx(catalog.FITTED["h100"]["value"], abs=0.001)
     assert found["EAGER_SLOWDOWN"] == pytest.approx(devices.EAGER_SLOWDOWN, abs=0.001)
     for name in ("b200", "a100-80gb"):
         assert found[name] == pytest.approx(devices.DEVICES[name].efficiency, abs=0.001), name

@@ -18,6 +18,7 @@ module              what it wraps
 ``nn``              ``nn.Module``'s call machinery the seam overrides (``_call_impl``)
 ``jit``             TorchScript's method modifiers (a method left out of a scripted class)
 ``logs``            PyTorch's structured trace (``TORCH_TRACE``, read by ``tlparse``)
+``pipelining``      ``torch.distributed.pipelining``'s schedules as each rank's actions
 ``frames``          reading the Python stack: torch's own frames (``nn.Module`` calls,
                     ``torch.compile``'s entry) and ours (decorated regions, seam calls)
 ``tensors``         tensors' version counters and storages' identities

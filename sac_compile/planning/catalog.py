@@ -1,6 +1,8 @@
 """The devices a plan is made for: each :class:`Device` carries its memory, peak dense bf16
 tensor FLOP/s and memory bandwidth, with the source of each figure, and the step time's
-constants calibrated on published runs (:mod:`.step_time`).
+figures fitted to published runs (:mod:`.step_time`) -- all read from the data file
+``world.json`` beside this module (:data:`WORLD_FILE`): the code holds the model, the file the
+world. A fitted figure names the run marked calibrating it was solved from.
 
 A device's memory is PyTorch's ``total_memory`` of it, read off published logs: the vendors'
 HBM "GB" are binary (an "80 GB" H100 has 79.1 GiB, not 74.5); a process may allocate a little
@@ -21,8 +23,9 @@ from typing import Any
 import torch
 
 from ..memory import GiB
+from .host import WORLD, WORLD_FILE
 
-__all__ = ["DEVICES", "EAGER_SLOWDOWN", "Device", "device", "present"]
+__all__ = ["DEVICES", "EAGER_SLOWDOWN", "FITTED", "KERNELS", "WORLD_FILE", "Device", "device", "present"]
 
 
 @dataclass(frozen=True)
@@ -48,123 +51,38 @@ class Device:
     attention_source: str = ""
 
 
-#: The fraction of the roofline a compiled training step of a published run reached, its
-#: attention at the measured rate (H100_ATTENTION): ``python benchmarks/published.py
-#: --calibrate`` solves it (and EAGER_SLOWDOWN, the B200's and the A100's) from the runs
-#: marked ``calibrates``
-H100_EFFICIENCY = 0.754
-H100_SOURCE = (
-    "torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 1: Llama-3.1-8B on 8 H100s (96 GB, 500 W), "
-    "FSDP 8, batch 2 x 8192, per-op SAC, compiled: 6,667 tokens/s per GPU (benchmarks/published.py)"
-)
+_WORLD = WORLD
+#: name -> the step-time figures fitted to the published runs marked calibrating, each with
+#: its run and source (``benchmarks/published.py --calibrate`` solves them)
+FITTED: dict[str, dict[str, Any]] = _WORLD["fitted"]
+#: How much longer a step's layers run eager than compiled (``FITTED["eager_slowdown"]``)
+EAGER_SLOWDOWN: float = FITTED["eager_slowdown"]["value"]
+#: name -> a kernel's measured rate (``flops``) and its source
+KERNELS: dict[str, dict[str, Any]] = _WORLD["kernels"]
 
-#: How much longer a step's layers run eager than compiled: torchtitan's Table 1 ran one
-#: configuration both ways (8B FSDP 8: 5,762 tokens/s per GPU eager, 6,667 compiled; the loss
-#: eager in both). One factor for every device: no other pair found.
-EAGER_SLOWDOWN = 1.164
 
-#: PyTorch's SDPA measured on an H100: about 30% of the dense peak (a step's matmuls: twice that)
-H100_ATTENTION = 293e12
-H100_ATTENTION_SOURCE = (
-    "github.com/pytorch/benchmark/pull/2296 (2024-06): the flash_attention operator on an H100, sdpa, batch 128 "
-    "x 8 heads x head dim 128, seq 1,024-16,384: 287.5, 293.2, 298.4, 287.7, 304.2 TFLOP/s (the median taken; "
-    "forward: the backward taken at the same rate)"
-)
-
-#: A device's memory as PyTorch reports it, from torchtitan's logs (``memory: X GiB (Y%)``:
-#: the reserved peak over the capacity); where no log was found, the datasheet's figure read
-#: as GiB, less what the H100 80GB loses (80 -> 79.1 GiB)
-H100_80GB_MEMORY = int(79.1 * GiB)  # github.com/pytorch/torchtitan/issues/1789: 73.32 GiB = 92.70%
-H100_96GB_MEMORY = int(95.0 * GiB)  # github.com/pytorch/torchtitan/pull/808: 47.65 GiB = 50.16%
-A100_80GB_MEMORY = int(79.15 * GiB)  # github.com/pytorch/torchtitan/pull/887: 36.06 GiB = 45.56%
-B200_MEMORY = int(178.4 * GiB)  # github.com/pytorch/torchtitan/pull/2389: 66.91 GiB = 37.51%
-_UNLOGGED = 79.1 / 80  # (no log found: the H100's share)
-
-# what the Hopper parts share: NVLink 4 (450 GB/s one way), the H100's published efficiency
-# and its attention kernel's measured rate
-_HOPPER: dict[str, Any] = dict(
-    link=450e9,
-    efficiency=H100_EFFICIENCY,
-    efficiency_source=H100_SOURCE,
-    attention_flops=H100_ATTENTION,
-    attention_source=H100_ATTENTION_SOURCE,
-)
-
-#: Datasheet figures, dense (the sparse figures are twice these).
-DEVICES: dict[str, Device] = {
-    d.name: d
-    for d in (
-        Device(
-            "h100-80gb",
-            H100_80GB_MEMORY,
-            989.4e12,
-            3.35e12,
-            "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 80 GB HBM3, 3.35 TB/s, BF16 1,979 TFLOPS with sparsity, "
-            "NVLink 900 GB/s (both ways)",
-            **_HOPPER,
-            # (the published run's H100s ran at 500 W: an SXM5 at 700 W is faster)
-        ),
-        Device(
-            "h100-96gb",
-            H100_96GB_MEMORY,
-            989.4e12,
-            2.4e12,
-            "H100 96 GB HBM2e at 500 W (Meta's Grand Teton, torchtitan's benchmark hosts: "
-            "benchmarks/llama3_h100_202412_torchtitan.md): 96 GB, 2.4 TB/s; its peak rate lies between "
-            "the SXM's and the NVL's, the SXM's taken (as torchtitan's MFU does)",
-            **_HOPPER,  # (the attention rate measured on an H100 SXM: this part runs at 500 W)
-        ),
-        Device(
-            "h200",
-            int(141 * GiB * _UNLOGGED),
-            989.4e12,
-            4.8e12,
-            "NVIDIA H200 Tensor Core GPU datasheet (SXM): 141 GB HBM3e, 4.8 TB/s, BF16 1,979 TFLOPS with sparsity, "
-            "NVLink 900 GB/s",
-            **_HOPPER,
-            # (no published bf16 run on an H200 found: the H100's, the same compute die)
-        ),
-        Device(
-            "a100-80gb",
-            A100_80GB_MEMORY,
-            312e12,
-            2.039e12,
-            "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 80 GB HBM2e, 2,039 GB/s, BF16 312 TFLOPS, NVLink 600 GB/s",
-            link=300e9,
-            host_link="pcie4",
-            efficiency=0.814,
-            efficiency_source="torchtitan docs/performance.md (2024-04-24): Llama 3 8B on 64 A100s (80 GB), FSDP 64, "
-            "batch 1 x 8192, per-op SAC, eager: 2,973 tokens/s per GPU, over EAGER_SLOWDOWN "
-            "(benchmarks/published.py; Megatron-LM's 52% of peak at 3,072 GPUs, the source before, predicts "
-            "torchtitan's A100 runs at 0.65x their tokens/s)",
-        ),
-        Device(
-            "b200",
-            B200_MEMORY,
-            2.25e15,
-            7.7e12,
-            "NVIDIA HGX B200 datasheet: 180 GB HBM3e and 7.7 TB/s per GPU, FP16/BF16 4.5 PFLOPS with sparsity, "
-            "NVLink 1.8 TB/s",
-            link=900e9,
-            efficiency=0.322,
-            efficiency_source="torchao's MX-formats README, dense models: Llama-3-8B bf16 on 8 power-limited "
-            "B200s, FSDP 8, batch 1 x 8192, per-op SAC, compiled: 8,307.5 tokens/s per GPU "
-            "(benchmarks/published.py)",
-        ),
-        Device(
-            "mi300x",
-            int(192 * GiB * _UNLOGGED),
-            1307.4e12,
-            5.3e12,
-            "AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, BF16 1,307.4 TFLOPS dense, Infinity Fabric "
-            "896 GB/s peak aggregate",
-            link=448e9,
-            efficiency=H100_EFFICIENCY,
-            efficiency_source=H100_SOURCE,
-            # (no published bf16 MI300X run found here: the H100's assumed)
-        ),
+def _device(entry: dict[str, Any]) -> Device:
+    fitted = FITTED[entry["efficiency"]]
+    kernel = KERNELS[entry["attention"]] if entry.get("attention") else None
+    return Device(
+        entry["name"],
+        int(entry["memory_gib"] * GiB),
+        entry["bf16_flops"],
+        entry["bandwidth"],
+        entry["source"],
+        cuda=entry["cuda"],
+        link=entry["link"],
+        efficiency=fitted["value"],
+        efficiency_source=fitted["source"],
+        host_link=entry["host_link"],
+        attention_flops=kernel["flops"] if kernel else 0.0,
+        attention_source=kernel["source"] if kernel else "",
     )
-}
+
+
+#: The devices of the data file, by name: datasheet figures (dense; the sparse figures are
+#: twice these), memory as PyTorch reports it (read off torchtitan's logs, ``memory_source``)
+DEVICES: dict[str, Device] = {e["name"]: _device(e) for e in _WORLD["devices"]}
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,4 +1,5 @@
-"""Choosing a plan per kind of layer so that a step's predicted peak fits a device.
+"""Choosing a plan per kind of layer so that a step's predicted peak fits a device, and then
+the fastest predicted step among everything that fits (:mod:`.fastest`).
 
 :func:`choose` walks one fixed sequence of plans, from the least recompute toward the least
 memory: it starts every kind of layer at its frontier point with the least recomputed FLOPs
@@ -20,13 +21,14 @@ recomputes more than the one that may not, at the same device memory.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from ..keep import Regions
 from .core import Candidate, Plan
 from .devices import Target
+from .fastest import NO_AC, describe, fastest
 from .figures import configured, configured_figures, figures_of, layer_figures, no_checkpoint_figures
 from .model import LayerGroup, ModelPlan
 from .offload import host_bytes, offloaded_per_rank, transfer
@@ -63,6 +65,12 @@ class DevicePlan(ModelPlan):
     params: tuple[tuple[int, int], ...] = ()
     sizes: ModelSizes | None = None
     host_bytes: int = 0  # host memory per GPU the offloaded regions take (planning.offload)
+    # the answer is a configuration no region plan expresses ("no AC", "torchtitan op SAC":
+    # planning.fastest), and why a plan other than the least recompute was taken
+    peer: str | None = None
+    why: str = ""
+    # where the step chose (planning.fastest): each kind's candidate, None for no checkpoint
+    chosen_each: tuple[Candidate | None, ...] | None = None
 
     def select(self, memory: Any) -> DevicePlan:
         """The same measurements, chosen for another device ``memory`` (nothing measured
@@ -108,10 +116,10 @@ class DevicePlan(ModelPlan):
         """Each rank's predicted peak with the plan's choices: every pipeline rank's in rank
         order (:func:`~sac_compile.planning.peak.stage_peaks`), the one without pipelining."""
         assert self.target is not None and self.sizes is not None
-        figures = [
-            figures_of(g.plan.chosen, g.plan, p, len(g.paths), self.target, compile=self.compile)
-            for g, p in zip(self.groups, self.params)
-        ]
+        chosen = self.chosen_each or tuple(g.plan.chosen for g in self.groups)
+        figures = configured_figures(
+            self.measured, self.params, chosen, self.sizes, self.target, compile=self.compile
+        )
         return stage_peaks(self.sizes, figures, self.target)
 
     @property
@@ -125,6 +133,10 @@ class DevicePlan(ModelPlan):
 
     def format(self) -> str:
         lines = [super().format()]
+        if self.peer is not None:
+            lines = [f"model plan for {self.layers!r}: {describe(self.peer)}"]
+        if self.why:
+            lines.append(f"  chosen by predicted step: {self.why}")
         if self.peak is not None and self.target is not None:
             t = self.target
             scale, unit = (2**30, "GiB") if self.peak.bytes >= 2**30 else (2**20, "MiB")
@@ -147,6 +159,13 @@ class DevicePlan(ModelPlan):
         return "\n".join(lines)
 
     def apply(self, model: Any, *, compile: Any = None, **options: Any) -> Any:
+        """Wrap each planned layer (:meth:`ModelPlan.apply`); a plan whose answer is no
+        checkpoint leaves them as they are; one whose answer is torchtitan's per-op SAC is a
+        ``ValueError`` saying how to run it."""
+        if self.peer == NO_AC:
+            return model
+        if self.peer is not None:
+            raise ValueError(f"this plan is {describe(self.peer)} ({self.why})")
         return super().apply(model, compile=self.compile if compile is None else compile, **options)
 
     def configuration(
@@ -207,6 +226,11 @@ def _step_line(step: StepTime, measured: bool) -> str:
 
 def _more_layout(t: Target) -> str:
     parts = [f"ep {t.ep}"] if t.ep > 1 else []
+    if t.replicate > 1:
+        parts.append(
+            f"{'HSDP ' if t.fsdp > 1 else 'DDP '}{t.replicate} replicas"
+            + (f", ZeRO-{t.zero}" if t.zero else "")
+        )
     parts += [f"cp {t.cp}"] if t.cp > 1 else []
     parts += ["keys and values repeated"] if t.repeat_kv else []
     if t.pp > 1:
@@ -274,6 +298,28 @@ class _Walk:
     host: int = 0  # host memory per GPU it offloads
 
 
+def _states(
+    fronts: list[list[tuple[Candidate, float]]], groups: Sequence[LayerGroup], target: Target, compile: bool
+) -> Iterator[list[int]]:
+    """The walk's points, from every kind at its cheapest frontier point: each next point
+    moves the kind whose next point frees the most bytes (times its layers) per cost (times
+    its layers). It does not depend on the memory."""
+    state = [0] * len(groups)
+    while True:
+        yield list(state)
+        moves = []
+        for k, (front, i, g) in enumerate(zip(fronts, state, groups)):
+            if i + 1 < len(front):
+                freed = (held(front[i][0], target, compile) - held(front[i + 1][0], target, compile)) * len(
+                    g.paths
+                )
+                cost = (front[i + 1][1] - front[i][1]) * len(g.paths)
+                moves.append((freed / max(cost, 1e-12 if front[i][0].step_time is not None else 1), k))
+        if not moves:
+            return
+        state[max(moves)[1]] += 1
+
+
 def _walk(
     groups: Sequence[LayerGroup],
     params: Sequence[tuple[int, int]],
@@ -283,13 +329,11 @@ def _walk(
     offload: bool,
     excluded: frozenset[Candidate] = frozenset(),
 ) -> _Walk:
-    """From every kind at its cheapest frontier point, move the kind whose next point frees
-    the most bytes (times its layers) per cost (times its layers), until the predicted peak
-    fits the device and what is offloaded fits the host (``excluded``: candidates left out)."""
+    """The first point of :func:`_states` whose predicted peak fits the device and whose
+    offloaded values fit the host (``excluded``: candidates left out)."""
     fronts = [_frontier(g.plan, compile, target, offload, excluded) for g in groups]
-    state = [0] * len(groups)
     smallest: Peak | None = None
-    while True:
+    for state in _states(fronts, groups, target, compile):
         chosen = [f[i][0] for f, i in zip(fronts, state)]
         figures = [
             figures_of(c, g.plan, p, len(g.paths), target, compile=compile)
@@ -304,17 +348,17 @@ def _walk(
         if peak.reserved <= target.usable and host <= (target.host_memory or 0):  # type: ignore[operator]
             cost = sum(f[i][1] * len(g.paths) for f, i, g in zip(fronts, state, groups))
             return _Walk(fronts, state, peak, smallest, cost, host)
-        moves = []
-        for k, (front, i, g) in enumerate(zip(fronts, state, groups)):
-            if i + 1 < len(front):
-                freed = (held(front[i][0], target, compile) - held(front[i + 1][0], target, compile)) * len(
-                    g.paths
-                )
-                cost = (front[i + 1][1] - front[i][1]) * len(g.paths)
-                moves.append((freed / max(cost, 1e-12 if front[i][0].step_time is not None else 1), k))
-        if not moves:
-            return _Walk(fronts, None, None, smallest)
-        state[max(moves)[1]] += 1
+    assert smallest is not None
+    return _Walk(fronts, None, None, smallest)
+
+
+def _sequence(groups: Sequence[LayerGroup], target: Target, compile: bool) -> Iterator[list[Candidate]]:
+    """Every point of the walks (not offloading; offloading where the target may), as the
+    chosen candidates: what :func:`~.fastest.fastest` weighs beside the uniform ones."""
+    for offload in (False, True) if target.offload else (False,):
+        fronts = [_frontier(g.plan, compile, target, offload) for g in groups]
+        for state in _states(fronts, groups, target, compile):
+            yield [f[i][0] for f, i in zip(fronts, state)]
 
 
 def choose(
@@ -325,8 +369,10 @@ def choose(
     *,
     compile: bool,
     layers: Any,
+    by_step: bool = True,
 ) -> DevicePlan:
-    """The least-recompute plan per kind of layer whose predicted step peak fits ``target``.
+    """The least-recompute plan per kind of layer whose predicted step peak fits ``target``
+    (with ``by_step``, then the fastest predicted step that fits: :mod:`.fastest`).
     With ``target.offload``, the walk that may offload where its cost (the recompute plus the
     copies compute does not hide) is below the plain plan's recompute and its predicted step
     is no slower: so never more recompute, never a slower step, than not offloading. Where
@@ -352,7 +398,7 @@ def choose(
         if chosen is None and moved.smallest.reserved < walk.smallest.reserved:
             walk = moved
     if chosen is not None:
-        return chosen
+        return fastest(chosen, _sequence(groups, target, compile)) if by_step else chosen
     term = walk.smallest.largest()
     host = f"; offloading within {(target.host_memory or 0) / 2**30:.0f} GiB of host memory"  # type: ignore[operator]
     raise ValueError(

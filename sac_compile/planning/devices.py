@@ -94,6 +94,15 @@ class Target:
         ep: expert-parallel degree (torchtitan's layout: a divisor of ``fsdp``): an MoE
             layer's routed experts split this many ways and FSDP-sharded over the other
             ``fsdp / ep``, so only ``1 / ep`` of them is all-gathered while the layer runs.
+            Without FSDP, a divisor of ``replicate``: the experts split ``ep`` ways over the
+            data-parallel replicas, the rest replicated.
+        replicate: data-parallel replicas: with ``fsdp`` 1, DDP (every parameter, gradient
+            and optimizer state whole on every rank; PyTorch's DDP keeps its gradient buckets,
+            a second gradient-sized copy, ``gradient_as_bucket_view=False``); with ``fsdp``
+            above 1, HSDP (``replicate`` x ``fsdp``: sharded ``fsdp`` ways, the sharded
+            gradients all-reduced over the replicas).
+        zero: with DDP (``replicate`` above 1, ``fsdp`` 1), ZeRO stage 1 (the optimizer
+            state sharded over the replicas) or 2 (the gradients too); 0 none.
         param_dtype: the dtype layers compute in (FSDP's ``MixedPrecisionPolicy.param_dtype``).
         master_dtype: the dtype parameters, gradients after reduction and optimizer state
             are kept in.
@@ -135,6 +144,8 @@ class Target:
     fsdp: int = 1
     tp: int = 1
     ep: int = 1
+    replicate: int = 1
+    zero: int = 0
     sequence_parallel: bool = True
     loss_parallel: bool = True
     loss: str = "transformers"
@@ -171,7 +182,18 @@ class Target:
         check_target(self, dev.cuda, dev.name)
         if self.host_memory is not None:
             object.__setattr__(self, "host_memory", parse_memory(self.host_memory, name="host_memory"))
-        for name in ("fsdp", "tp", "ep", "cp", "pp", "batch", "seq", "microbatch_size", "gpus_per_node"):
+        for name in (
+            "fsdp",
+            "tp",
+            "ep",
+            "cp",
+            "pp",
+            "replicate",
+            "batch",
+            "seq",
+            "microbatch_size",
+            "gpus_per_node",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Target({name}={value!r}): a positive int")
@@ -198,11 +220,7 @@ class Target:
             raise ValueError(
                 f"Target(seq={self.seq}, cp={self.cp}): the sequence is split cp ways: cp divides seq"
             )
-        if self.fsdp % self.ep:
-            raise ValueError(
-                f"Target(ep={self.ep}, fsdp={self.fsdp}): the expert-parallel degree divides the FSDP degree "
-                "(experts are split ep ways and FSDP-sharded over the other fsdp / ep)"
-            )
+        self._check_data_parallel()
         for name in ("param_dtype", "master_dtype", "reduce_dtype"):
             object.__setattr__(self, name, _dtype(getattr(self, name), name))
         if self.optimizer not in OPTIMIZER_STATES:
@@ -213,6 +231,27 @@ class Target:
             )
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"Target(headroom={self.headroom!r}): a fraction in [0, 1)")
+
+    def _check_data_parallel(self) -> None:
+        if self.fsdp > 1 and self.fsdp % self.ep:
+            raise ValueError(
+                f"Target(ep={self.ep}, fsdp={self.fsdp}): the expert-parallel degree divides the FSDP degree "
+                "(experts are split ep ways and FSDP-sharded over the other fsdp / ep)"
+            )
+        if self.fsdp == 1 and self.ep > 1 and self.replicate % self.ep:
+            raise ValueError(
+                f"Target(ep={self.ep}, replicate={self.replicate}): without FSDP the experts are split over the "
+                "data-parallel replicas: ep divides replicate"
+            )
+        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
+            raise ValueError(
+                f"Target(zero={self.zero!r}): 0 (none), 1 (optimizer state sharded) or 2 (gradients too)"
+            )
+        if self.zero and (self.replicate == 1 or self.fsdp > 1):
+            raise ValueError(
+                f"Target(zero={self.zero}, replicate={self.replicate}, fsdp={self.fsdp}): ZeRO shards over DDP's "
+                "replicas: replicate above 1 and fsdp 1 (FSDP already shards all of it)"
+            )
 
     def _check_stages(self) -> None:
         fixed, v = PP_SCHEDULES[self.pp_schedule], self.pp_virtual_stages

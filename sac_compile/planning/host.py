@@ -3,10 +3,18 @@ the fraction of it a copy reaches, and a target's offload fields checked."""
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HOST_EFFICIENCY", "HOST_LINKS", "HostLink", "check_target"]
+__all__ = ["HOST_EFFICIENCY", "HOST_LINKS", "WORLD", "WORLD_FILE", "HostLink", "check_target"]
+
+#: The data file the planner's world is read from: devices, links, kernel rates, fitted
+#: step-time figures (each with its source)
+WORLD_FILE = os.path.join(os.path.dirname(__file__), "world.json")
+with open(WORLD_FILE) as _f:
+    WORLD: dict[str, Any] = json.load(_f)
 
 
 @dataclass(frozen=True)
@@ -18,34 +26,14 @@ class HostLink:
     source: str
 
 
-#: The host links a :class:`~sac_compile.planning.devices.Target` may name (``host_link``).
+#: The host links a :class:`~sac_compile.planning.devices.Target` may name (``host_link``),
+#: from the planner's data file (``world.json``, each with its source)
 HOST_LINKS: dict[str, HostLink] = {
-    link.name: link
-    for link in (
-        HostLink(
-            "pcie4",
-            31.5e9,
-            "PCI Express Base Specification 4.0 (PCI-SIG, 2017): 16 GT/s a lane, 128b/130b encoding, x16: "
-            "31.5 GB/s each way (A100's host link)",
-        ),
-        HostLink(
-            "pcie5",
-            63e9,
-            "PCI Express Base Specification 5.0 (PCI-SIG, 2019): 32 GT/s a lane, 128b/130b encoding, x16: "
-            "63 GB/s each way (H100 / H200 SXM, B200, MI300X host links)",
-        ),
-        HostLink(
-            "c2c",
-            450e9,
-            "NVIDIA GH200 Grace Hopper Superchip datasheet: NVLink-C2C 900 GB/s between Grace and Hopper, "
-            "450 GB/s each way (GH200, GB200)",
-        ),
-    )
+    e["name"]: HostLink(e["name"], e["bandwidth"], e["source"]) for e in WORLD["host_links"]
 }
 
-#: The fraction of a host link's bandwidth a large pinned-memory copy reaches (CUDA's
-#: bandwidthTest reports about 25 GB/s on PCIe 4.0 x16 and about 50 GB/s on PCIe 5.0 x16: ~0.8)
-HOST_EFFICIENCY = 0.8
+#: The fraction of a host link's bandwidth a large pinned-memory copy reaches (``world.json``)
+HOST_EFFICIENCY: float = WORLD["links"]["host_copy_efficiency"]["value"]
 
 
 def check_target(target: Any, cuda: bool, name: str) -> None:

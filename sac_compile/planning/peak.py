@@ -55,6 +55,7 @@ TERMS = (
     "backward_transient",
     "logits_loss",
     "pipeline_buffers",
+    "ddp_buckets",
     "other",
 )
 
@@ -190,16 +191,29 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     # (with tp the embeddings and the output projection are split on the vocabulary, as
     # torchtitan's and Megatron's plans split them; the final norm's few are counted with them)
     outside = ((embedding if stage.embed else 0) + (other - embedding if stage.head else 0)) / tp
-    params_all = int((sum(g.params for g in layers) / tp + outside) * master / shard)
+    # experts split ep ways and FSDP-sharded over the rest, or without FSDP ep ways alone
+    experts = max(shard, target.ep)
+
+    def kept(g: LayerFigures) -> float:  # a layer's parameters a rank keeps (elements)
+        return ((g.params - g.expert_params) / shard + g.expert_params / experts) / tp
+
+    params_all = int((sum(kept(g) for g in layers) + outside / shard) * master)
     states = OPTIMIZER_STATES[target.optimizer]
+    # ZeRO over DDP's replicas: stage 1 the optimizer state, stage 2 the gradients too
+    zero_state, zero_grads = (target.replicate if target.zero >= z else 1 for z in (1, 2))
     order = layers[::-1]  # backward order
+    ddp = target.replicate > 1 and shard == 1 and not target.zero  # (its buckets: a second copy)
     rank = _Rank(
-        base={"parameters": params_all, "optimizer_state": states * params_all},
-        grads_of=[int(g.params / tp * master / shard) for g in order],
+        base={
+            "parameters": params_all,
+            "optimizer_state": states * params_all // zero_state,
+            "ddp_buckets": params_all if ddp else 0,
+        },
+        grads_of=[int(kept(g) * master / zero_grads) for g in order],
         gathered=[(g.params - g.expert_params) / tp + g.expert_params / target.ep for g in order],
         acts=[g.saved_bytes for g in order],
         transients=[g.transient_bytes for g in order],
-        outside=int(outside * master / shard),
+        outside=int(outside * master / shard / zero_grads),
         last_offloaded=order[0].offloaded_bytes if order else 0,
         # FSDP2 keeps the root's parameters (everything outside the layers) unsharded from
         # the forward to the end of the backward
@@ -215,7 +229,7 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     # The optimizer step: foreach implementations (CUDA's default) make one temporary the
     # size of the parameters; the single-tensor loop (CPU's default) one of the largest.
     largest = max([g.params for g in layers] + [0]) / tp
-    temp = params_all if target.device.cuda else int(largest * master / shard)  # type: ignore[union-attr]
+    temp = params_all // zero_state if target.device.cuda else int(largest * master / shard)  # type: ignore[union-attr]
     buffers = _pipeline_buffers(model, target, stage, None, param_b)  # (the receive buffers stay)
     phases.append(
         (

@@ -44,14 +44,15 @@ from dataclasses import dataclass
 
 from .core import Candidate, Plan
 from .devices import EAGER_SLOWDOWN, Target, parse_loss
+from .host import WORLD
 from .offload import transfer
 from .peak import ModelSizes, dtype_bytes
 
 __all__ = ["LINK_EFFICIENCY", "StepTime", "layer_seconds", "ring_flops", "step_time"]
 
-#: the fraction of a link's bandwidth a large ring collective reaches (NCCL's bus bandwidth
-#: in nccl-tests on NVLink and 400 Gb/s InfiniBand is about 80-90% of the link's)
-LINK_EFFICIENCY = 0.8
+#: the fraction of a link's bandwidth a large ring collective reaches (``world.json``: NCCL's
+#: bus bandwidth in nccl-tests on NVLink and 400 Gb/s InfiniBand is about 80-90% of the link's)
+LINK_EFFICIENCY: float = WORLD["links"]["collective_efficiency"]["value"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class StepTime:
     peak_flops: float
     cp: float = 0.0  # ring attention's passes not hidden behind attention
     bubble: float = 0.0  # the pipeline's fill and drain
+    dp: float = 0.0  # the replicas' gradient sync (DDP, HSDP, ZeRO) not hidden behind the backward
     offload: float = 0.0  # copies to and from host memory not hidden behind compute
     transfer: float = 0.0  # every copy to and from host memory (hidden or not: not a term)
 
@@ -92,6 +94,7 @@ class StepTime:
             "ep": self.ep,
             "cp": self.cp,
             "bubble": self.bubble,
+            "dp": self.dp,
             "offload": self.offload,
         }
 
@@ -116,6 +119,10 @@ class _Sum:
     cp: float = 0.0
     offload: float = 0.0
     transfer: float = 0.0
+    backward: float = 0.0  # the layers' backward compute (what hides the replicas' sync)
+    sync: float = 0.0  # the replicas' gradient sync, every layer's
+    sync_last: float = 0.0  # the last layer's (nothing after it to hide it)
+    gather: float = 0.0  # ZeRO: the updated parameters all-gathered after the step
 
 
 def step_time(
@@ -147,6 +154,7 @@ def step_time(
     fsdp += total.first + total.last
     v = target.stages_per_rank
     bubble = total.compute * (target.pp - 1) / (target.microbatches * v) if target.pp > 1 else 0.0
+    dp = max(total.sync - total.backward, 0.0) + total.sync_last + total.gather if total.sync else 0.0
     return StepTime(
         total.compute,
         fsdp,
@@ -158,6 +166,7 @@ def step_time(
         peak_flops=rate,
         cp=total.cp,
         bubble=bubble,
+        dp=dp,
         offload=total.offload,
         transfer=total.transfer,
     )
@@ -219,6 +228,7 @@ def _layer(
     ring, _, redo = _work(table, c, target)
     forward, backward = layer_seconds(table, c, target, compile)
     total.compute += units * (forward + backward)
+    total.backward += units * backward
     copying, exposed = transfer(c, target, compile, forward, backward)
     total.transfer += units * copying
     total.offload += units * exposed
@@ -236,6 +246,8 @@ def _layer(
         else:
             total.fsdp += units * (max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0))
             total.first, total.last = total.first or gather, scatter
+    if target.replicate > 1:
+        _replicas(total, units / target.microbatches, params, target, reduce_b, param_b)
     stream = sizes.tokens * sizes.hidden_size * param_b  # one residual-stream tensor of the unit
     if tp > 1:  # two all-gathers and two reduce-scatters (SP), or two all-reduces: as many bytes
         total.tp += units * (2 + redo) * 4 * (tp - 1) / tp * stream / _link(target, tp, 1)
@@ -246,6 +258,26 @@ def _layer(
         passes = (cp - 1) * sizes.kv_bytes / tp * (1 + 2 + redo) / _link(target, cp, tp)
         hidden = target.attention_seconds(4.5 * ring)
         total.cp += units * max(passes - hidden, 0.0)
+
+
+def _replicas(
+    total: _Sum, layers: float, params: tuple[int, int], target: Target, reduce_b: int, param_b: int
+) -> None:
+    """The replicas' gradient sync of ``layers`` layers a step (once a step, after the last
+    microbatch's backward of each): DDP all-reduces each layer's gradients, HSDP its sharded
+    ones, ZeRO reduce-scatters them and all-gathers the updated parameters after the step
+    (exposed); the ring runs over the replicas, ``fsdp x cp x tp`` ranks apart (torchtitan's
+    mesh)."""
+    shard, r = target.fsdp * target.cp, target.replicate
+    experts = max(shard, target.ep)
+    elements = ((params[0] - params[1]) / shard + params[1] / experts) / target.tp
+    link = _link(target, r, shard * target.tp)
+    passes = 1 if target.zero else 2  # (a reduce-scatter; an all-reduce is two passes)
+    seconds = passes * _ring(elements, r, link) * reduce_b
+    total.sync += layers * seconds
+    total.sync_last = seconds
+    if target.zero:
+        total.gather += layers * _ring(elements, r, link) * param_b
 
 
 def _ring(elements: float, ranks: int, bandwidth: float) -> float:
