@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .planning.fastest import bound
+
 __all__ = ["configuration", "faster", "faster_line", "peer_line", "peers", "report", "step_json"]
 
 
@@ -36,6 +38,7 @@ def report(plan: Any, seconds: float) -> dict[str, Any]:
         "compile": plan.compile,
         "peer": plan.peer,
         "why": plan.why,
+        "bound": bound(plan.step),
         "peak_bytes": plan.peak_bytes,
         "fits": plan.fits,
         "reserved_bytes": plan.reserved_bytes,

@@ -6,9 +6,9 @@ memory: it starts every kind of layer at its frontier point with the least recom
 and, step by step, moves the kind whose next frontier point frees the most bytes (held for the
 backward, times its layers) per recomputed FLOP (times its layers). The first point of the
 sequence whose predicted peak (:func:`~sac_compile.planning.peak.step_peak`) fits the target
-is the choice. The sequence does not depend on the memory, and recompute never decreases
-along it, so a larger memory never gives more recompute. When no point fits, the
-``ValueError`` names the smallest predicted peak, its largest term and what shrinks it.
+recomputes the least; :func:`~.fastest.fastest` then takes the shortest predicted step that
+fits. When no point fits, the ``ValueError`` names the smallest predicted peak, its largest
+term and what shrinks it.
 
 With ``Target.offload`` a second walk runs over frontiers that hold the offloading candidates
 too, each costing its recompute plus the copies to the host and back that its layer's compute
@@ -28,12 +28,13 @@ from typing import Any, cast
 from ..keep import Regions
 from .core import Candidate, Plan
 from .devices import Target
-from .fastest import NO_AC, describe, fastest
+from .fastest import NO_AC, bound, describe, fastest
 from .figures import configured, configured_figures, figures_of, layer_figures, no_checkpoint_figures
 from .model import LayerGroup, ModelPlan
 from .offload import host_bytes, offloaded_per_rank, transfer
 from .parallel import held
 from .peak import ModelSizes, Peak, stage_peaks, step_peak
+from .plan_text import layout_text, step_line
 from .step_time import StepTime, layer_seconds, step_time
 
 __all__ = ["DevicePlan", "choose", "configured", "figures_of", "layer_figures", "no_checkpoint_figures"]
@@ -142,7 +143,7 @@ class DevicePlan(ModelPlan):
             scale, unit = (2**30, "GiB") if self.peak.bytes >= 2**30 else (2**20, "MiB")
             lines.append(
                 f"  on {t.device.name} ({t.memory / 2**30:.1f} GiB, {t.usable / 2**30:.1f} usable; "  # type: ignore[union-attr,operator]
-                f"fsdp {t.fsdp}, tp {t.tp}{_tp_layout(t)}{_more_layout(t)}, batch {t.batch} x seq {t.seq}): predicted peak "
+                f"fsdp {t.fsdp}, tp {t.tp}{layout_text(t)}, batch {t.batch} x seq {t.seq}): predicted peak "
                 f"{self.peak.bytes / scale:.2f} {unit} in the {self.peak.phase}, {self.peak.reserved / scale:.2f} {unit} "
                 f"reserved ({'fits' if self.fits else 'does not fit'})"
             )
@@ -155,7 +156,8 @@ class DevicePlan(ModelPlan):
                     f"{t.host_memory / scale:.0f} {unit}) over {t.host.name}"  # type: ignore[operator]
                 )
             if self.step is not None:
-                lines.append(_step_line(self.step, self.step_measured))
+                lines.append(step_line(self.step, self.step_measured))
+                lines.append(f"  {bound(self.step)}")
         return "\n".join(lines)
 
     def apply(self, model: Any, *, compile: Any = None, **options: Any) -> Any:
@@ -210,39 +212,6 @@ def predict(
     figures = configured_figures(groups, params, chosen, sizes, target, compile=compile)
     layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(groups, chosen, params)]
     return stage_peaks(sizes, figures, target), step_time(layers, sizes, target, compile=compile)
-
-
-def _step_line(step: StepTime, measured: bool) -> str:
-    how = "layers measured on the device, the head estimated" if measured else "estimated"
-    comms = ", ".join(f"{k} {v:.3f}" for k, v in step.terms().items() if k != "compute" and v)
-    moved = f"; offload copies {step.transfer:.3f} s, {step.offload:.3f} exposed" if step.transfer else ""
-    return (
-        f"  step: {step.seconds:.3f} s {how} (compute {step.compute:.3f}"
-        + (f", exposed communication: {comms}" if comms else "")
-        + moved
-        + f"); {step.tokens_per_second:,.0f} tokens/s per GPU, MFU {step.mfu:.1%}"
-    )
-
-
-def _more_layout(t: Target) -> str:
-    parts = [f"ep {t.ep}"] if t.ep > 1 else []
-    if t.replicate > 1:
-        parts.append(
-            f"{'HSDP ' if t.fsdp > 1 else 'DDP '}{t.replicate} replicas"
-            + (f", ZeRO-{t.zero}" if t.zero else "")
-        )
-    parts += [f"cp {t.cp}"] if t.cp > 1 else []
-    parts += ["keys and values repeated"] if t.repeat_kv else []
-    if t.pp > 1:
-        parts.append(f"pp {t.pp} {t.pp_schedule}, {t.microbatches} microbatches of {t.microbatch_size}")
-    return "".join(f", {p}" for p in parts)
-
-
-def _tp_layout(t: Target) -> str:
-    if t.tp == 1:
-        return ""
-    parts = [name for name, on in (("sequence", t.sequence_parallel), ("loss", t.loss_parallel)) if on]
-    return f" ({' and '.join(parts)} parallel)" if parts else " (no sequence or loss parallel)"
 
 
 def _cost(c: Candidate, target: Target, compile: bool, table: Plan) -> float:

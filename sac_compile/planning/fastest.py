@@ -32,7 +32,11 @@ from .step_time import StepTime, step_time
 if TYPE_CHECKING:
     from .model import LayerGroup
 
-__all__ = ["NO_AC", "TORCHTITAN_OP_SAC", "fastest"]
+__all__ = ["NO_AC", "SHORTER", "TORCHTITAN_OP_SAC", "bound", "describe", "fastest"]
+
+#: how much shorter (a fraction) a step must be predicted to leave the least-recompute plan:
+#: below it the estimates do not tell the two apart
+SHORTER = 1e-3
 
 #: the peers a region plan cannot express, as ``DevicePlan.peer`` names them
 NO_AC = "no AC"
@@ -67,7 +71,7 @@ def fastest(plan: Any, sequence: Iterator[Sequence[Candidate]]) -> Any:
         fits = point.peak.reserved <= target.usable and point.host <= (target.host_memory or 0)
         if fits and (best is None or (point.step.seconds, point.recompute, order) < _key(best)):
             best = point
-    if best is None or best.step.seconds >= plan.step.seconds:
+    if best is None or best.step.seconds >= plan.step.seconds * (1 - SHORTER):
         return plan
     peer = _peer(groups, best.chosen)
     shorter = 1 - best.step.seconds / plan.step.seconds
@@ -151,6 +155,19 @@ def _candidates(groups: Sequence[LayerGroup], chosen: tuple[Candidate | None, ..
         )
         for g, c in zip(groups, chosen)
     ]
+
+
+def bound(step: Any) -> str:
+    """Which term bounds a predicted step: where communication is exposed, recompute runs in
+    its shadow and configurations step alike."""
+    terms = {k: v for k, v in step.terms().items() if k not in ("compute", "offload") and v}
+    if not terms:
+        return "compute bounds the step"
+    name = max(terms, key=lambda k: terms[k])
+    return (
+        f"{name} bounds the step beside compute ({terms[name]:.3f} s exposed): recompute runs where it is hidden, so "
+        "configurations that recompute more can step alike"
+    )
 
 
 def describe(peer: str | None) -> str:

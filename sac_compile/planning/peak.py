@@ -295,8 +295,8 @@ def _pipeline_phases(
     """With pipeline parallelism, one phase per distinct moment of the rank's schedule (a
     backward of one of its stages, :class:`~.pipeline.Moment`): the activations its stages
     hold for the other microbatches in flight then, the running stage's own (its layer whose
-    remaining activations and transient are the most: gradients do not grow within a
-    pipelined backward), the gradients the earlier backwards made, on the last stage the
+    remaining activations, transient and, in the stage's first backward, gradients made so
+    far are the most), the gradients the earlier backwards made, on the last stage the
     loss's backward, and the pipeline's buffers. With FSDP, torchtitan reshards nothing
     between microbatches and accumulates unsharded gradients (in ``reduce_dtype``) until
     the last microbatch: the rank's stages' parameters stay unsharded all along."""
@@ -329,10 +329,23 @@ def _pipeline_phases(
             }
             phases.append((f"{LOSS_PHASE} ({where})", _terms(**rank.base, **common, **extra)))
         if own:
-            i = max(range(len(own)), key=lambda i: sum(own[i:]) + transients[i])
+            # a stage's first backward makes its gradients layer by layer (unsharded, in
+            # reduce_dtype, under FSDP): those of the layers after the running one
+            first = m.stage not in m.grads
+            made = rank.gathered[blocks[m.stage]] if sharded else rank.grads_of[blocks[m.stage]]
+            width = rank.reduce_b if sharded else 1
+            growing = [int(sum(made[:i]) * width) if first else 0 for i in range(len(own))]
+            i = max(range(len(own)), key=lambda i: sum(own[i:]) + transients[i] + growing[i])
             layer = stage.layers[stage.ids.index(m.stage)].stop - 1 - i
             extra = {"activations": held + sum(own[i:]), "backward_transient": transients[i]}
-            phases.append((f"backward of layer {layer} ({where})", _terms(**rank.base, **common, **extra)))
+            grown = (
+                {"fsdp_buffers": common["fsdp_buffers"] + growing[i]}
+                if sharded
+                else {"gradients": common["gradients"] + growing[i]}
+            )
+            phases.append(
+                (f"backward of layer {layer} ({where})", _terms(**rank.base, **{**common, **grown}, **extra))
+            )
     return phases
 
 
