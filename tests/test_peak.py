@@ -812,6 +812,33 @@ def test_each_pytorch_schedule_is_priced_from_its_own_actions():
         target(pp_virtual_stages=2)
 
 
+def test_the_bubble_is_the_schedules_own():
+    """PyTorch's schedules run with each stage's forward and backward time (``makespan``):
+    with equal stages GPipe's and 1F1B's bubble is (pp - 1) / microbatches of a rank's work,
+    the interleaved ones' (pp - 1) / (microbatches x v), the zero-bubble ones' a third of
+    that here (the weights' gradients fill it)."""
+    from sac_compile.planning.pipeline import makespan
+
+    work = 8 * 3.0  # 8 microbatches, forward 1 and backward 2 a rank
+    bubbles = {}
+    for schedule in (
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "looped-bfs",
+        "interleaved-zero-bubble",
+        "zbv-zero-bubble",
+    ):
+        t = Target("h100-80gb", batch=8, seq=16, pp=4, pp_schedule=schedule)
+        v = t.stages_per_rank
+        bubbles[schedule] = makespan(t, [1.0 / v] * 4 * v, [2.0 / v] * 4 * v) - work
+    assert bubbles["gpipe"] == bubbles["1f1b"] == pytest.approx(work * 3 / 8)
+    assert bubbles["interleaved-1f1b"] == bubbles["looped-bfs"] == pytest.approx(work * 3 / 16)
+    assert (
+        bubbles["interleaved-zero-bubble"] == bubbles["zbv-zero-bubble"] == pytest.approx(work * 3 / 16 / 3)
+    )
+
+
 def test_with_many_microbatches_a_middle_stage_holds_the_most():
     """Every pipeline stage is predicted: a stage between the first and the last keeps a
     receive buffer per microbatch for its input and for its output's gradient (PyTorch's
@@ -914,7 +941,10 @@ def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     # microbatch's: 8 of them, 1 sequence each), plus the fill and drain
     pp = step(pp=4)
     assert pp.compute == pytest.approx(alone.compute * 8 / 4)
-    assert pp.bubble == pytest.approx(pp.compute * 3 / 8)
+    # the bubble as PyTorch's 1F1B runs it: (pp - 1) / microbatches of the compute with equal
+    # stages (test_the_bubble_is_the_schedules_own), more here: torchtitan's split gives the
+    # stages 2, 3, 2 and 1 layers, the head on the last (red before: the formula alone)
+    assert pp.bubble > pp.compute * 3 / 8 * 1.5
     # with FSDP each stage gathers its own 2 layers once a step (and reduces them once): over
     # the network, outrunning the stage's compute, the excess exposed
     gathered = step(pp=4, fsdp=64, gpus_per_node=1)

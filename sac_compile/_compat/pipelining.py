@@ -52,7 +52,26 @@ def schedule_actions(
             f"PyTorch's {name} schedule refuses pp={pp}, {microbatches} microbatches, {stages_per_rank} "
             f"stage(s) a rank: {e}"
         ) from None
-    return tuple(tuple(_compute(rank)) for rank in ops)
+    return tuple(_numbered(_compute(rank), microbatches) for rank in ops)
+
+
+def _numbered(actions: list[Action], microbatches: int) -> tuple[Action, ...]:
+    """A rank's actions with each stage's forwards numbered ``0 .. microbatches - 1`` in the
+    order they run where PyTorch's list numbers them otherwise: 2.13's ``Schedule1F1B`` lists
+    its last rank's forwards as 1 .. n (its IR, which only its visualizer reads; the schedule
+    itself runs 0 .. n - 1)."""
+    forwards: dict[int, list[int]] = {}
+    for kind, stage, mb in actions:
+        if kind == "F":
+            forwards.setdefault(stage, []).append(mb)
+    broken = {s for s, mbs in forwards.items() if sorted(mbs) != list(range(microbatches))}
+    seen: dict[int, int] = {}
+    out = []
+    for kind, stage, mb in actions:
+        if kind == "F" and stage in broken:
+            mb = seen[stage] = seen.get(stage, -1) + 1
+        out.append((kind, stage, mb))
+    return tuple(out)
 
 
 _KINDS = frozenset("FBIW")

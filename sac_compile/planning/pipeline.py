@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .._compat.pipelining import schedule_actions
 
-__all__ = ["Moment", "RankSchedule", "in_flight", "rank_schedules", "stage_layers"]
+__all__ = ["Moment", "RankSchedule", "in_flight", "makespan", "rank_schedules", "stage_layers"]
 
 
 def stage_layers(layers: int, stages: int) -> list[range]:
@@ -102,3 +102,48 @@ def in_flight(target, rank: int) -> float:  # noqa: ANN001 (a Target)
     stages it runs)."""
     sched = rank_schedules(target)[rank]
     return max(sum(n for _, n in m.held) + 1 for m in sched.moments) / len(sched.stages)
+
+
+def makespan(target, forward: list[float], backward: list[float], send: float = 0.0) -> float:  # noqa: ANN001 (a Target)
+    """Seconds PyTorch's schedule takes for one step when stage ``s`` runs a microbatch's
+    forward in ``forward[s]`` and its backward in ``backward[s]`` (a split backward's input
+    and weight halves half each): every rank runs its actions in the schedule's order, each
+    starting when its rank is free and what it needs is done (the previous stage's forward
+    of the microbatch; the next stage's backward of it, or on the last stage its own
+    forward) and, from another rank, sent (``send`` seconds: one microbatch's activations or
+    their gradient between neighbouring ranks). What it exceeds a rank's own work by is the
+    pipeline's bubble, as this schedule has it."""
+    actions = schedule_actions(target.pp_schedule, target.pp, target.microbatches, target.stages_per_rank)
+    last = len(forward) - 1
+    rank_of = {stage: r for r, todo in enumerate(actions) for _, stage, _ in todo}
+    done: dict[tuple[str, int, int], float] = {}
+    free, at = [0.0] * len(actions), [0] * len(actions)
+    seconds = {"F": forward, "B": backward, "I": [b / 2 for b in backward], "W": [b / 2 for b in backward]}
+    while any(i < len(a) for i, a in zip(at, actions)):
+        moved = False
+        for r, todo in enumerate(actions):
+            while at[r] < len(todo):
+                kind, s, m = todo[at[r]]
+                needs = _needs(kind, s, m, last)
+                if any(n not in done for n in needs):
+                    break
+                ready = (done[n] + (send if rank_of[n[1]] != r else 0.0) for n in needs)
+                end = max([free[r], *ready]) + seconds[kind][s]
+                done[kind, s, m] = free[r] = end
+                if kind in "BI":
+                    done["G", s, m] = end  # (the gradient it sends the stage before)
+                at[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(
+                f"{target.pp_schedule}: its actions wait on each other (PyTorch's schedule changed?)"
+            )
+    return max(free)
+
+
+def _needs(kind: str, stage: int, mb: int, last: int) -> list[tuple[str, int, int]]:
+    if kind == "F":
+        return [("F", stage - 1, mb)] if stage else []
+    if kind == "W":
+        return [("I", stage, mb)]
+    return [("F", stage, mb)] + ([("G", stage + 1, mb)] if stage < last else [])

@@ -47,6 +47,7 @@ from .devices import EAGER_SLOWDOWN, Target, parse_loss
 from .host import WORLD
 from .offload import transfer
 from .peak import ModelSizes, dtype_bytes
+from .pipeline import makespan, stage_layers
 
 __all__ = ["LINK_EFFICIENCY", "StepTime", "layer_seconds", "ring_flops", "step_time"]
 
@@ -152,8 +153,7 @@ def step_time(
     if target.pp > 1 and total.gathers:  # gathered once and reduced once a step, hidden behind it all
         fsdp = max(sum(total.gathers) - total.compute, 0.0)
     fsdp += total.first + total.last
-    v = target.stages_per_rank
-    bubble = total.compute * (target.pp - 1) / (target.microbatches * v) if target.pp > 1 else 0.0
+    bubble = _bubble(layers, head, total.compute, sizes, target, compile) if target.pp > 1 else 0.0
     dp = max(total.sync - total.backward, 0.0) + total.sync_last + total.gather if total.sync else 0.0
     return StepTime(
         total.compute,
@@ -170,6 +170,36 @@ def step_time(
         offload=total.offload,
         transfer=total.transfer,
     )
+
+
+def _bubble(
+    layers: Sequence[tuple[int, Plan, Candidate | None, tuple[int, int]]],
+    head: float,
+    compute: float,
+    sizes: ModelSizes,
+    target: Target,
+    compile: bool,
+) -> float:
+    """The pipeline's bubble as its schedule has it: PyTorch's schedule run with each stage's
+    forward and backward seconds (its layers', the head's on the last stage: a third forward,
+    two thirds backward; scaled as ``compute`` is, a measured step) and the send of one
+    microbatch's residual stream between neighbouring ranks (torchtitan's mesh puts them
+    ``replicate x fsdp x cp x tp`` ranks apart; :func:`~.pipeline.makespan`), less a rank's
+    compute: the fill, the drain, the stages' imbalance and the sends nothing hides."""
+    every = [layer_seconds(table, c, target, compile) for count, table, c, _ in layers for _ in range(count)]
+    split = stage_layers(len(every), target.pp * target.stages_per_rank)
+    forward = [sum(every[i][0] for i in r) for r in split]
+    backward = [sum(every[i][1] for i in r) for r in split]
+    forward[-1] += head / 3
+    backward[-1] += 2 * head / 3
+    estimated = (sum(forward) + sum(backward)) * target.microbatches / target.pp
+    scale = compute / estimated if estimated else 1.0
+    width = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
+    stream = sizes.tokens * sizes.hidden_size * width / (target.tp if target.sequence_parallel else 1)
+    apart = target.replicate * target.fsdp * target.cp * target.tp
+    send = stream / _link(target, 2, apart)
+    span = makespan(target, [f * scale for f in forward], [b * scale for b in backward], send)
+    return max(span - compute, 0.0)
 
 
 def ring_flops(table: Plan, target: Target) -> float:
