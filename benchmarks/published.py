@@ -16,7 +16,9 @@ model (``benchmarks/float8_layers.py`` shows what float8 changes): their memory 
 their tokens/s is not. A run marked ``calibrates``
 set its device's ``efficiency`` or ``EAGER_SLOWDOWN`` (``planning.catalog``): its tokens/s
 ratio is 1 by construction and checks nothing. A run published as out of memory (``oom``)
-checks that the prediction exceeds the device's memory.
+checks that the prediction exceeds the device's memory. A run marked ``validates`` was found
+after the device model was built and tuned nothing: the claim is those runs' figures (the
+summary line under the table); ``rank`` names the pipeline rank whose memory a source logs.
 
     python benchmarks/published.py [--match REGEX] [--json PATH] [--calibrate]
 """

@@ -664,18 +664,16 @@ def test_the_predicted_pipeline_stage_peaks_match_each_ranks_measured_peak():
     the gradients made so far, the last stage's outputs kept to their backward, the
     pipeline's receive buffers and kept stage outputs) against each rank's allocator peak and
     the receive buffers live from the step before, PyTorch's pipelining on two gloo ranks:
-    1F1B, interleaved 1F1B and ZBV; no checkpoint, full recompute and attention kept by the
-    eager engine, attention kept in compiled layers (1F1B, interleaved: a compiled backward's
-    donated buffers refuse the split backward's ``retain_graph``, PyTorch's rule). Within 10%
-    (0.96-1.00 here), ZBV without a checkpoint too (0.91-0.99). Red before the schedule's own
+    1F1B (no checkpoint, full recompute, attention kept in compiled layers through the seam),
+    interleaved 1F1B (no checkpoint, full recompute) and ZBV (no checkpoint; a compiled
+    backward's donated buffers refuse the split backward's ``retain_graph``, PyTorch's rule).
+    Attention kept by the eager engine and every schedule: the extended test below. Within
+    10% (0.96-1.00 here, ZBV 0.91-0.99). Red before the schedule's own
     actions were read (a formula for three schedules; none for ZBV), before the last stage's
     kept outputs and the accumulated gradients were counted (1F1B's last stage at 0.77-0.79)
     and before the pipeline's buffers were (1F1B's first stage at 0.935)."""
-    runs = {
-        "1f1b": ("none", "full", "attn", "attn compiled"),
-        "interleaved-1f1b": ("none", "full", "attn compiled"),
-    }
-    _check_pipeline(_pipeline_matrix(2, {**runs, "zbv-zero-bubble": ("none", "full")}), 0.10)
+    runs = {"1f1b": ("none", "full", "attn compiled"), "interleaved-1f1b": ("none", "full")}
+    _check_pipeline(_pipeline_matrix(2, {**runs, "zbv-zero-bubble": ("none",)}), 0.10)
 
 
 @extended
