@@ -812,6 +812,18 @@ def test_each_pytorch_schedule_is_priced_from_its_own_actions():
         target(pp_virtual_stages=2)
 
 
+def test_a_peer_plans_every_rank_is_the_peers_own():
+    """With memory to spare the plan is no AC (a peer: ``DevicePlan.peer``); its stages are
+    predicted as no checkpoint is, under TP too (red before: a stand-in candidate's figures,
+    with no tensor-parallel split, priced the stages)."""
+    plan = hf.plan_for(
+        tiny_llama(), "80GB", device=Target("h100-80gb", tp=2, batch=1, seq=256), budgets=(None,)
+    )
+    assert plan.peer == "no AC", plan.why
+    none, _ = plan.configuration(None)
+    assert [p.reserved for p in plan.stages()] == [none.reserved] == [plan.reserved_bytes]
+
+
 def test_the_bubble_is_the_schedules_own():
     """PyTorch's schedules run with each stage's forward and backward time (``makespan``):
     with equal stages GPipe's and 1F1B's bubble is (pp - 1) / microbatches of a rank's work,

@@ -93,6 +93,7 @@ def fastest(plan: Any, sequence: Iterator[Sequence[Candidate]]) -> Any:
         host_bytes=best.host,
         peer=peer,
         why=why,
+        chosen_each=best.chosen,
     )
 
 
