@@ -107,6 +107,11 @@ TT_1513 = (
 # tps: 1,444" (batch 1), "89.33GiB(94.04%) tps: 1,614" (batch 2), compiled (model and loss) "81.85GiB(86.17%)
 # tps: 1,874" (batch 2), "FSDP 16 ... 78.48GiB(82.54%) tps: 1,518" (batch 4)
 TT_1690 = "github.com/pytorch/torchtitan/pull/1690 (2025-09): Qwen3 32B, H100s, FSDP / FSDP x TP 8, full AC"
+# torchtitan PR #2107 (2025-12, "Integrate DeepEP"): DeepSeek-V3 671B on 512 H100 80GB (64 nodes), the full
+# command line given: dp_shard 64, pp 8 Interleaved1F1B (two stages a rank), ep 32, full AC, compile (model
+# and loss), local batch 16 x 4096, FlexAttention, forced balanced routing; "Before" (PyTorch's all-to-all):
+# "memory: 60.18GiB(76.07%) tps: 346" (with DeepEP 56.75 GiB and 579 tps: another dispatcher, not compared)
+TT_2107 = "github.com/pytorch/torchtitan/pull/2107 (2025-12): DeepSeek-V3 671B, 512 H100s, FSDP 64 x PP 8 interleaved x EP 32"
 TT_DSV3_16B = "github.com/pytorch/torchtitan/issues/1789 (2025-10-02): DeepSeek-V3 16B, 8 H100s, FSDP 8, EP 8, per-op SAC"
 
 
@@ -912,6 +917,24 @@ VALIDATING = (
         TT_1690,
         fsdp=16,
         **_QWEN,
+    ),
+    Run(
+        "DeepSeek-V3 671B FSDP 64 x PP 8 interleaved, EP 32, full AC (MoE)",
+        "deepseek_v3",
+        "h100-80gb",
+        16,
+        4096,
+        "full",
+        60.18,
+        346,
+        TT_2107,
+        fsdp=64,
+        ep=32,
+        pp=8,
+        pp_schedule="interleaved-1f1b",
+        loss="compiled",
+        repeat_kv=False,
+        validates=True,
     ),
 )
 RUNS = RUNS + VALIDATING

@@ -135,8 +135,6 @@ def _compile_inductor(
     user_patches = dict(keywords.pop("config_patches", None) or {})
     patches = {**user_patches, **patches}
     if pass_ is not None:
-        from ..passes.untag_seeds import UNTAG_SEEDS  # loads Inductor, as the pass does
-
         if "joint_custom_pre_pass" in user_patches:
             raise ValueError(
                 f"inner={inner.label!r} sets joint_custom_pre_pass in its config_patches: the sac "
@@ -145,7 +143,7 @@ def _compile_inductor(
         patches["joint_custom_pre_pass"] = pass_
         # after any post pass of the user's (scoped or global): seeds drawn once
         user_post = patches.get("joint_custom_post_pass", inductor.inductor_config().joint_custom_post_pass)
-        patches["joint_custom_post_pass"] = (*inductor.custom_graph_passes(user_post), UNTAG_SEEDS)
+        patches["joint_custom_post_pass"] = _post_passes(user_post)
     if pass_ is not None or capturing:  # (a graph we do not touch compiles as Inductor compiles it)
         inner_compile = keywords.pop("inner_compile", inductor.compile_fx_inner)
         keywords["inner_compile"] = functools.partial(
@@ -221,12 +219,11 @@ def _compile_aot_autograd(
             unit.graphs["inference"] = snapshot(g)
         return inference(g, inputs)
 
-    user_partition = kwargs.get("partition_fn") or aot.default_partition
     kwargs.update(
         fw_compiler=forward,
         bw_compiler=backward,
         inference_compiler=infer,
-        partition_fn=functools.partial(partition, pass_=pass_, partition_fn=user_partition),
+        partition_fn=_partition_with(partition, pass_, kwargs),
     )
     return aot.aot_autograd(**kwargs)(gm, example_inputs)
 
@@ -245,18 +242,15 @@ def _compile_callable(
     runs once per graph). One whose compile never ran the pass is refused."""
     if pass_ is None:
         return cast("Callable[..., Any]", inner.backend(gm, example_inputs, **compile_kwargs))
-    from ..passes.untag_seeds import UNTAG_SEEDS
 
     def with_pass(kwargs: dict[str, Any]) -> dict[str, Any]:
-        user_partition = kwargs.get("partition_fn") or aot.default_partition
-        kwargs["partition_fn"] = functools.partial(partition, pass_=pass_, partition_fn=user_partition)
+        kwargs["partition_fn"] = _partition_with(partition, pass_, kwargs)
         return kwargs
 
     user_post = inductor.inductor_config().joint_custom_post_pass
     with (
         inductor.inductor_config().patch(
-            joint_custom_pre_pass=pass_,
-            joint_custom_post_pass=(*inductor.custom_graph_passes(user_post), UNTAG_SEEDS),
+            joint_custom_pre_pass=pass_, joint_custom_post_pass=_post_passes(user_post)
         ),
         aot.partition_hook(with_pass),
     ):
@@ -269,6 +263,21 @@ def _compile_callable(
             "aot_autograd(...) or Inductor's compile_fx as inner=."
         )
     return cast("Callable[..., Any]", compiled)
+
+
+def _partition_with(partition: Partition, pass_: TagRegionsPass | None, kwargs: dict[str, Any]) -> Any:
+    """The partition function: the tagging pass, then the backend's own (``kwargs``'s
+    ``partition_fn``, default AOTAutograd's)."""
+    return functools.partial(
+        partition, pass_=pass_, partition_fn=kwargs.get("partition_fn") or aot.default_partition
+    )
+
+
+def _post_passes(user_post: Any) -> tuple[Any, ...]:
+    """Inductor's joint post passes: the user's, then the seeds' untagging (drawn once)."""
+    from ..passes.untag_seeds import UNTAG_SEEDS  # loads Inductor, as the pass does
+
+    return (*inductor.custom_graph_passes(user_post), UNTAG_SEEDS)
 
 
 def _capturing_inner_compile(

@@ -273,7 +273,7 @@ def _backward_phases(
         "activations": sum(rank.acts) + rank.last_offloaded,
         "logits_loss": _head(model, target),
     }
-    phases = [(LOSS_PHASE, _terms(**rank.base, gradients=done, **extra))]
+    phases = [(LOSS_PHASE, _terms(**rank.base, **extra))]  # (the head's gradients: made in its backward)
     for i, gathered in enumerate(rank.gathered):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
         # its gradients unsharded before the reduce-scatter
