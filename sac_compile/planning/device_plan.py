@@ -28,12 +28,12 @@ from typing import Any, cast
 from ..keep import Regions
 from .core import Candidate, Plan
 from .devices import Target
-from .fastest import NO_AC, bound, describe, fastest
-from .figures import configured, configured_figures, figures_of, layer_figures, no_checkpoint_figures
+from .fastest import NO_AC, bound, describe, fastest, priced, rank_peaks
+from .figures import configured, figures_of, layer_figures, no_checkpoint_figures
 from .model import LayerGroup, ModelPlan
 from .offload import host_bytes, offloaded_per_rank, transfer
 from .parallel import held
-from .peak import ModelSizes, Peak, stage_peaks, step_peak
+from .peak import ModelSizes, Peak, step_peak
 from .plan_text import layout_text, step_line
 from .step_time import StepTime, layer_seconds, step_time
 
@@ -118,10 +118,7 @@ class DevicePlan(ModelPlan):
         order (:func:`~sac_compile.planning.peak.stage_peaks`), the one without pipelining."""
         assert self.target is not None and self.sizes is not None
         chosen = self.chosen_each or tuple(g.plan.chosen for g in self.groups)
-        figures = configured_figures(
-            self.measured, self.params, chosen, self.sizes, self.target, compile=self.compile
-        )
-        return stage_peaks(self.sizes, figures, self.target)
+        return rank_peaks(self.measured, self.params, self.sizes, self.target, chosen, compile=self.compile)
 
     @property
     def transfer_seconds(self) -> float:
@@ -209,9 +206,7 @@ def predict(
     (:func:`~sac_compile.planning.peak.stage_peaks`) and the step's time. What
     ``DevicePlan.configuration`` and ``hf.StepFigures`` report."""
     chosen = configured(groups, keep, budget, offload=offload)
-    figures = configured_figures(groups, params, chosen, sizes, target, compile=compile)
-    layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(groups, chosen, params)]
-    return stage_peaks(sizes, figures, target), step_time(layers, sizes, target, compile=compile)
+    return priced(groups, params, sizes, target, chosen, compile=compile)
 
 
 def _cost(c: Candidate, target: Target, compile: bool, table: Plan) -> float:

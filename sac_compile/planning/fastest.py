@@ -24,15 +24,16 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .candidates import Candidate
+from .devices import Target
 from .figures import configured, configured_figures
 from .offload import host_bytes, offloaded_per_rank
-from .peak import Peak, step_peak
+from .peak import ModelSizes, Peak, stage_peaks
 from .step_time import StepTime, step_time
 
 if TYPE_CHECKING:
     from .model import LayerGroup
 
-__all__ = ["NO_AC", "SHORTER", "TORCHTITAN_OP_SAC", "bound", "describe", "fastest"]
+__all__ = ["NO_AC", "SHORTER", "TORCHTITAN_OP_SAC", "bound", "describe", "fastest", "priced", "rank_peaks"]
 
 #: how much shorter (a fraction) a step must be predicted to leave the least-recompute plan:
 #: below it the estimates do not tell the two apart
@@ -101,17 +102,46 @@ def _key(p: _Point) -> tuple[float, int, int]:
     return (p.step.seconds, p.recompute, p.order)
 
 
+def rank_peaks(
+    groups: Sequence[LayerGroup],
+    params: Sequence[tuple[int, int]],
+    sizes: ModelSizes,
+    target: Target,
+    chosen: Sequence[Candidate | None],
+    *,
+    compile: bool,
+) -> list[Peak]:
+    """Each rank's predicted peak (:func:`~.peak.stage_peaks`) with ``chosen``, a candidate
+    per kind of layer (``None``: no checkpoint)."""
+    return stage_peaks(
+        sizes, configured_figures(groups, params, chosen, sizes, target, compile=compile), target
+    )
+
+
+def priced(
+    groups: Sequence[LayerGroup],
+    params: Sequence[tuple[int, int]],
+    sizes: ModelSizes,
+    target: Target,
+    chosen: Sequence[Candidate | None],
+    *,
+    compile: bool,
+) -> tuple[list[Peak], StepTime]:
+    """:func:`rank_peaks` and the step's predicted time (:func:`~.step_time.step_time`)."""
+    layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(groups, chosen, params)]
+    peaks = rank_peaks(groups, params, sizes, target, chosen, compile=compile)
+    return peaks, step_time(layers, sizes, target, compile=compile)
+
+
 def _predict(plan: Any, chosen: tuple[Candidate | None, ...], order: int) -> _Point:
     target, groups = plan.target, plan.measured
-    assert target is not None and plan.sizes is not None
-    figures = configured_figures(groups, plan.params, chosen, plan.sizes, target, compile=plan.compile)
-    layers = [(len(g.paths), g.plan, c, p) for g, c, p in zip(groups, chosen, plan.params)]
-    step = step_time(layers, plan.sizes, target, compile=plan.compile)
+    peaks, step = priced(groups, plan.params, plan.sizes, target, chosen, compile=plan.compile)
     moved = [
         (len(g.paths), offloaded_per_rank(c, target, plan.compile) if c else 0.0)
         for g, c in zip(groups, chosen)
     ]
-    return _Point(chosen, step_peak(plan.sizes, figures, target), step, host_bytes(moved, target), order)
+    peak = max(peaks, key=lambda p: p.reserved)
+    return _Point(chosen, peak, step, host_bytes(moved, target), order)
 
 
 def _uniform(groups: Sequence[LayerGroup], compile: bool) -> Iterator[list[Candidate | None]]:
