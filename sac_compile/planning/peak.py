@@ -41,6 +41,7 @@ __all__ = [
     "Peak",
     "head_logits_bytes",
     "in_flight",
+    "kept_params",
     "stage_peaks",
     "step_peak",
 ]
@@ -123,6 +124,14 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return dtype.itemsize
 
 
+def kept_params(params: float, expert_params: float, target: Target) -> float:
+    """Of a layer's ``params`` (``expert_params`` of them routed experts'), the elements a
+    rank keeps: split ``tp`` ways, the dense ones sharded over ``fsdp x cp``, the experts
+    split ``ep`` ways and FSDP-sharded over the rest (without FSDP, ``ep`` ways alone)."""
+    shard = target.fsdp * target.cp
+    return ((params - expert_params) / shard + expert_params / max(shard, target.ep)) / target.tp
+
+
 def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target) -> Peak:
     """The predicted peak of one training step on ``target`` (per device): with pipeline
     parallelism, the largest of its stages' (:func:`stage_peaks`)."""
@@ -191,11 +200,9 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     # (with tp the embeddings and the output projection are split on the vocabulary, as
     # torchtitan's and Megatron's plans split them; the final norm's few are counted with them)
     outside = ((embedding if stage.embed else 0) + (other - embedding if stage.head else 0)) / tp
-    # experts split ep ways and FSDP-sharded over the rest, or without FSDP ep ways alone
-    experts = max(shard, target.ep)
 
-    def kept(g: LayerFigures) -> float:  # a layer's parameters a rank keeps (elements)
-        return ((g.params - g.expert_params) / shard + g.expert_params / experts) / tp
+    def kept(g: LayerFigures) -> float:
+        return kept_params(g.params, g.expert_params, target)
 
     params_all = int((sum(kept(g) for g in layers) + outside / shard) * master)
     states = OPTIMIZER_STATES[target.optimizer]

@@ -46,7 +46,7 @@ from .core import Candidate, Plan
 from .devices import EAGER_SLOWDOWN, Target, parse_loss
 from .host import WORLD
 from .offload import transfer
-from .peak import ModelSizes, dtype_bytes
+from .peak import ModelSizes, dtype_bytes, kept_params
 from .pipeline import makespan, stage_layers
 
 __all__ = ["LINK_EFFICIENCY", "StepTime", "layer_seconds", "ring_flops", "step_time"]
@@ -186,7 +186,9 @@ def _bubble(
     microbatch's residual stream between neighbouring ranks (torchtitan's mesh puts them
     ``replicate x fsdp x cp x tp`` ranks apart; :func:`~.pipeline.makespan`), less a rank's
     compute: the fill, the drain, the stages' imbalance and the sends nothing hides."""
-    every = [layer_seconds(table, c, target, compile) for count, table, c, _ in layers for _ in range(count)]
+    every: list[tuple[float, float]] = []
+    for count, table, c, _ in layers:  # (one kind's layers alike: priced once)
+        every += [layer_seconds(table, c, target, compile)] * count
     split = stage_layers(len(every), target.pp * target.stages_per_rank)
     forward = [sum(every[i][0] for i in r) for r in split]
     backward = [sum(every[i][1] for i in r) for r in split]
@@ -298,10 +300,9 @@ def _replicas(
     ones, ZeRO reduce-scatters them and all-gathers the updated parameters after the step
     (exposed); the ring runs over the replicas, ``fsdp x cp x tp`` ranks apart (torchtitan's
     mesh)."""
-    shard, r = target.fsdp * target.cp, target.replicate
-    experts = max(shard, target.ep)
-    elements = ((params[0] - params[1]) / shard + params[1] / experts) / target.tp
-    link = _link(target, r, shard * target.tp)
+    r = target.replicate
+    elements = kept_params(params[0], params[1], target)
+    link = _link(target, r, target.fsdp * target.cp * target.tp)
     passes = 1 if target.zero else 2  # (a reduce-scatter; an all-reduce is two passes)
     seconds = passes * _ring(elements, r, link) * reduce_b
     total.sync += layers * seconds
