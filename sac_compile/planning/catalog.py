@@ -51,14 +51,13 @@ class Device:
     attention_source: str = ""
 
 
-_WORLD = WORLD
 #: name -> the step-time figures fitted to the published runs marked calibrating, each with
 #: its run and source (``benchmarks/published.py --calibrate`` solves them)
-FITTED: dict[str, dict[str, Any]] = _WORLD["fitted"]
+FITTED: dict[str, dict[str, Any]] = WORLD["fitted"]
 #: How much longer a step's layers run eager than compiled (``FITTED["eager_slowdown"]``)
 EAGER_SLOWDOWN: float = FITTED["eager_slowdown"]["value"]
 #: name -> a kernel's measured rate (``flops``) and its source
-KERNELS: dict[str, dict[str, Any]] = _WORLD["kernels"]
+KERNELS: dict[str, dict[str, Any]] = WORLD["kernels"]
 
 
 def _device(entry: dict[str, Any]) -> Device:
@@ -82,7 +81,7 @@ def _device(entry: dict[str, Any]) -> Device:
 
 #: The devices of the data file, by name: datasheet figures (dense; the sparse figures are
 #: twice these), memory as PyTorch reports it (read off torchtitan's logs, ``memory_source``)
-DEVICES: dict[str, Device] = {e["name"]: _device(e) for e in _WORLD["devices"]}
+DEVICES: dict[str, Device] = {e["name"]: _device(e) for e in WORLD["devices"]}
 
 
 @functools.lru_cache(maxsize=1)

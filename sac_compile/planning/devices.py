@@ -255,15 +255,8 @@ class Target:
 
     def _check_stages(self) -> None:
         fixed, v = PP_SCHEDULES[self.pp_schedule], self.pp_virtual_stages
-        if v is not None and (
-            isinstance(v, bool)
-            or not isinstance(v, int)
-            or v < 1
-            or fixed
-            and v != fixed
-            or not fixed
-            and v < 2
-        ):
+        runs_it = isinstance(v, int) and not isinstance(v, bool) and (v == fixed if fixed else v >= 2)
+        if v is not None and not runs_it:
             runs = f"exactly {fixed}" if fixed else "2 or more"
             raise ValueError(
                 f"Target(pp_virtual_stages={v!r}): {self.pp_schedule} runs {runs} stage(s) a rank "

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
@@ -44,15 +44,15 @@ class LayerMeasure:
     forward_attention_flops: int = 0
 
     def add_split(self, held: tuple[int, ...], moved: tuple[int, ...] | None) -> None:
-        self.tp_split = (self.tp_split[0] + held[0], self.tp_split[1] + held[1], self.tp_split[2] + held[2])
+        """Add a graph's tensor-parallel splits (:func:`_splits`) to the sums."""
+        self.tp_split = cast("tuple[int, int, int]", _plus(self.tp_split, held[:3]))
         self.tp_row_outputs += held[3]
         if moved is not None:
-            self.tp_offloaded_split = (
-                self.tp_offloaded_split[0] + moved[0],
-                self.tp_offloaded_split[1] + moved[1],
-                self.tp_offloaded_split[2] + moved[2],
-                self.tp_offloaded_split[3] + moved[3],
-            )
+            self.tp_offloaded_split = cast("tuple[int, int, int, int]", _plus(self.tp_offloaded_split, moved))
+
+
+def _plus(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
 class PartitionEach:

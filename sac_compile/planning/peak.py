@@ -155,7 +155,7 @@ def stage_peaks(model: ModelSizes, layers: Sequence[LayerFigures], target: Targe
             model,
             order,
             target,
-            _Stage(tuple(split[s] for s in r.stages), 0 in r.stages, last in r.stages, r, r.stages),
+            _Stage(tuple(split[s] for s in r.stages), 0 in r.stages, last in r.stages, r),
         )
         for r in rank_schedules(target)
     ]
@@ -170,7 +170,11 @@ class _Stage:
     embed: bool
     head: bool
     schedule: RankSchedule | None = None  # with pipeline parallelism
-    ids: tuple[int, ...] = ()  # its stages' indices
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """Its pipeline stages' indices (its schedule's)."""
+        return self.schedule.stages if self.schedule else ()
 
 
 @dataclass
