@@ -112,6 +112,16 @@ TT_1690 = "github.com/pytorch/torchtitan/pull/1690 (2025-09): Qwen3 32B, H100s, 
 # and loss), local batch 16 x 4096, FlexAttention, forced balanced routing; "Before" (PyTorch's all-to-all):
 # "memory: 60.18GiB(76.07%) tps: 346" (with DeepEP 56.75 GiB and 579 tps: another dispatcher, not compared)
 TT_2107 = "github.com/pytorch/torchtitan/pull/2107 (2025-12): DeepSeek-V3 671B, 512 H100s, FSDP 64 x PP 8 interleaved x EP 32"
+# torchtitan's branch autoresearch-parallelize/may19-qwen3-14b (an automated tuning sweep, commits 911fd8e and
+# fd30b5c, 2026-05-19; outputs/autoresearch/may19-qwen3-14b/run{55,46}-*/run.log): Qwen3 14B ("14,768,307,200
+# total parameters") on 8 B200s ("NVIDIA B200 with 178.35GiB memory"), compile per TransformerBlock and the
+# loss (ChunkedCELoss), bf16, FlexAttention, seq 4096, no activation checkpointing (the config's mode="full"
+# is never applied by the branch's parallelize_qwen3: no "Applied ... activation checkpointing" line);
+# run 55, --parallelism.context_parallel_degree=2 (load balancer ptrr) at local batch 10, mesh "dp_shard=4,
+# cp=2": "step: 10 ... memory: 170.21GiB(95.44%) tps: 4,531" (9 allocation retries; discarded for its loss,
+# 12.3 -> 17.0: the compute and memory stand); run 46, "dp_shard=8, cp=1" at local batch 5: "step: 10 ...
+# memory: 168.96GiB(94.73%) tps: 8,489". Keys and values not repeated (torchtitan stopped in 2026-01).
+TT_QWEN14 = "github.com/pytorch/torchtitan branch autoresearch-parallelize/may19-qwen3-14b (2026-05-19): Qwen3 14B, 8 B200s, FSDP 8 / FSDP 4 x CP 2, no AC, compiled"
 TT_DSV3_16B = "github.com/pytorch/torchtitan/issues/1789 (2025-10-02): DeepSeek-V3 16B, 8 H100s, FSDP 8, EP 8, per-op SAC"
 
 
@@ -146,6 +156,7 @@ class Run:
     # the pipeline rank whose memory the source logs (None: the largest of them)
     rank: int | None = None
     pp_virtual_stages: int | None = None
+    async_tp: bool = False  # torchtitan's --parallelism.enable_async_tensor_parallel
     # validating: found and added after the device model was built, never tuned to (the
     # claim); the rest were in view while it was built (and those marked calibrates set a
     # constant)
@@ -326,6 +337,36 @@ RUNS = (
         fsdp=32,
         tp=8,
         loss="compiled",
+    ),
+    Run(
+        "8B FSDP 8 x TP 8, SAC, async TP",
+        "llama3_8b",
+        "h100-96gb",
+        12,
+        8192,
+        "torchtitan-op",
+        None,
+        4809.4,
+        TT_ASYNC + " (async TP, bf16)",
+        fsdp=8,
+        tp=8,
+        loss="compiled",
+        async_tp=True,
+    ),
+    Run(
+        "70B FSDP 32 x TP 8, full AC, async TP",
+        "llama3_70b",
+        "h100-96gb",
+        16,
+        8192,
+        "full",
+        None,
+        652.4,
+        TT_ASYNC + " (async TP, bf16)",
+        fsdp=32,
+        tp=8,
+        loss="compiled",
+        async_tp=True,
     ),
     Run(
         "70B FSDP 32 x TP 8, full AC, float8",
@@ -824,6 +865,37 @@ VALIDATING = (
         validates=True,
     ),
     Run(
+        "Qwen3 14B FSDP 4 x CP 2, batch 10, no AC (B200)",
+        "qwen3_14b",
+        "b200",
+        10,
+        4096,
+        "none",
+        170.21,
+        4531,
+        TT_QWEN14,
+        fsdp=4,
+        cp=2,
+        loss="chunked",
+        repeat_kv=False,
+        validates=True,
+    ),
+    Run(
+        "Qwen3 14B FSDP 8, batch 5, no AC (B200)",
+        "qwen3_14b",
+        "b200",
+        5,
+        4096,
+        "none",
+        168.96,
+        8489,
+        TT_QWEN14,
+        fsdp=8,
+        loss="chunked",
+        repeat_kv=False,
+        validates=True,
+    ),
+    Run(
         "Qwen3 32B FSDP 4 x TP 8, batch 16, full AC",
         "qwen3_32b",
         "h100-96gb",
@@ -954,6 +1026,7 @@ def _target(run: Run, **changes: object) -> object:
         microbatch_size=run.microbatch_size,
         loss=run.loss,
         repeat_kv=run.repeat_kv,
+        async_tp=run.async_tp,
     )
     return Target(run.device, batch=run.batch, seq=run.seq, **{**layout, **changes})
 

@@ -138,6 +138,11 @@ def _parser() -> argparse.ArgumentParser:
         help="with --tp: the residual stream whole on every rank (default: split on the sequence, as torchtitan)",
     )
     parser.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="with --tp: async TP, the collectives under the projections' matmuls (compiled layers only)",
+    )
+    parser.add_argument(
         "--no-loss-parallel",
         action="store_true",
         help="with --tp: the logits whole on every rank (default: split on the vocabulary, as torchtitan)",
@@ -270,6 +275,7 @@ def _target(args: argparse.Namespace) -> Any:
             ep=args.ep,
             sequence_parallel=not args.no_sequence_parallel,
             loss_parallel=not args.no_loss_parallel,
+            async_tp=args.async_tp,
             loss=args.loss,
             repeat_kv=args.repeat_kv,
             batch=args.batch,

@@ -29,6 +29,7 @@ def report(plan: Any, seconds: float) -> dict[str, Any]:
         "microbatch_size": t.microbatch_size,
         "sequence_parallel": t.sequence_parallel,
         "loss_parallel": t.loss_parallel,
+        "async_tp": t.async_tp,
         "loss": t.loss,
         "repeat_kv": t.repeat_kv,
         "batch": t.batch,

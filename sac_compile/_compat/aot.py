@@ -35,6 +35,7 @@ __all__ = [
     "is_buffer_input",
     "is_rng_state_output",
     "is_tangent",
+    "primal_name",
     "is_with_effects",
     "make_boxed_func",
     "meta_rng_states",
@@ -330,6 +331,12 @@ def is_tangent(node_or_name: Any) -> bool:
     """A joint or backward graph input carrying an incoming gradient."""
     name = node_or_name if isinstance(node_or_name, str) else str(node_or_name.target)
     return name.startswith("tangents")
+
+
+def primal_name(index: int) -> str:
+    """The name of the Dynamo graph input ``index`` in a joint graph (``2`` -> ``primals_3``):
+    a partitioned backward returns their gradients in this order."""
+    return f"primals_{index + 1}"
 
 
 def primal_index(name: str) -> int | None:

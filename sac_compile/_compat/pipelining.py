@@ -15,7 +15,7 @@ from typing import Any
 
 from . import private
 
-__all__ = ["SCHEDULES", "schedule_actions"]
+__all__ = ["SCHEDULES", "holds_sends", "schedule_actions"]
 
 #: the schedules a plan may name -> (PyTorch's name for ``get_schedule_class``, stages a rank
 #: holds: ``None`` any number from 2, else exactly that many)
@@ -28,6 +28,18 @@ SCHEDULES: dict[str, tuple[str, int | None]] = {
     "zbv-zero-bubble": ("ZBVZeroBubble", 2),
     "dualpipev": ("DualPipeV", 2),
 }
+
+
+@functools.lru_cache(maxsize=16)
+def holds_sends(schedule: str) -> bool:
+    """Whether PyTorch runs ``schedule`` on its action runtime (``_PipelineScheduleRuntime``),
+    which waits on every send only when the step ends ("mainly for hygiene"): each stage
+    output and input gradient sent to another rank stays alive until then, its send's work
+    holding it. The single-stage schedules wait on each send before the next."""
+    get_schedule_class = private("torch.distributed.pipelining.schedules", "get_schedule_class")
+    runtime = private("torch.distributed.pipelining.schedules", "_PipelineScheduleRuntime")
+    return issubclass(get_schedule_class(SCHEDULES[schedule][0]), runtime)
+
 
 #: an action: (kind, stage, microbatch); kind "F" forward, "B" full backward, "I" the
 #: backward to the stage's input (its graph kept for "W"), "W" the weights' gradients

@@ -63,6 +63,11 @@ def plan_for_device(
                 f"compile=True (this one is on {where.type}, compile={compile}); for {target.device.name} from "  # type: ignore[union-attr]
                 "another machine the step is estimated (planning.step_time; estimator='flops', the default)"
             )
+    if target.async_tp and not compile:
+        raise ValueError(
+            f"plan_for(compile=False) with Target(async_tp=True, tp={target.tp}): async TP is an Inductor pass, "
+            "eager layers run their collectives as they are (compile=True, or drop async_tp)"
+        )
     if options.get("offload") and not target.offload:
         raise ValueError(
             "plan_for(offload=True, device=...): a device plan offloads within the host memory of its target: "
@@ -221,6 +226,9 @@ def _step_sizes(
         hidden_size=text.hidden_size,
         top_k=int(getattr(text, "num_experts_per_tok", 0) or 0),
         embedding_params=_embedding_params(root),
+        largest_tensor=max(
+            (p.numel() for g in planned.groups for p in modules[g.paths[0]].parameters()), default=0
+        ),
         **_attention_sizes(text, target, width),
     )
     return params, sizes

@@ -78,6 +78,8 @@ class Plan:
     no_checkpoint_flops: int = 0  # costly FLOPs of the no-checkpoint backward
     forward_traffic: int = 0  # bytes the forward's memory-bound ops move (inspection.flops.graph_traffic)
     forward_attention_flops: int = 0  # of forward_flops, its attention kernels' (graph_attention_flops)
+    # the gradients its weights' gradients are computed from (graph_memory.weight_gradient_inputs)
+    weight_gradient_inputs: int = 0
     no_checkpoint_traffic: int = 0  # the same for the no-checkpoint backward
     no_checkpoint_tp: tuple[int, int, int] = (0, 0, 0)  # its saved bytes' tp_split (Candidate)
     no_checkpoint_ring: tuple[int, int] = (0, 0)  # its backward's ring attention (Candidate.ring_transient)
@@ -294,6 +296,7 @@ def plan(
         no_checkpoint_flops=base.backward_flops,
         forward_traffic=base.forward_traffic,
         forward_attention_flops=base.forward_attention_flops,
+        weight_gradient_inputs=base.weight_gradient_inputs,
         no_checkpoint_traffic=base.backward_traffic,
         no_checkpoint_tp=base.tp_split,
         no_checkpoint_ring=base.ring,

@@ -83,6 +83,9 @@ class Target:
             the sequence too (torchtitan's default; a kept region saves the input it gathers).
         loss_parallel: with ``tp``, the logits split on the vocabulary and the loss computed
             on the shards (torchtitan's default): the head's logits and loss terms ``1 / tp``.
+        async_tp: with ``tp`` and compiled layers, Inductor's micro-pipelined TP (torchtitan's
+            ``enable_async_tensor_parallel``): each all-gather / reduce-scatter split into
+            ``tp`` chunks run under the projection matmuls beside it (:mod:`.step_time`).
         loss: how the trainer's loss holds the logits, one of :data:`LOSSES` (default
             ``"transformers"``; ``"chunked:N"``).
         repeat_kv: the trainer repeats grouped-query attention's keys and values to the
@@ -148,6 +151,7 @@ class Target:
     zero: int = 0
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    async_tp: bool = False
     loss: str = "transformers"
     repeat_kv: bool = False
     param_dtype: torch.dtype | str = torch.bfloat16
@@ -206,9 +210,15 @@ class Target:
                 f"Target(repeat_kv=True) on {dev.name}: it traces a GPU's attention layout; a {dev.name} target "
                 "runs the attention transformers calls there (drop repeat_kv, or name a GPU device)"
             )
-        for name in ("sequence_parallel", "loss_parallel", "repeat_kv"):
+        for name in ("sequence_parallel", "loss_parallel", "repeat_kv", "async_tp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Target({name}={getattr(self, name)!r}): True or False")
+        if self.async_tp and (self.tp == 1 or not self.sequence_parallel):
+            raise ValueError(
+                f"Target(async_tp=True, tp={self.tp}, sequence_parallel={self.sequence_parallel}): async TP "
+                "overlaps sequence parallelism's all-gathers and reduce-scatters with the projections: it needs "
+                "tp above 1 with sequence_parallel (drop async_tp, or raise tp)"
+            )
         object.__setattr__(self, "pp_schedule", _schedule(self.pp_schedule))
         if self.pp > 1 and self.batch % self.microbatch_size:
             raise ValueError(

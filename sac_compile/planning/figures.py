@@ -128,6 +128,7 @@ def figures_of(
             held(c, target, compile=True),
             ring_transient(c.transient_bytes, c.ring_transient, target) // target.tp,
             params[1],
+            weight_gradient_inputs=table.weight_gradient_inputs // target.tp,
         )
     plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * rank_share(
         table.no_checkpoint_bytes, table.no_checkpoint_tp, target
@@ -138,7 +139,8 @@ def figures_of(
     # brings the next layer's back during this one's backward: eager/host_copy.py)
     moved = offloaded_per_rank(c, target, compile=False) if target.device.cuda else 0  # type: ignore[union-attr]
     transient = max(plain - saved, 0) + backward / target.tp + moved
-    return LayerFigures(count, params[0], int(saved), int(transient), params[1], int(moved))
+    split = table.weight_gradient_inputs // target.tp
+    return LayerFigures(count, params[0], int(saved), int(transient), params[1], int(moved), split)
 
 
 def no_checkpoint_figures(
@@ -160,7 +162,10 @@ def no_checkpoint_figures(
     if compile and target.cp > 1:
         saved += (target.cp + 1) * table.no_checkpoint_ring[1] // target.tp
     backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
-    return LayerFigures(count, params[0], saved, backward // target.tp, params[1])
+    split = table.weight_gradient_inputs // target.tp
+    return LayerFigures(
+        count, params[0], saved, backward // target.tp, params[1], weight_gradient_inputs=split
+    )
 
 
 def ring_transient(transient: int, ring: tuple[int, int], target: Target) -> int:

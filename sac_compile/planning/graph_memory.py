@@ -5,13 +5,22 @@ per layer to what the layers hold."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .._compat.aot import offloaded_source
+from .._compat.aot import is_tangent, offloaded_source, primal_name
 from .._compat.ops import is_view_op
 from ..inspection.flops import val_bytes
 
-__all__ = ["RING_BACKWARDS", "backward_figures", "graph_ring", "graph_transient", "larger_ring"]
+__all__ = [
+    "RING_BACKWARDS",
+    "backward_figures",
+    "graph_ring",
+    "graph_transient",
+    "larger_ring",
+    "weight_gradient_inputs",
+]
 
 
 def graph_transient(gm: torch.fx.GraphModule) -> int:
@@ -87,6 +96,36 @@ def _ring(inputs: int, timeline: list[tuple[torch.fx.Node, int]]) -> tuple[int, 
         base = live - inputs + accumulators + kv + (query + kv) + 2 * kv * 4 // width
         best = larger_ring(best, (base, kv))
     return best
+
+
+def weight_gradient_inputs(gm: torch.fx.GraphModule, is_param: Callable[[str], bool]) -> int:
+    """The bytes of the gradients a backward graph computes its weights' gradients from: for
+    each parameter's gradient it returns (``primals_N``'s, in order), walking back through
+    the ops that read the incoming gradient alone (views, casts, sums) to the one that meets
+    a forward value (a linear's ``mm``, a norm's ``mul``), the gradient operand there. What
+    PyTorch's split backward (``stage_backward_input``, zero-bubble schedules) records at
+    those ops and holds from a microbatch's ``I`` to its ``W``."""
+    tangent: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and is_tangent(n):
+            tangent.add(n)
+        elif n.op == "call_function" and any(a in tangent for a in n.all_input_nodes):
+            tangent.add(n)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    found: dict[torch.fx.Node, int] = {}
+    for i, grad in enumerate(output.args[0]):
+        node = grad
+        if not isinstance(node, torch.fx.Node) or not is_param(primal_name(i)):
+            continue
+        while node in tangent and node.op == "call_function":
+            side = [a for a in node.all_input_nodes if a in tangent]
+            if len(side) < len(node.all_input_nodes):  # (meets a forward value here)
+                found.update((a, val_bytes(a.meta.get("val"))) for a in side)
+                break
+            if len(side) != 1:
+                break
+            node = side[0]
+    return sum(found.values())
 
 
 def _timeline(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[torch.fx.Node, int]]]:

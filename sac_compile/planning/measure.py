@@ -42,6 +42,8 @@ class LayerMeasure:
     ring: tuple[int, int] = (0, 0)  # the backward's attention as ring attention: base, per rank
     tp_offloaded_split: tuple[int, int, int, int] = (0, 0, 0, 0)  # the offloaded bytes' split
     forward_attention_flops: int = 0
+    # the gradients its weights' gradients are computed from (graph_memory.weight_gradient_inputs)
+    weight_gradient_inputs: int = 0
 
     def add_split(self, held: tuple[int, ...], moved: tuple[int, ...] | None) -> None:
         """Add a graph's tensor-parallel splits (:func:`_splits`) to the sums."""
@@ -78,7 +80,7 @@ class PartitionEach:
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_attention_flops, graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
-        from .graph_memory import backward_figures, larger_ring
+        from .graph_memory import backward_figures, larger_ring, weight_gradient_inputs
         from .offload import graph_copies
 
         unit = backends.new_unit(gm, example_inputs)
@@ -118,6 +120,7 @@ class PartitionEach:
                 found.backward_traffic += graph_traffic(bw)
                 found.forward_traffic += graph_traffic(fw)
                 found.forward_attention_flops += graph_attention_flops(fw)
+                found.weight_gradient_inputs += weight_gradient_inputs(bw, is_param)
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
                 found.add_split(*_splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes))
                 if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)

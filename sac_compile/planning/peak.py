@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .allocator import loss_slack
-from .devices import OPTIMIZER_STATES, Target, parse_loss
+from .devices import OPTIMIZER_STATES, Target
+from .head import head_logits_bytes, head_terms, logits_split, pipeline_head
 from .pipeline import Moment, RankSchedule, in_flight, rank_schedules, stage_layers
+from .sizes import LayerFigures, ModelSizes
 
 __all__ = [
     "TERMS",
@@ -59,46 +61,6 @@ TERMS = (
     "ddp_buckets",
     "other",
 )
-
-
-@dataclass(frozen=True)
-class LayerFigures:
-    """One kind of layer: how many, and per layer (per device) its parameters, the bytes it
-    holds for the backward and its backward's transient."""
-
-    count: int
-    params: int  # parameters (elements, whole, before any sharding)
-    saved_bytes: int
-    transient_bytes: int
-    expert_params: int = 0  # of ``params``, the routed experts' (split by expert parallelism)
-    # eager offload on a GPU: the layer's offloaded values, held on the device until the compute
-    # stream has waited for their copies (the last layer's through the loss: eager/host_copy.py)
-    offloaded_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    """What the step's terms need of the model outside its layers."""
-
-    params: int  # every parameter (elements)
-    head_saved_bytes: int  # held for the backward outside the layers (embedding out, norm, logits / loss)
-    head_transient_bytes: int  # the loss's and the head's backward temporaries
-    head_flops: int = 0  # the output projection's forward and backward FLOPs
-    # of head_saved_bytes, the residual stream's (the final norm's saves: the rest is logits)
-    head_stream_bytes: int = 0
-    # where set, the head's logits terms follow the target's loss (Target.loss) instead of
-    # head_saved_bytes / head_transient_bytes: the float32 logits' bytes, and the model's own
-    # logits' (in param_dtype; 0 when that is float32)
-    logits_bytes: int = 0
-    model_logits_bytes: int = 0
-    head_traffic: int = 0  # bytes the loss's memory-bound ops move (forward and backward)
-    # for the step's communication (planning.step_time): the tokens a data-parallel rank
-    # runs a step, the residual stream's width, and the experts a token is routed to
-    tokens: int = 0  # (of one microbatch, one rank's share of the sequence)
-    hidden_size: int = 0
-    top_k: int = 0
-    embedding_params: int = 0  # the input embeddings' (on the first pipeline stage); 0: half the rest
-    kv_bytes: int = 0  # one layer's keys and values at the traced shape (what ring attention passes)
 
 
 #: the phase of the loss's backward (where an eager loss's allocator slack is reserved)
@@ -186,6 +148,7 @@ class _Rank:
     gathered: list[float]  # each layer's parameters a rank all-gathers (elements)
     acts: list[int]
     transients: list[int]
+    split: list[int]  # each layer's gradients a split backward holds from I to W
     outside: int  # the sharded gradients of the parameters outside the layers
     last_offloaded: int  # the last layer's offloaded values, on the device through the loss
     root: int  # FSDP2's unsharded root parameters
@@ -213,18 +176,23 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     # ZeRO over DDP's replicas: stage 1 the optimizer state, stage 2 the gradients too
     zero_state, zero_grads = (target.replicate if target.zero >= z else 1 for z in (1, 2))
     order = layers[::-1]  # backward order
-    ddp = target.replicate > 1 and shard == 1 and not target.zero  # (its buckets: a second copy)
+    # DDP's buckets, from the wrap on: a second copy of the gradients (its default); under ZeRO-1
+    # the one gradient buffer, the gradients views into it (``gradient_as_bucket_view``, as
+    # Megatron's buffer); ZeRO-2 reduces each gradient into its shard as it is made
+    ddp = target.replicate > 1 and shard == 1 and target.zero < 2
+    views = 0 if ddp and target.zero == 1 else 1
     rank = _Rank(
         base={
             "parameters": params_all,
             "optimizer_state": states * params_all // zero_state,
             "ddp_buckets": params_all if ddp else 0,
         },
-        grads_of=[int(kept(g) * master / zero_grads) for g in order],
+        grads_of=[int(kept(g) * master / zero_grads) * views for g in order],
         gathered=[(g.params - g.expert_params) / tp + g.expert_params / target.ep for g in order],
         acts=[g.saved_bytes for g in order],
         transients=[g.transient_bytes for g in order],
-        outside=int(outside * master / shard / zero_grads),
+        split=[g.weight_gradient_inputs for g in order],
+        outside=int(outside * master / shard / zero_grads) * views,
         last_offloaded=order[0].offloaded_bytes if order else 0,
         # FSDP2 keeps the root's parameters (everything outside the layers) unsharded from
         # the forward to the end of the backward
@@ -237,39 +205,63 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     else:
         phases = _pipeline_phases(rank, model, target, stage, stage.schedule)
     done = rank.outside + sum(rank.grads_of)
-    # The optimizer step: foreach implementations (CUDA's default) make one temporary the
-    # size of the parameters; the single-tensor loop (CPU's default) one of the largest.
-    largest = max([g.params for g in layers] + [0]) / tp
-    temp = params_all // zero_state if target.device.cuda else int(largest * master / shard)  # type: ignore[union-attr]
+    # (the largest tensor the optimizer steps: a layer's, the embeddings' or the head's)
+    largest = max(
+        [model.largest_tensor or max([g.params for g in layers] + [0])]
+        + [embedding * stage.embed, (other - embedding) * stage.head]
+    )
+    temp = _optimizer_temp(params_all // zero_state, largest / tp * master / shard, target)
     buffers = _pipeline_buffers(model, target, stage, None, param_b)  # (the receive buffers stay)
     phases.append(
-        (
-            "optimizer step",
-            _terms(**rank.base, gradients=done, other=temp if states else 0, pipeline_buffers=buffers),
-        )
+        ("optimizer step", _terms(**rank.base, gradients=done, other=temp, pipeline_buffers=buffers))
     )
     phase, breakdown = max(phases, key=lambda p: sum(p[1].values()))
+    return Peak(
+        sum(breakdown.values()), phase, breakdown, _reserved(rank, model, target, stage, phases, done)
+    )
+
+
+def _reserved(
+    rank: _Rank,
+    model: ModelSizes,
+    target: Target,
+    stage: _Stage,
+    phases: list[tuple[str, dict[str, int]]],
+    done: int,
+) -> int:
+    """What the caching allocator holds at the rank's high-water mark: its ``phases`` on the
+    default stream, the loss's slack, FSDP2's streams' pools (``done``: every gradient)."""
+    shard = target.fsdp * target.cp
     # a GPU's caching allocator's slack at an eager loss (the loss's holes no other block fits:
     # .allocator), reserved from the loss's backward on; a pipeline's head is not replayed
     # (with TP but no loss parallelism the logits are all-gathered first: not replayed)
     slack = 0
     replayed = target.tp == 1 or target.loss_parallel
     if stage.head and target.pp == 1 and replayed and target.device.cuda:  # type: ignore[union-attr]
-        slack = loss_slack(target.loss, model.logits_bytes, model.model_logits_bytes, _logits_split(target))
+        slack = loss_slack(target.loss, model.logits_bytes, model.model_logits_bytes, logits_split(target))
     pooled: tuple[str, ...] = ()
     pools = 0
     if shard > 1:  # FSDP2's all-gathers and reduce-scatters allocate in their own streams' pools
         # (with pp the stage's unsharded parameters and gradients stay in fsdp_buffers all
         # along: counted as they are)
         most = max(rank.gathered + [0])
-        gather_pool = 0 if target.pp > 1 else rank.root + int(2 * most * param_b)
+        gather_pool = 0 if target.pp > 1 else rank.root + int(2 * most * rank.param_b)
         pooled = ("gradients",) if target.pp > 1 else ("gradients", "fsdp_buffers")
         pools = gather_pool + done + int(most * rank.reduce_b)
     default_stream = max(
         sum(v for k, v in t.items() if k not in pooled) + (slack if name == LOSS_PHASE else 0)
         for name, t in phases
     )
-    return Peak(sum(breakdown.values()), phase, breakdown, default_stream + pools)
+    return default_stream + pools
+
+
+def _optimizer_temp(params: int, largest: float, target: Target) -> int:
+    """The optimizer step's temporary on a rank of ``params`` bytes of parameters (``largest``
+    the largest tensor's): foreach (CUDA's default) one of all; the single-tensor loop (CPU's)
+    two of the largest at once (AdamW's ``exp_avg_sq.sqrt() / c``); none without state."""
+    if not OPTIMIZER_STATES[target.optimizer]:
+        return 0
+    return params if target.device.cuda else int(2 * largest)  # type: ignore[union-attr]
 
 
 def _backward_phases(
@@ -282,7 +274,7 @@ def _backward_phases(
     extra = {
         "fsdp_buffers": rank.root,
         "activations": sum(rank.acts) + rank.last_offloaded,
-        "logits_loss": _head(model, target),
+        "logits_loss": head_terms(model, target),
     }
     phases = [(LOSS_PHASE, _terms(**rank.base, **extra))]  # (the head's gradients: made in its backward)
     for i, gathered in enumerate(rank.gathered):
@@ -317,12 +309,14 @@ def _pipeline_phases(
         blocks[sid] = slice(end - len(layers), end)
         end -= len(layers)
     acts = {sid: sum(rank.acts[b]) for sid, b in blocks.items()}
+    split = {sid: sum(rank.split[b]) for sid, b in blocks.items()}
     grads = {sid: sum(rank.grads_of[b]) for sid, b in blocks.items()}
     gathered = {sid: sum(rank.gathered[b]) for sid, b in blocks.items()}
     last = target.pp * target.stages_per_rank - 1
     phases: list[tuple[str, dict[str, int]]] = []
     for m in schedule.moments:
-        held = sum(n * acts[s] for s, n in m.held)
+        # (a zero-bubble schedule's recorded gradients counted with what the stages hold)
+        held = sum(n * acts[s] for s, n in m.held) + sum(n * split[s] for s, n in m.pending)
         if sharded:
             unsharded = (
                 sum(gathered.values()) * rank.param_b + sum(gathered[s] for s in m.grads) * rank.reduce_b
@@ -336,7 +330,7 @@ def _pipeline_phases(
         if m.stage == last and m.kind != "W":
             extra = {
                 "activations": held + sum(own),
-                "logits_loss": _pipeline_head(model, target, 1 + schedule.held(m, last)),
+                "logits_loss": pipeline_head(model, target, 1 + schedule.held(m, last)),
             }
             phases.append((f"{LOSS_PHASE} ({where})", _terms(**rank.base, **common, **extra)))
         if own:
@@ -360,17 +354,6 @@ def _pipeline_phases(
     return phases
 
 
-def _pipeline_head(model: ModelSizes, target: Target, in_flight: float) -> int:
-    """The last stage's head terms: PyTorch's pipelining keeps each microbatch's stage output
-    (the logits) until that microbatch's backward, beside what its loss saves, for every
-    microbatch in flight."""
-    kind, _ = parse_loss(target.loss)
-    output = model.model_logits_bytes or model.logits_bytes
-    saved = model.logits_bytes if kind in ("transformers", "torchtitan") else 0  # (the log-softmax)
-    now = _head(model, target) + (output if kind != "transformers" else 0) // _logits_split(target)
-    return int(now + (in_flight - 1) * (output + saved) / _logits_split(target))
-
-
 def _pipeline_buffers(
     model: ModelSizes, target: Target, stage: _Stage, moment: Moment | None, param_b: int
 ) -> int:
@@ -380,7 +363,8 @@ def _pipeline_buffers(
     as torchtitan's stages pass it): a stage that is not the first preallocates a receive
     buffer for every microbatch's input, one that is not the last one for every
     microbatch's output gradient, both kept for the whole run; a stage that is not the last
-    keeps each microbatch's output from its forward to its backward (``fwd_cache``). An
+    keeps each microbatch's output from its forward to its backward (``fwd_cache``), and on
+    PyTorch's action runtime what it sent past that, to the step's end (``Moment.sent``). An
     in-flight microbatch's input buffer is its first layer's saved input, counted there."""
     if stage.schedule is None:
         return 0
@@ -391,44 +375,9 @@ def _pipeline_buffers(
     if moment is not None:
         flight[moment.stage] += 1  # (the running microbatch's)
     kept = sum(c for s, c in flight.items() if s != last) - sum(c for s, c in flight.items() if s != 0)
+    kept += moment.sent if moment is not None else 0  # (held by their sends: the action runtime's)
     return int((n * (inputs + gradients) + kept) * stream)
-
-
-def _logits_split(target: Target) -> int:
-    return target.tp if target.loss_parallel else 1
 
 
 def _terms(**found: int) -> dict[str, int]:
     return {t: found.get(t, 0) for t in TERMS}
-
-
-def head_logits_bytes(model: ModelSizes, target: Target) -> int:
-    """The logits' share of the head's peak (before any loss parallelism), by ``target.loss``
-    (:data:`~sac_compile.planning.devices.LOSSES`): the float32 log-softmax held and two
-    gradients of it in its backward, and for transformers' loss the model's own logits alive
-    in its output; a compiled loss the model's logits and their gradient; a chunked loss one
-    chunk's logits, log-softmax and gradient. With loss parallelism the backward is DTensor's
-    (``torch.distributed.tensor.parallel.loss``: log-softmax's backward folded into
-    nll_loss's, ``(zeros + exp(x)) * grad``): beside the held log-softmax, three at once."""
-    kind, chunks = parse_loss(target.loss)
-    if kind == "compiled":  # the logits saved and their gradient, in the model's dtype
-        return 2 * (model.model_logits_bytes or model.logits_bytes)
-    held = 4 if _logits_split(target) > 1 else 3
-    if kind == "chunked":
-        return held * model.logits_bytes // chunks
-    return held * model.logits_bytes + (model.model_logits_bytes if kind == "transformers" else 0)
-
-
-def _head(model: ModelSizes, target: Target) -> int:
-    """The head's saved values and its backward's temporaries per device: the logits' and
-    loss's split ``tp`` ways with loss parallelism, the final norm's with sequence parallelism."""
-    tp = target.tp
-    logits = model.head_saved_bytes - model.head_stream_bytes + model.head_transient_bytes
-    if model.logits_bytes:
-        logits = head_logits_bytes(model, target)
-    logits = logits // _logits_split(target)
-    stream = model.head_stream_bytes
-    if target.sequence_parallel and tp > 1:  # the final norm's saves split; of its three hidden-sized
-        # values the output, all-gathered for the column-parallel output projection, is whole
-        stream = stream // 3 + 2 * stream // 3 // tp
-    return logits + stream

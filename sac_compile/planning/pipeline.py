@@ -12,7 +12,10 @@ runs, and what a rank holds whenever a backward runs, read off the schedule's ow
   gradients exist: a :class:`Moment`. A forward adds its microbatch to its stage; a full
   backward frees it; a backward to the input (``I``) keeps its graph for the weights'
   gradients (``W``, ``stage_backward_input`` retains it), which free it. A forward run
-  beside a backward (DualPipeV's ``OVERLAP_F_B``) is held during it.
+  beside a backward (DualPipeV's ``OVERLAP_F_B``) is held during it. On PyTorch's action
+  runtime (every schedule but GPipe and 1F1B) what a stage sent to another rank stays alive
+  to the step's end (:func:`~sac_compile._compat.pipelining.holds_sends`): its outputs past
+  their backward and its input gradients (``Moment.sent``).
 
 :func:`~sac_compile.planning.peak.stage_peaks` prices each moment's phases.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .._compat.pipelining import schedule_actions
+from .._compat.pipelining import holds_sends, schedule_actions
 
 __all__ = ["Moment", "RankSchedule", "in_flight", "makespan", "rank_schedules", "stage_layers"]
 
@@ -56,6 +59,12 @@ class Moment:
     held: tuple[tuple[int, int], ...]  # (stage, microbatches held beside the running one)
     grads: frozenset[int]  # the stages whose gradients an earlier backward made
     kind: str = "B"  # "B", "I" or "W"
+    # microbatch tensors sent to another rank and held by their sends beyond the held
+    # microbatches (outputs whose backward ran, input gradients): PyTorch's action runtime
+    sent: int = 0
+    # (stage, microbatches whose backward to the input ran and whose weights' has not): a
+    # split backward's recorded gradients, held from I to W
+    pending: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,18 +81,24 @@ class RankSchedule:
 
 @functools.lru_cache(maxsize=64)
 def _schedules(schedule: str, pp: int, microbatches: int, v: int) -> tuple[RankSchedule, ...]:
-    out = []
+    out, last, holds = [], pp * v - 1, holds_sends(schedule)
     for rank, actions in enumerate(schedule_actions(schedule, pp, microbatches, v)):
         stages = tuple(sorted({s for _, s, _ in actions}))
         held = dict.fromkeys(stages, 0)
         done: set[int] = set()
+        sent, pending = 0, dict.fromkeys(stages, 0)
         moments: dict[Moment, None] = {}
         for kind, stage, _ in actions:
             if kind == "F":
                 held[stage] += 1
                 continue
             others = tuple((s, held[s] - (s == stage)) for s in stages)
-            moments.setdefault(Moment(stage, others, frozenset(done), kind))
+            pending[stage] += kind == "I"  # (its own, recorded as it runs)
+            moments.setdefault(Moment(stage, others, frozenset(done), kind, sent, tuple(pending.items())))
+            pending[stage] -= kind == "W"
+            if holds:  # (an output past its backward; an input gradient, made by B or I)
+                sent += kind in "BW" and stage != last and stage + 1 not in stages
+                sent += kind in "BI" and stage != 0 and stage - 1 not in stages
             if kind in "BW":
                 held[stage] -= 1
                 done.add(stage)

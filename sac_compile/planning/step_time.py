@@ -21,8 +21,11 @@ One model for every configuration (:func:`step_time`):
   reduce-scatter.
 * **TP** (torchtitan's layout): per layer two all-gathers and two reduce-scatters of the
   residual stream with sequence parallelism (two all-reduces without), in the forward, again
-  in the backward, and in the recomputed forward in proportion to the FLOPs recomputed; not
-  overlapped (async TP would hide part).
+  in the backward, and in the recomputed forward in proportion to the FLOPs recomputed;
+  exposed. With ``Target.async_tp`` (compiled layers) each pass's collectives run in ``tp``
+  chunks under the projection matmuls beside them (the forward's, the input gradients' of
+  the backward: as many FLOPs, the recompute's): all but the first chunk's matmul hides
+  them, what exceeds it is exposed (the chunked matmuls' lower rate is not modelled).
 * **EP**: per MoE layer the tokens' dispatch and combine all-to-all (``top_k`` copies of the
   stream), forward and backward; not overlapped.
 * **offload**: an offloaded region's values copied to host memory and back over the host link
@@ -282,7 +285,11 @@ def _layer(
         _replicas(total, units / target.microbatches, params, target, reduce_b, param_b)
     stream = sizes.tokens * sizes.hidden_size * param_b  # one residual-stream tensor of the unit
     if tp > 1:  # two all-gathers and two reduce-scatters (SP), or two all-reduces: as many bytes
-        total.tp += units * (2 + redo) * 4 * (tp - 1) / tp * stream / _link(target, tp, 1)
+        collectives = 4 * (tp - 1) / tp * stream / _link(target, tp, 1)  # one pass's
+        if target.async_tp and compile:  # (under the projections: forward, input gradients, recompute)
+            matmuls = target.compute_seconds(table.forward_flops - table.forward_attention_flops)
+            collectives = max(collectives - matmuls * (tp - 1) / tp, 0.0)
+        total.tp += units * (2 + redo) * collectives
     if ep > 1 and params[1]:
         moved = 2 * sizes.top_k * stream / tp * (ep - 1) / ep
         total.ep += units * (2 + redo) * moved / _link(target, ep, tp)
