@@ -114,3 +114,26 @@ def test_the_step_time_constants_are_what_the_calibrating_runs_set(cache):
     assert found["EAGER_SLOWDOWN"] == pytest.approx(devices.EAGER_SLOWDOWN, abs=0.001)
     for name in ("b200", "a100-80gb"):
         assert found[name] == pytest.approx(devices.DEVICES[name].efficiency, abs=0.001), name
+
+
+def test_the_published_runs_are_data_with_calibrating_and_validating_runs_apart():
+    """``benchmarks/published_runs.json`` holds every run and its source: each run names a
+    source there, no run both calibrates and validates, and every fitted figure of the
+    planner's world (``planning/world.json``) names a run of the file marked ``calibrates``
+    (and every run so marked is named by one): the figures fitted are the calibrating runs',
+    the claim the validating runs'."""
+    import json
+
+    import published
+
+    from sac_compile.planning.host import WORLD
+
+    with open(published.DATA) as f:
+        data = json.load(f)
+    assert {row["source"] for row in data["runs"]} <= set(data["sources"])
+    runs = {r.name: r for r in published.RUNS}
+    assert len(runs) == len(data["runs"]) and not any(r.calibrates and r.validates for r in runs.values())
+    named = {fit["calibrating_run"] for fit in WORLD["fitted"].values()}
+    assert named <= set(runs), named - set(runs)
+    assert named == {name for name, r in runs.items() if r.calibrates}
+    assert sum(r.validates for r in runs.values()) >= 19
