@@ -22,6 +22,7 @@ __all__ = [
     "figures_of",
     "layer_figures",
     "no_checkpoint_figures",
+    "recorded_gradients",
     "ring_transient",
 ]
 
@@ -128,7 +129,7 @@ def figures_of(
             held(c, target, compile=True),
             ring_transient(c.transient_bytes, c.ring_transient, target) // target.tp,
             params[1],
-            weight_gradient_inputs=table.weight_gradient_inputs // target.tp,
+            weight_gradient_inputs=recorded_gradients(table, target),
         )
     plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * rank_share(
         table.no_checkpoint_bytes, table.no_checkpoint_tp, target
@@ -139,7 +140,7 @@ def figures_of(
     # brings the next layer's back during this one's backward: eager/host_copy.py)
     moved = offloaded_per_rank(c, target, compile=False) if target.device.cuda else 0  # type: ignore[union-attr]
     transient = max(plain - saved, 0) + backward / target.tp + moved
-    split = table.weight_gradient_inputs // target.tp
+    split = recorded_gradients(table, target)
     return LayerFigures(count, params[0], int(saved), int(transient), params[1], int(moved), split)
 
 
@@ -162,10 +163,17 @@ def no_checkpoint_figures(
     if compile and target.cp > 1:
         saved += (target.cp + 1) * table.no_checkpoint_ring[1] // target.tp
     backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
-    split = table.weight_gradient_inputs // target.tp
+    split = recorded_gradients(table, target)
     return LayerFigures(
         count, params[0], saved, backward // target.tp, params[1], weight_gradient_inputs=split
     )
+
+
+def recorded_gradients(table: Plan, target: Target) -> int:
+    """The gradients a split backward records for the weights and holds from I to W, per
+    device (:func:`~.graph_memory.weight_gradient_inputs`): split ``tp`` ways, which
+    under-counts a row-parallel projection's output gradient (whole on every rank)."""
+    return table.weight_gradient_inputs // target.tp
 
 
 def ring_transient(transient: int, ring: tuple[int, int], target: Target) -> int:

@@ -90,6 +90,7 @@ class PartitionEach:
 
         def partition(joint, joint_inputs, **kwargs):
             chosen = None
+            recorded = None  # (the weights' gradients' inputs: alike in every configuration's backward)
             for key, backend in self.configs.items():
                 one = dataclasses.replace(unit, records=[], graphs={}, saved_names=None)
                 # the records stay here: not in the compile session, the history or the trace
@@ -120,7 +121,9 @@ class PartitionEach:
                 found.backward_traffic += graph_traffic(bw)
                 found.forward_traffic += graph_traffic(fw)
                 found.forward_attention_flops += graph_attention_flops(fw)
-                found.weight_gradient_inputs += weight_gradient_inputs(bw, is_param)
+                if recorded is None:
+                    recorded = weight_gradient_inputs(bw, is_param)
+                found.weight_gradient_inputs += recorded
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
                 found.add_split(*_splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes))
                 if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)

@@ -211,7 +211,7 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         + [embedding * stage.embed, (other - embedding) * stage.head]
     )
     temp = _optimizer_temp(params_all // zero_state, largest / tp * master / shard, target)
-    buffers = _pipeline_buffers(model, target, stage, None, param_b)  # (the receive buffers stay)
+    buffers = _pipeline_buffers(model, target, stage, None)  # (the receive buffers stay)
     phases.append(
         ("optimizer step", _terms(**rank.base, gradients=done, other=temp, pipeline_buffers=buffers))
     )
@@ -324,7 +324,7 @@ def _pipeline_phases(
             common = {"fsdp_buffers": rank.root + int(unsharded)}
         else:
             common = {"gradients": rank.outside + sum(grads[s] for s in m.grads)}
-        common["pipeline_buffers"] = _pipeline_buffers(model, target, stage, m, rank.param_b)
+        common["pipeline_buffers"] = _pipeline_buffers(model, target, stage, m)
         own, transients = rank.acts[blocks[m.stage]], rank.transients[blocks[m.stage]]
         where = f"stage {m.stage}, microbatches held {'/'.join(str(n) for _, n in m.held)}"
         if m.stage == last and m.kind != "W":
@@ -354,9 +354,7 @@ def _pipeline_phases(
     return phases
 
 
-def _pipeline_buffers(
-    model: ModelSizes, target: Target, stage: _Stage, moment: Moment | None, param_b: int
-) -> int:
+def _pipeline_buffers(model: ModelSizes, target: Target, stage: _Stage, moment: Moment | None) -> int:
     """What PyTorch's pipelining (``PipelineStage``) holds on a rank beyond its layers' saved
     values at ``moment`` (``None``: between steps), in residual-stream units (one
     microbatch's stage input, one rank's share: split ``tp`` ways with sequence parallelism,
@@ -368,7 +366,7 @@ def _pipeline_buffers(
     in-flight microbatch's input buffer is its first layer's saved input, counted there."""
     if stage.schedule is None:
         return 0
-    stream = model.tokens * model.hidden_size * param_b // (target.tp if target.sequence_parallel else 1)
+    stream = model.stage_stream_bytes(target)
     last, n = target.pp * target.stages_per_rank - 1, target.microbatches
     inputs, gradients = sum(s != 0 for s in stage.ids), sum(s != last for s in stage.ids)
     flight = dict(moment.held) if moment is not None else {}

@@ -4,6 +4,11 @@ outside its layers (:mod:`.peak` composes them; :mod:`.figures` and ``hf.plan`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from .devices import Target
 
 __all__ = ["LayerFigures", "ModelSizes"]
 
@@ -50,3 +55,10 @@ class ModelSizes:
     embedding_params: int = 0  # the input embeddings' (on the first pipeline stage); 0: half the rest
     largest_tensor: int = 0  # the layers' largest parameter (elements); 0: a whole layer's
     kv_bytes: int = 0  # one layer's keys and values at the traced shape (what ring attention passes)
+
+    def stage_stream_bytes(self, target: Target) -> int:
+        """One microbatch's residual stream as a pipeline stage passes it to the next: a
+        rank's share (split ``tp`` ways with sequence parallelism, as torchtitan's stages
+        pass it), in the target's ``param_dtype``."""
+        width = cast(torch.dtype, target.param_dtype).itemsize
+        return self.tokens * self.hidden_size * width // (target.tp if target.sequence_parallel else 1)

@@ -199,10 +199,8 @@ def _bubble(
     backward[-1] += 2 * head / 3
     estimated = (sum(forward) + sum(backward)) * target.microbatches / target.pp
     scale = compute / estimated if estimated else 1.0
-    width = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
-    stream = sizes.tokens * sizes.hidden_size * width / (target.tp if target.sequence_parallel else 1)
     apart = target.replicate * target.fsdp * target.cp * target.tp
-    send = stream / _link(target, 2, apart)
+    send = sizes.stage_stream_bytes(target) / _link(target, 2, apart)
     span = makespan(target, [f * scale for f in forward], [b * scale for b in backward], send)
     return max(span - compute, 0.0)
 
