@@ -387,6 +387,7 @@ def _candidate(
         offloaded_bytes=figures.offloaded_bytes,
         ring_transient=figures.ring,
         tp_offloaded_split=figures.tp_offloaded_split,
+        split_recompute=figures.split_recompute,
     )
 
 

@@ -130,6 +130,7 @@ def figures_of(
             ring_transient(c.transient_bytes, c.ring_transient, target) // target.tp,
             params[1],
             weight_gradient_inputs=recorded_gradients(table, target),
+            split_recompute=_per_rank(c.split_recompute, target),
         )
     plain = (table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes) * rank_share(
         table.no_checkpoint_bytes, table.no_checkpoint_tp, target
@@ -141,7 +142,22 @@ def figures_of(
     moved = offloaded_per_rank(c, target, compile=False) if target.device.cuda else 0  # type: ignore[union-attr]
     transient = max(plain - saved, 0) + backward / target.tp + moved
     split = recorded_gradients(table, target)
-    return LayerFigures(count, params[0], int(saved), int(transient), params[1], int(moved), split)
+    return LayerFigures(
+        count,
+        params[0],
+        int(saved),
+        int(transient),
+        params[1],
+        int(moved),
+        split,
+        _per_rank(c.split_recompute, target),
+    )
+
+
+def _per_rank(split: tuple[int, int], target: Target) -> tuple[int, int]:
+    """A split backward's recomputed copies (:func:`~.split_backward.split_recompute`) on one
+    tensor-parallel rank: split ``tp`` ways, as the transients."""
+    return (split[0] // target.tp, split[1] // target.tp)
 
 
 def no_checkpoint_figures(

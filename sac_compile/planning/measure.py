@@ -44,6 +44,9 @@ class LayerMeasure:
     forward_attention_flops: int = 0
     # the gradients its weights' gradients are computed from (graph_memory.weight_gradient_inputs)
     weight_gradient_inputs: int = 0
+    # under a split backward's W, the recomputed copies it leaves and its most alive
+    # (split_backward.split_recompute)
+    split_recompute: tuple[int, int] = (0, 0)
 
     def add_split(self, held: tuple[int, ...], moved: tuple[int, ...] | None) -> None:
         """Add a graph's tensor-parallel splits (:func:`_splits`) to the sums."""
@@ -65,8 +68,10 @@ class PartitionEach:
     :func:`~sac_compile.inspection.flops.graph_costly_flops`). The compiled code is the
     first configuration's."""
 
-    def __init__(self, configs: dict[Any, Any]) -> None:
+    def __init__(self, configs: dict[Any, Any], params: tuple[torch.Tensor, ...] = ()) -> None:
         self.configs = configs
+        # the traced module's parameters in their order (a split backward's weight groups')
+        self.params = params
         self.figures: dict[Any, LayerMeasure] = {key: LayerMeasure() for key in configs}
         self.eager: dict[Any, int] = {}  # configurations that know what their eager run holds
         self.copies: dict[Any, list[Any]] = {}  # per offloading configuration: each graph's Copies
@@ -80,13 +85,16 @@ class PartitionEach:
         from ..diagnostics import trace_watch
         from ..inspection.flops import graph_attention_flops, graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
+        from ..passes.saving_rules import TAGGED
         from .graph_memory import backward_figures, larger_ring, weight_gradient_inputs
         from .offload import graph_copies
+        from .split_backward import split_recompute
 
         unit = backends.new_unit(gm, example_inputs)
         trace_watch.claim_trace()  # the markers are read here (not a no-pass graph)
 
         is_param = functools.partial(param_input, input_is_param=unit.input_is_param)
+        order = self._order(example_inputs)
 
         def partition(joint, joint_inputs, **kwargs):
             chosen = None
@@ -124,6 +132,9 @@ class PartitionEach:
                 if recorded is None:
                     recorded = weight_gradient_inputs(bw, is_param)
                 found.weight_gradient_inputs += recorded
+                if backend.checkpoint:
+                    left, most = split_recompute(tagged, is_param, TAGGED, order)
+                    found.split_recompute = (found.split_recompute[0] + left, found.split_recompute[0] + most)
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
                 found.add_split(*_splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes))
                 if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)
@@ -145,6 +156,17 @@ class PartitionEach:
             partition_fn=partition,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
+
+    def _order(self, example_inputs: list[Any]) -> Callable[[int], int]:
+        """A primal's place among the traced module's parameters (those not found: after them,
+        in their order)."""
+        place = {id(p): k for k, p in enumerate(self.params)}
+
+        def order(i: int) -> int:
+            found = place.get(id(example_inputs[i])) if i < len(example_inputs) else None
+            return len(place) + i if found is None else found
+
+        return order
 
 
 def _splits(
@@ -179,7 +201,7 @@ def measure(module: nn.Module, args, kwargs, configs: dict[Any, Any]) -> Partiti
     same process) would otherwise be traced dynamic, its figures symbolic."""
     from ..inspection.capture import fresh_compile
 
-    measuring = PartitionEach(configs)
+    measuring = PartitionEach(configs, tuple(module.parameters()))
     with fresh_compile(module, measuring, dynamic=False) as compiled:
         compiled(*args, **kwargs)
     return measuring

@@ -56,6 +56,7 @@ TERMS = (
     "fsdp_buffers",
     "activations",
     "backward_transient",
+    "split_recompute",
     "logits_loss",
     "pipeline_buffers",
     "ddp_buckets",
@@ -149,6 +150,7 @@ class _Rank:
     acts: list[int]
     transients: list[int]
     split: list[int]  # each layer's gradients a split backward holds from I to W
+    recomputes: list[tuple[int, int]]  # each layer's recomputed copies under a split W
     outside: int  # the sharded gradients of the parameters outside the layers
     last_offloaded: int  # the last layer's offloaded values, on the device through the loss
     root: int  # FSDP2's unsharded root parameters
@@ -192,6 +194,7 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         acts=[g.saved_bytes for g in order],
         transients=[g.transient_bytes for g in order],
         split=[g.weight_gradient_inputs for g in order],
+        recomputes=[g.split_recompute for g in order],
         outside=int(outside * master / shard / zero_grads) * views,
         last_offloaded=order[0].offloaded_bytes if order else 0,
         # FSDP2 keeps the root's parameters (everything outside the layers) unsharded from
@@ -343,6 +346,10 @@ def _pipeline_phases(
             i = max(range(len(own)), key=lambda i: sum(own[i:]) + transients[i] + growing[i])
             layer = stage.layers[stage.ids.index(m.stage)].stop - 1 - i
             extra = {"activations": held + sum(own[i:]), "backward_transient": transients[i]}
+            if m.kind == "W" and m.stage != 0:  # (the first stage's W: one whole backward)
+                # a split W runs its weights' gradient ops alone (what they make: gradients)
+                extra["backward_transient"] = 0
+                extra["split_recompute"] = _split_copies(rank.recomputes[blocks[m.stage]])
             grown = (
                 {"fsdp_buffers": common["fsdp_buffers"] + growing[i]}
                 if sharded
@@ -352,6 +359,18 @@ def _pipeline_phases(
                 (f"backward of layer {layer} ({where})", _terms(**rank.base, **{**common, **grown}, **extra))
             )
     return phases
+
+
+def _split_copies(recomputes: list[tuple[int, int]]) -> int:
+    """The most a stage's split backward ``W`` holds of its checkpointed layers' recomputed
+    copies (``recomputes``: per layer, backward order, what it leaves and its most as the
+    stage's last, :func:`~.split_backward.split_recompute`): the groups run in the
+    parameters' order, the first layer's first, what each layer leaves alive while the
+    later layers' groups run."""
+    if not recomputes:
+        return 0
+    earlier = sum(left for left, _ in recomputes[1:])
+    return earlier + recomputes[0][1]
 
 
 def _pipeline_buffers(model: ModelSizes, target: Target, stage: _Stage, moment: Moment | None) -> int:

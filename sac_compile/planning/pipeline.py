@@ -93,9 +93,12 @@ def _schedules(schedule: str, pp: int, microbatches: int, v: int) -> tuple[RankS
                 held[stage] += 1
                 continue
             others = tuple((s, held[s] - (s == stage)) for s in stages)
-            pending[stage] += kind == "I"  # (its own, recorded as it runs)
+            # (its own, recorded as it runs; the first stage's I does nothing: its input needs no
+            # gradient, its W runs the whole backward)
+            split = kind != "B" and stage != 0
+            pending[stage] += split and kind == "I"
             moments.setdefault(Moment(stage, others, frozenset(done), kind, sent, tuple(pending.items())))
-            pending[stage] -= kind == "W"
+            pending[stage] -= split and kind == "W"
             if holds:  # (an output past its backward; an input gradient, made by B or I)
                 sent += kind in "BW" and stage != last and stage + 1 not in stages
                 sent += kind in "BI" and stage != 0 and stage - 1 not in stages

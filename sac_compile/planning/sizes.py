@@ -29,6 +29,9 @@ class LayerFigures:
     # the gradients its weights' gradients are computed from (graph_memory.weight_gradient_inputs),
     # per device: a zero-bubble schedule's split backward holds them from I to W
     weight_gradient_inputs: int = 0
+    # what a split backward's W recomputes and leaves alive until the stage's W ends, and its
+    # most alive (planning.split_backward), per device
+    split_recompute: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
