@@ -143,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
         help="with --tp: async TP, the collectives under the projections' matmuls (compiled layers only)",
     )
     parser.add_argument(
+        "--pp-recompute-once",
+        action="store_true",
+        help="with a zero-bubble --pp-schedule: each weight pass recomputes a checkpointed layer once "
+        "(stages wrapped by sac_compile.pipelining.recompute_once; default PyTorch's once per weight group)",
+    )
+    parser.add_argument(
         "--no-loss-parallel",
         action="store_true",
         help="with --tp: the logits whole on every rank (default: split on the vocabulary, as torchtitan)",
@@ -284,6 +290,7 @@ def _target(args: argparse.Namespace) -> Any:
             pp=args.pp,
             pp_schedule=args.pp_schedule,
             pp_virtual_stages=args.pp_virtual_stages,
+            pp_recompute_once=args.pp_recompute_once,
             replicate=_replicas(args),
             zero=args.zero,
             microbatch_size=args.microbatch_size,

@@ -27,6 +27,7 @@ def report(plan: Any, seconds: float) -> dict[str, Any]:
         "pp_schedule": t.pp_schedule,
         "pp_virtual_stages": t.stages_per_rank,
         "microbatch_size": t.microbatch_size,
+        "pp_recompute_once": t.pp_recompute_once,
         "sequence_parallel": t.sequence_parallel,
         "loss_parallel": t.loss_parallel,
         "async_tp": t.async_tp,

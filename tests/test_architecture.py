@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("markers",),
     ("declare", "passes"),
     ("compiler", "eager"),
-    ("seam", "config", "context_fn", "compiled_forward", "policy_checkpoint"),
+    ("seam", "config", "context_fn", "compiled_forward", "policy_checkpoint", "pipelining"),
     ("inspection",),
     ("planning",),
     ("hf",),

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import private
 
-__all__ = ["SCHEDULES", "holds_sends", "schedule_actions"]
+__all__ = ["SCHEDULES", "current_graph_exec_group", "holds_sends", "schedule_actions", "schedule_stages"]
 
 #: the schedules a plan may name -> (PyTorch's name for ``get_schedule_class``, stages a rank
 #: holds: ``None`` any number from 2, else exactly that many)
@@ -99,3 +99,20 @@ def _compute(actions: Any) -> list[Action]:  # (torch's _Action list)
         elif a.computation_type.value in _KINDS:
             out.append((a.computation_type.value, a.stage_index, a.microbatch_index))
     return out
+
+
+def current_graph_exec_group() -> Any:
+    """The ``torch.utils.checkpoint.GraphExecGroup`` open now, or ``None`` (its private
+    ``_get_current_group``: groups cannot nest)."""
+    from torch.utils.checkpoint import GraphExecGroup
+
+    return GraphExecGroup._get_current_group()
+
+
+def schedule_stages(schedule: Any) -> list[Any] | None:
+    """The ``PipelineStage`` objects a PyTorch pipeline schedule runs (``_stages`` on a
+    multi-stage schedule, ``_stage`` on a single-stage one), ``None`` for anything else."""
+    stages = getattr(schedule, "_stages", None)
+    if stages is None and getattr(schedule, "_stage", None) is not None:
+        stages = [schedule._stage]
+    return list(stages) if stages is not None else None

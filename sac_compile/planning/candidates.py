@@ -80,8 +80,8 @@ class Candidate:
     tp_offloaded_split: tuple[int, int, int, int] = (0, 0, 0, 0)
     eager_offloaded_bytes: int | None = None  # what the eager engine copies to the host
     # under a split backward's W (zero bubble, eager): the recomputed copies the layer leaves
-    # alive and its most (planning.split_backward.split_recompute)
-    split_recompute: tuple[int, int] = (0, 0)
+    # alive and its most, then the same recomputed once (planning.split_backward.split_recompute)
+    split_recompute: tuple[int, int, int, int] = (0, 0, 0, 0)
     copies: tuple[Copies, ...] = ()  # per graph, its offload copies and the compute around them
     # (an offloading candidate) the candidates keeping its keep set and keeping its offloaded
     # regions too: what a tensor-parallel rank sends to the host is the difference they hold

@@ -83,6 +83,9 @@ class Target:
             the sequence too (torchtitan's default; a kept region saves the input it gathers).
         loss_parallel: with ``tp``, the logits split on the vocabulary and the loss computed
             on the shards (torchtitan's default): the head's logits and loss terms ``1 / tp``.
+        pp_recompute_once: a split-backward schedule's weight pass recomputes each
+            checkpointed layer once, not once per weight group (the stages wrapped by
+            :func:`sac_compile.pipelining.recompute_once`; :mod:`.split_backward`).
         async_tp: with ``tp`` and compiled layers, Inductor's micro-pipelined TP (torchtitan's
             ``enable_async_tensor_parallel``): each all-gather / reduce-scatter split into
             ``tp`` chunks run under the projection matmuls beside it (:mod:`.step_time`).
@@ -166,6 +169,7 @@ class Target:
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int | None = None
     microbatch_size: int = 1
+    pp_recompute_once: bool = False
     gpus_per_node: int = 8
     network: float = 400e9 / 8
     offload: bool = False
@@ -272,13 +276,24 @@ class Target:
                 f"Target(pp_virtual_stages={v!r}): {self.pp_schedule} runs {runs} stage(s) a rank "
                 "(leave it unset for the schedule's default)"
             )
+        if not isinstance(self.pp_recompute_once, bool):
+            raise ValueError(f"Target(pp_recompute_once={self.pp_recompute_once!r}): True or False")
+        weight_pass = False
         if self.pp > 1:
             from .pipeline import rank_schedules
 
             try:
-                rank_schedules(self)
+                ranks = rank_schedules(self)
             except ValueError as e:
                 raise ValueError(f"Target(pp={self.pp}, pp_schedule={self.pp_schedule!r}): {e}") from None
+            weight_pass = any(m.kind == "W" for r in ranks for m in r.moments)
+        if self.pp_recompute_once and not weight_pass:
+            raise ValueError(
+                f"Target(pp_recompute_once=True, pp={self.pp}, pp_schedule={self.pp_schedule!r}): it plans a split "
+                "backward's weight pass recomputing each checkpointed layer once "
+                "(sac_compile.pipelining.recompute_once); this layout runs no weight pass (a zero-bubble schedule "
+                "or DualPipeV with pp above 1, or drop pp_recompute_once)"
+            )
 
     @property
     def stages_per_rank(self) -> int:

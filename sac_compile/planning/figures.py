@@ -154,10 +154,12 @@ def figures_of(
     )
 
 
-def _per_rank(split: tuple[int, int], target: Target) -> tuple[int, int]:
-    """A split backward's recomputed copies (:func:`~.split_backward.split_recompute`) on one
+def _per_rank(split: tuple[int, int, int, int], target: Target) -> tuple[int, int]:
+    """A split backward's recomputed copies (:func:`~.split_backward.split_recompute`: once
+    per weight group, PyTorch's, or once with ``Target.pp_recompute_once``) on one
     tensor-parallel rank: split ``tp`` ways, as the transients."""
-    return (split[0] // target.tp, split[1] // target.tp)
+    left, last = split[2:] if target.pp_recompute_once else split[:2]
+    return (left // target.tp, last // target.tp)
 
 
 def no_checkpoint_figures(

@@ -45,12 +45,14 @@ def head_terms(model: ModelSizes, target: Target) -> int:
     return logits + stream
 
 
-def pipeline_head(model: ModelSizes, target: Target, in_flight: float) -> int:
+def pipeline_head(model: ModelSizes, target: Target, in_flight: float, split: int = 0) -> int:
     """The last stage's head terms: PyTorch's pipelining keeps each microbatch's stage output
     (the logits) until that microbatch's backward, beside what its loss saves, for every
-    microbatch in flight."""
+    microbatch in flight; of those, the ``split`` whose split backward's ``I`` ran hold only
+    the gradient it recorded at the output projection (logits-sized: the loss's graph died
+    with the detached loss, the output left the stage's cache)."""
     kind, _ = parse_loss(target.loss)
     output = model.model_logits_bytes or model.logits_bytes
     saved = model.logits_bytes if kind in ("transformers", "torchtitan") else 0  # (the log-softmax)
     now = head_terms(model, target) + (output if kind != "transformers" else 0) // logits_split(target)
-    return int(now + (in_flight - 1) * (output + saved) / logits_split(target))
+    return int(now + ((in_flight - 1 - split) * (output + saved) + split * output) / logits_split(target))

@@ -333,7 +333,9 @@ def _pipeline_phases(
         if m.stage == last and m.kind != "W":
             extra = {
                 "activations": held + sum(own),
-                "logits_loss": pipeline_head(model, target, 1 + schedule.held(m, last)),
+                "logits_loss": pipeline_head(
+                    model, target, 1 + schedule.held(m, last), dict(m.pending).get(last, 0) - (m.kind == "I")
+                ),
             }
             phases.append((f"{LOSS_PHASE} ({where})", _terms(**rank.base, **common, **extra)))
         if own:

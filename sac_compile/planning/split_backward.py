@@ -36,10 +36,12 @@ def split_recompute(
     is_param: Callable[[str], bool],
     tagged: str,
     order: Callable[[int], int] | None = None,
-) -> tuple[int, int]:
-    """``(left, last)`` of one checkpointed layer under a split backward's ``W``: the bytes of
-    recomputed copies it leaves alive once its weight groups ran (held while a later layer's
-    groups run) and the most alive while they run when it is the stage's last layer.
+) -> tuple[int, int, int, int]:
+    """``(left, last, left_once, last_once)`` of one checkpointed layer under a split
+    backward's ``W``: the bytes of recomputed copies it leaves alive once its weight groups
+    ran (held while a later layer's groups run) and the most alive while they run when it is
+    the stage's last layer; then the same when the groups share one recompute
+    (:func:`sac_compile.pipelining.recompute_once`: copies made at the first group only).
     ``joint``: the layer's joint graph, its forward nodes tagged by a checkpointing pass
     (``tagged``: the meta key marking a tagged node; a value tagged to be saved is cached,
     not recomputed); ``order``: a weight's place in the stage's parameters, from its primal
@@ -50,36 +52,41 @@ def split_recompute(
     read dies with the last group reading it; one the input's gradient path reads lives on.
     In the stage's last layer the graph dies from the top as the groups run: once a forward
     op is no ancestor of the ops the remaining groups start from (PyTorch's
-    ``param_group["intermediates"]``), the values it saves die. ``(0, 0)`` for a layer
-    nothing of which is recomputed."""
+    ``param_group["intermediates"]``), the values it saves die. Zeros for a layer nothing of
+    which is recomputed."""
     g = _Graph(joint, is_param, order)
     recomputed = {
         v: readers
         for v, readers in g.readers.items()
         if v.op == "call_function" and v.meta.get(tagged) and v.meta.get("recompute") not in _CACHED
     }  # (an input, a value outside the checkpoint or one it saves: held, never copied)
-    groups = sorted({k for readers in recomputed.values() for r in readers for k in g.feeds.get(r, ())})
+    # the groups that recompute the layer: those whose weight's gradient reads any value it
+    # saved (a cached one too: unpacking any of the checkpoint's saved values recomputes)
+    saved = [r for v, r in g.readers.items() if v.meta.get(tagged) or g.is_input(v)]
+    groups = sorted({k for readers in saved for r in readers for k in g.feeds.get(r, ())})
     if not groups:
-        return 0, 0
+        return 0, 0, 0, 0
     released: dict[torch.fx.Node, int] = {}  # a value only weight-gradient ops read: its last group
     for v, readers in recomputed.items():
         reached = set().union(*(g.feeds.get(r, set()) for r in readers))
         if reached and not readers & g.input_path:
             released[v] = max(reached)
     sizes = {v: val_bytes(v.meta.get("val")) for v in recomputed}
-    left, last = 0, 0
-    for as_last in (False, True):
-        copies = dict.fromkeys(recomputed, 0)
-        for k in groups:
-            for v in copies:
-                copies[v] += v not in released or released[v] >= k
-            alive = sum(n * sizes[v] for v, n in copies.items())
-            last = max(last, alive) if as_last else last
-            for v in copies:
-                if released.get(v, k + 1) <= k or (as_last and not g.kept_after(v, k)):
-                    copies[v] = 0
-        left = left or sum(n * sizes[v] for v, n in copies.items())
-    return left, last
+    out: list[int] = []
+    for once in (False, True):
+        for as_last in (False, True):
+            copies = dict.fromkeys(recomputed, 0)
+            most = 0
+            for k in groups:
+                if not once or k == groups[0]:
+                    for v in copies:
+                        copies[v] += v not in released or released[v] >= k
+                most = max(most, sum(n * sizes[v] for v, n in copies.items()))
+                for v in copies:
+                    if released.get(v, k + 1) <= k or (as_last and not g.kept_after(v, k)):
+                        copies[v] = 0
+            out.append(most if as_last else sum(n * sizes[v] for v, n in copies.items()))
+    return out[0], out[1], out[2], out[3]
 
 
 class _Graph:
@@ -120,6 +127,7 @@ class _Graph:
         # the forward ops on the input's path (its autograd nodes), and each group's first
         # such op meeting its weight (where PyTorch's split backward starts the group)
         flowing = {p for i, p in enumerate(primals) if i not in found}
+        self._inputs = set(flowing)
         params = {primals[i]: k for k, i in enumerate(weights)}
         weighted: dict[torch.fx.Node, set[int]] = {p: {k} for p, k in params.items()}
         starts: dict[int, list[torch.fx.Node]] = {}
@@ -141,6 +149,10 @@ class _Graph:
         for k in range(len(weights) - 1, -1, -1):
             self._kept[k] = set(later)
             later |= _ancestors(starts.get(k, []), flowing)
+
+    def is_input(self, value: torch.fx.Node) -> bool:
+        """Whether ``value`` is one of the layer's inputs (not a weight)."""
+        return value in self._inputs
 
     def kept_after(self, value: torch.fx.Node, group: int) -> bool:
         """Whether a forward op saving ``value`` is still referenced once ``group`` ran."""
