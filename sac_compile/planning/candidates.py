@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from ..actions import Actions
 from ..policy import SAVE_ALL, SAVE_COSTLY, RegionPolicy
@@ -26,6 +26,7 @@ __all__ = [
     "MAX_EXHAUSTIVE_REGIONS",
     "Candidate",
     "Copies",
+    "SplitCopies",
     "configurations",
     "flops_order",
     "keep_sets",
@@ -48,6 +49,28 @@ class Copies:
     # per copy back: (bytes, costly FLOPs before the value's first use in the backward graph,
     # memory-bound bytes before it)
     backward: tuple[tuple[int, int, int], ...] = ()
+
+
+class SplitCopies(NamedTuple):
+    """What a checkpointed layer's recompute under a split backward's ``W`` holds
+    (:func:`~.split_backward.split_recompute`), per device of the trace."""
+
+    left: int = 0  # alive once its groups ran, while a later layer's run
+    last: int = 0  # the most alive while they run, the stage's last layer
+    left_once: int = 0  # the same when the groups share one recompute (recompute_once)
+    last_once: int = 0
+    groups: int = 0  # the weight groups that recompute it (each a whole recompute)
+
+    def __add__(self, later: object) -> SplitCopies:
+        """Two graphs of one unit, run in turn: the later after what the earlier left."""
+        assert isinstance(later, SplitCopies)
+        return SplitCopies(
+            self.left + later.left,
+            self.left + later.last,
+            self.left_once + later.left_once,
+            self.left_once + later.last_once,
+            self.groups + later.groups,
+        )
 
 
 @dataclass(frozen=True)
@@ -81,7 +104,7 @@ class Candidate:
     eager_offloaded_bytes: int | None = None  # what the eager engine copies to the host
     # under a split backward's W (zero bubble, eager): the recomputed copies the layer leaves
     # alive and its most, then the same recomputed once (planning.split_backward.split_recompute)
-    split_recompute: tuple[int, int, int, int] = (0, 0, 0, 0)
+    split_recompute: SplitCopies = SplitCopies()
     copies: tuple[Copies, ...] = ()  # per graph, its offload copies and the compute around them
     # (an offloading candidate) the candidates keeping its keep set and keeping its offloaded
     # regions too: what a tensor-parallel rank sends to the host is the difference they hold

@@ -278,22 +278,30 @@ class Target:
             )
         if not isinstance(self.pp_recompute_once, bool):
             raise ValueError(f"Target(pp_recompute_once={self.pp_recompute_once!r}): True or False")
-        weight_pass = False
         if self.pp > 1:
             from .pipeline import rank_schedules
 
             try:
-                ranks = rank_schedules(self)
+                rank_schedules(self)
             except ValueError as e:
                 raise ValueError(f"Target(pp={self.pp}, pp_schedule={self.pp_schedule!r}): {e}") from None
-            weight_pass = any(m.kind == "W" for r in ranks for m in r.moments)
-        if self.pp_recompute_once and not weight_pass:
+        if self.pp_recompute_once and not self.weight_pass:
             raise ValueError(
                 f"Target(pp_recompute_once=True, pp={self.pp}, pp_schedule={self.pp_schedule!r}): it plans a split "
                 "backward's weight pass recomputing each checkpointed layer once "
                 "(sac_compile.pipelining.recompute_once); this layout runs no weight pass (a zero-bubble schedule "
                 "or DualPipeV with pp above 1, or drop pp_recompute_once)"
             )
+
+    @property
+    def weight_pass(self) -> bool:
+        """Whether the pipeline's schedule splits a stage's backward into its input's gradient
+        (``I``) and its weights' (``W``): the zero-bubble schedules, DualPipeV."""
+        if self.pp == 1:
+            return False
+        from .pipeline import rank_schedules
+
+        return any(m.kind == "W" for r in rank_schedules(self) for m in r.moments)
 
     @property
     def stages_per_rank(self) -> int:

@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, cast
 
-from .candidates import Candidate
+from .candidates import Candidate, SplitCopies
 from .core import Plan
 from .devices import Target
 from .model import LayerGroup
@@ -154,11 +154,11 @@ def figures_of(
     )
 
 
-def _per_rank(split: tuple[int, int, int, int], target: Target) -> tuple[int, int]:
+def _per_rank(split: SplitCopies, target: Target) -> tuple[int, int]:
     """A split backward's recomputed copies (:func:`~.split_backward.split_recompute`: once
     per weight group, PyTorch's, or once with ``Target.pp_recompute_once``) on one
     tensor-parallel rank: split ``tp`` ways, as the transients."""
-    left, last = split[2:] if target.pp_recompute_once else split[:2]
+    left, last = (split.left_once, split.last_once) if target.pp_recompute_once else (split.left, split.last)
     return (left // target.tp, last // target.tp)
 
 

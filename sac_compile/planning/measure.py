@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..actions import Actions
+from .candidates import SplitCopies
 
 __all__ = ["LayerMeasure", "PartitionEach", "eager_bytes", "measure", "plain_bytes", "timed"]
 
@@ -46,13 +47,7 @@ class LayerMeasure:
     weight_gradient_inputs: int = 0
     # under a split backward's W, the recomputed copies it leaves and its most alive
     # (split_backward.split_recompute), then the same recomputed once
-    split_recompute: tuple[int, int, int, int] = (0, 0, 0, 0)
-
-    def add_split_recompute(self, now: tuple[int, int, int, int]) -> None:
-        """Add a graph's :func:`~.split_backward.split_recompute`: a unit's graphs run in
-        turn, each after what the earlier ones left."""
-        was = self.split_recompute
-        self.split_recompute = (was[0] + now[0], was[0] + now[1], was[2] + now[2], was[2] + now[3])
+    split_recompute: SplitCopies = SplitCopies()
 
     def add_split(self, held: tuple[int, ...], moved: tuple[int, ...] | None) -> None:
         """Add a graph's tensor-parallel splits (:func:`_splits`) to the sums."""
@@ -139,7 +134,7 @@ class PartitionEach:
                     recorded = weight_gradient_inputs(bw, is_param)
                 found.weight_gradient_inputs += recorded
                 if backend.checkpoint:
-                    found.add_split_recompute(split_recompute(tagged, is_param, TAGGED, order))
+                    found.split_recompute += split_recompute(tagged, is_param, TAGGED, order)
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
                 found.add_split(*_splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes))
                 if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)

@@ -25,6 +25,7 @@ from .._compat.aot import is_tangent, primal_name
 from .._compat.checkpoint import CheckpointPolicy
 from .._compat.ops import is_view_op
 from ..inspection.flops import val_bytes
+from .candidates import SplitCopies
 
 __all__ = ["split_recompute"]
 
@@ -36,9 +37,8 @@ def split_recompute(
     is_param: Callable[[str], bool],
     tagged: str,
     order: Callable[[int], int] | None = None,
-) -> tuple[int, int, int, int]:
-    """``(left, last, left_once, last_once)`` of one checkpointed layer under a split
-    backward's ``W``: the bytes of recomputed copies it leaves alive once its weight groups
+) -> SplitCopies:
+    """:class:`SplitCopies` of one checkpointed layer under a split backward's ``W``: the bytes of recomputed copies it leaves alive once its weight groups
     ran (held while a later layer's groups run) and the most alive while they run when it is
     the stage's last layer; then the same when the groups share one recompute
     (:func:`sac_compile.pipelining.recompute_once`: copies made at the first group only).
@@ -63,9 +63,9 @@ def split_recompute(
     # the groups that recompute the layer: those whose weight's gradient reads any value it
     # saved (a cached one too: unpacking any of the checkpoint's saved values recomputes)
     saved = [r for v, r in g.readers.items() if v.meta.get(tagged) or g.is_input(v)]
-    groups = sorted({k for readers in saved for r in readers for k in g.feeds.get(r, ())})
+    groups = sorted({k for readers in saved for r in readers for k in g.runs.get(r, ())})
     if not groups:
-        return 0, 0, 0, 0
+        return SplitCopies()
     released: dict[torch.fx.Node, int] = {}  # a value only weight-gradient ops read: its last group
     for v, readers in recomputed.items():
         reached = set().union(*(g.feeds.get(r, set()) for r in readers))
@@ -86,13 +86,14 @@ def split_recompute(
                     if released.get(v, k + 1) <= k or (as_last and not g.kept_after(v, k)):
                         copies[v] = 0
             out.append(most if as_last else sum(n * sizes[v] for v, n in copies.items()))
-    return out[0], out[1], out[2], out[3]
+    return SplitCopies(out[0], out[1], out[2], out[3], len(groups))
 
 
 class _Graph:
     """A joint graph's structure as a split backward sees it: per saved forward value the
     backward ops reading it (``readers``), per backward op off the input's gradient path the
-    weight groups it feeds (``feeds``), and which forward ops stay referenced while later
+    weight groups it feeds (``feeds``), per backward op the groups whose ``W`` runs it
+    (``runs``), and which forward ops stay referenced while later
     groups remain (:meth:`kept_after`)."""
 
     def __init__(self, joint: torch.fx.GraphModule, is_param: Callable[[str], bool], order: Any) -> None:
@@ -114,6 +115,14 @@ class _Graph:
         for k, i in enumerate(weights):
             for n in _ancestors([grads[i]], backward) - self.input_path:
                 self.feeds.setdefault(n, set()).add(k)
+        # per backward op, the groups whose W runs it: its weight-side ops and the op on the
+        # input's path each starts from (PyTorch's intermediate, run again: a fused backward
+        # making the input's and the weight's gradients at once)
+        self.runs: dict[torch.fx.Node, set[int]] = {n: set(ks) for n, ks in self.feeds.items()}
+        for n, ks in self.feeds.items():
+            for a in n.all_input_nodes:
+                if a in self.input_path:
+                    self.runs.setdefault(a, set()).update(ks)
         forward = [n for n in nodes if n.op == "call_function" and n not in backward]
         base: dict[torch.fx.Node, torch.fx.Node] = {}
         for n in forward:

@@ -219,6 +219,16 @@ def _work(table: Plan, c: Candidate | None, target: Target) -> tuple[float, floa
     return ring_flops(table, target), recompute, redo
 
 
+def _weight_pass_recompute(c: Candidate | None, target: Target) -> float:
+    """The FLOPs a split backward's ``W`` recomputes beyond ``I``'s recompute: a checkpointed
+    layer once per weight group that recomputes it (PyTorch's; :mod:`.split_backward`), once
+    with ``Target.pp_recompute_once``. Counted on every stage (the first stage's ``W`` is
+    one whole backward: over by its share)."""
+    if c is None or not c.split_recompute.groups or not target.weight_pass:
+        return 0.0
+    return (1 if target.pp_recompute_once else c.split_recompute.groups) * c.recompute_flops
+
+
 def layer_seconds(
     table: Plan, c: Candidate | None, target: Target, compile: bool = True
 ) -> tuple[float, float]:
@@ -233,6 +243,7 @@ def layer_seconds(
     ring, recompute, redo = _work(table, c, target)
     forward_flops = table.forward_flops + ring
     backward_flops = table.no_checkpoint_flops + 2.5 * ring + recompute + redo * ring
+    backward_flops += _weight_pass_recompute(c, target)
     attend = table.forward_attention_flops + ring
     attend_back = min((2.5 + redo) * attend, backward_flops)
     forward = target.compute_seconds(forward_flops - attend, table.forward_traffic)
