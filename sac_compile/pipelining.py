@@ -18,6 +18,10 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
+from torch.utils.checkpoint import GraphExecGroup
+
+from ._compat.pipelining import current_graph_exec_group, schedule_stages
+
 __all__ = ["recompute_once"]
 
 _WRAPPED = "_sac_recompute_once"
@@ -31,8 +35,6 @@ def recompute_once(stages: Any) -> list[Any]:
     PyTorch's) runs as it is. Schedules without a split backward never call ``W``: nothing
     changes there. A stage whose weight groups share an autograd node (a weight used by two
     groups' ops) fails loudly in PyTorch's ``CheckpointError``, never silently."""
-    from ._compat.pipelining import schedule_stages
-
     found = schedule_stages(stages)
     if found is None:
         found = [stages] if hasattr(stages, "backward_weight_one_chunk") else _listed(stages)
@@ -62,10 +64,6 @@ def _listed(stages: Any) -> list[Any]:
 def _grouped(weight_pass: Any) -> Any:
     @functools.wraps(weight_pass)
     def run(*args: Any, **kwargs: Any) -> Any:
-        from torch.utils.checkpoint import GraphExecGroup
-
-        from ._compat.pipelining import current_graph_exec_group
-
         if current_graph_exec_group() is not None:
             return weight_pass(*args, **kwargs)
         with GraphExecGroup():

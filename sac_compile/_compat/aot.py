@@ -10,7 +10,7 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "forward_saved_outputs",
     "is_buffer_input",
     "is_rng_state_output",
+    "gradient_nodes",
     "is_tangent",
     "primal_name",
     "is_with_effects",
@@ -331,6 +332,18 @@ def is_tangent(node_or_name: Any) -> bool:
     """A joint or backward graph input carrying an incoming gradient."""
     name = node_or_name if isinstance(node_or_name, str) else str(node_or_name.target)
     return name.startswith("tangents")
+
+
+def gradient_nodes(nodes: Iterable[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes of a joint or backward graph (``nodes`` in graph order) computed from an
+    incoming gradient: its tangent inputs and every op reading one of them, transitively."""
+    found: set[torch.fx.Node] = set()
+    for n in nodes:
+        if (n.op == "placeholder" and is_tangent(n)) or (
+            n.op == "call_function" and any(a in found for a in n.all_input_nodes)
+        ):
+            found.add(n)
+    return found
 
 
 def primal_name(index: int) -> str:

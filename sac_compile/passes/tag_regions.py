@@ -227,10 +227,7 @@ def _forward_nodes(nodes: list[fx.Node]) -> set[fx.Node]:
     tagged = {n for n in nodes if aot.partitioner_tag(n) == "is_forward"}
     if tagged:
         return tagged
-    backward: set[fx.Node] = set()
-    for n in nodes:
-        if _is_tangent(n) or any(a in backward for a in n.all_input_nodes):
-            backward.add(n)
+    backward = aot.gradient_nodes(nodes)
     forward: set[fx.Node] = set()
     for n in nodes:
         if n.op == "placeholder":

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._compat.aot import is_tangent, offloaded_source, primal_name
+from .._compat.aot import gradient_nodes, offloaded_source, primal_name
 from .._compat.ops import is_view_op
 from ..inspection.flops import val_bytes
 
@@ -105,12 +105,7 @@ def weight_gradient_inputs(gm: torch.fx.GraphModule, is_param: Callable[[str], b
     a forward value (a linear's ``mm``, a norm's ``mul``), the gradient operand there. What
     PyTorch's split backward (``stage_backward_input``, zero-bubble schedules) records at
     those ops and holds from a microbatch's ``I`` to its ``W``."""
-    tangent: set[torch.fx.Node] = set()
-    for n in gm.graph.nodes:
-        if n.op == "placeholder" and is_tangent(n):
-            tangent.add(n)
-        elif n.op == "call_function" and any(a in tangent for a in n.all_input_nodes):
-            tangent.add(n)
+    tangent = gradient_nodes(gm.graph.nodes)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     found: dict[torch.fx.Node, int] = {}
     for i, grad in enumerate(output.args[0]):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._compat.aot import is_tangent, primal_name
+from .._compat.aot import gradient_nodes, is_tangent, primal_name
 from .._compat.checkpoint import CheckpointPolicy
 from .._compat.ops import is_view_op
 from ..inspection.flops import val_bytes
@@ -98,12 +98,7 @@ class _Graph:
 
     def __init__(self, joint: torch.fx.GraphModule, is_param: Callable[[str], bool], order: Any) -> None:
         nodes = list(joint.graph.nodes)
-        backward: set[torch.fx.Node] = set()
-        for n in nodes:
-            if (n.op == "placeholder" and is_tangent(n)) or (
-                n.op == "call_function" and any(a in backward for a in n.all_input_nodes)
-            ):
-                backward.add(n)
+        backward = gradient_nodes(nodes)
         output = next(n for n in nodes if n.op == "output")
         primals = [n for n in nodes if n.op == "placeholder" and not is_tangent(n)]
         grads = list(output.args[0])[-len(primals) :]
