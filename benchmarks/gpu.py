@@ -272,10 +272,10 @@ def predicted_beside_measured(args, ids) -> list[str]:
     figures = hf.step_figures(build(args)[0], target, inputs={"input_ids": ids})
     none, full = figures.peak(None, compile=True).reserved, figures.peak((), compile=True).reserved
     # halfway between the two, plus the headroom a plan keeps free (a plan fits on reserved)
-    memory = int((none + full) / 2 / (1 - target.headroom))
+    memory = int((none + full) / 2 / (1 - target.machine.headroom))
     plan = hf.plan_for(build(args)[0], memory, device=target, inputs={"input_ids": ids})
     print(
-        f"\nwhole AdamW steps on {target.device.name}: predicted (measured {time.perf_counter() - start:.1f} s, "
+        f"\nwhole AdamW steps on {target.machine.device.name}: predicted (measured {time.perf_counter() - start:.1f} s, "
         f"one layer of each kind) beside measured; plan for {memory / 2**20:.1f} MiB: {'; '.join(g.plan.chosen.label for g in plan.groups)}"
     )
     rows = {

@@ -78,6 +78,10 @@ class Run:
     rank: int | None = None
     pp_virtual_stages: int | None = None
     async_tp: bool = False  # torchtitan's --parallelism.enable_async_tensor_parallel
+    # the pipeline's step returned the last stage's outputs, keeping every microbatch's to the
+    # next step: torchtitan before github.com/pytorch/torchtitan/pull/1922 (2025-10-22), on a
+    # PyTorch without step(return_outputs=False) (github.com/pytorch/pytorch/pull/165822)
+    pp_return_outputs: bool = False
     # validating: found and added after the device model was built, never tuned to (the
     # claim); the rest were in view while it was built (and those marked calibrates set a
     # constant)
@@ -117,6 +121,7 @@ def _target(run: Run, **changes: object) -> object:
         loss=run.loss,
         repeat_kv=run.repeat_kv,
         async_tp=run.async_tp,
+        pp_return_outputs=run.pp_return_outputs,
     )
     return Target(run.device, batch=run.batch, seq=run.seq, **{**layout, **changes})
 
@@ -154,7 +159,7 @@ def predict(run: Run, cache: dict) -> dict:
     plan, (peak, step) = _configured(run, cache)
     gib = peak.reserved / 2**30
     published = run.published_gib * run.memory_unit / 2**30 if run.published_gib else None
-    capacity = run.oom and plan.target.device.memory / 2**30
+    capacity = run.oom and plan.target.machine.device.memory / 2**30
     return {
         "run": run.name,
         "source": run.source,

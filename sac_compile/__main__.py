@@ -149,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
         "(stages wrapped by sac_compile.pipelining.recompute_once; default PyTorch's once per weight group)",
     )
     parser.add_argument(
+        "--pp-return-outputs",
+        action="store_true",
+        help="the pipeline's step returns the last stage's outputs (PyTorch's default return_outputs=True, "
+        "and always before 2025-10): every microbatch's logits kept to the next step; default torchtitan's "
+        "return_outputs=False",
+    )
+    parser.add_argument(
         "--no-loss-parallel",
         action="store_true",
         help="with --tp: the logits whole on every rank (default: split on the vocabulary, as torchtitan)",
@@ -239,7 +246,11 @@ def plan_command(argv: list[str]) -> int:
             model, None, device=unbounded, compile=not args.eager, progress=_progress, include=()
         )
         # (--ac: the measurements on the real target; the plan's own choice is not reported)
-        plan = measured.select(target.memory) if ac is None else dataclasses.replace(measured, target=target)
+        plan = (
+            measured.select(target.machine.memory)
+            if ac is None
+            else dataclasses.replace(measured, target=target)
+        )
     except ValueError as e:
         raise SystemExit(f"sac_compile plan: {e}") from None
     seconds = time.perf_counter() - start
@@ -291,6 +302,7 @@ def _target(args: argparse.Namespace) -> Any:
             pp_schedule=args.pp_schedule,
             pp_virtual_stages=args.pp_virtual_stages,
             pp_recompute_once=args.pp_recompute_once,
+            pp_return_outputs=args.pp_return_outputs,
             replicate=_replicas(args),
             zero=args.zero,
             microbatch_size=args.microbatch_size,

@@ -5,6 +5,7 @@ Select with ``pytest -m distributed``; ``make test`` runs them.
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -623,6 +624,9 @@ PP_CONFIGS = {
     "attn compiled": {"keep": {"attn"}, "compile": {"inner": "aot_eager"}},
     # full recompute, each stage's weight pass recomputing once (sac_compile.pipelining)
     "full once": {},
+    # step(return_outputs=True), PyTorch's default: the last stage's outputs kept to return
+    "none returned": None,
+    "full returned": {},
 }
 
 
@@ -644,7 +648,7 @@ def _pp_target(schedule: str, pp: int, **kw):
 def _pipeline_step_peaks(rank: int, world_size: int, runs: dict) -> dict:
     """Per rank, the allocator's peak over one AdamW step of a pipeline of a tiny Llama
     (float32, 4 microbatches of 1 sequence, torchtitan's loss, outputs not returned as
-    torchtitan steps) under each of PyTorch's schedules ``runs`` names (its class, the stages
+    torchtitan steps, returned in the configs so named) under each of PyTorch's schedules ``runs`` names (its class, the stages
     this rank runs and the layers of each as the planner reads them: ``planning.pipeline``)
     with each of its configs (``PP_CONFIGS``), plus the stages' parameters, optimizer state and receive
     buffers live before it."""
@@ -659,7 +663,7 @@ def _pipeline_step_peaks(rank: int, world_size: int, runs: dict) -> dict:
     peaks = {}
     for schedule, configs in runs.items():
         target = _pp_target(schedule, world_size)
-        count = world_size * target.stages_per_rank
+        count = world_size * target.layout.stages_per_rank
         kind = get_schedule_class(SCHEDULES[schedule][0])
         for name in configs:
             model = _pp_llama(world_size).train()
@@ -689,13 +693,19 @@ def _pipeline_step_peaks(rank: int, world_size: int, runs: dict) -> dict:
             ids = torch.randint(
                 0, 2048, (PP_BATCH * world_size // 2, PP_SEQ), generator=torch.Generator().manual_seed(1)
             )
-            first = any(s.is_first for s in stages)
+            first, returning = any(s.is_first for s in stages), name.endswith(" returned")
 
             def step(
-                pipeline=pipeline, opt=opt, ids=ids, first=first, key=(schedule, name, "grads"), held=module
+                pipeline=pipeline,
+                opt=opt,
+                ids=ids,
+                first=first,
+                key=(schedule, name, "grads"),
+                held=module,
+                returned=returning,
             ):
-                pipeline.step(ids, target=ids, return_outputs=False) if first else pipeline.step(
-                    target=ids, return_outputs=False
+                pipeline.step(ids, target=ids, return_outputs=returned) if first else pipeline.step(
+                    target=ids, return_outputs=returned
                 )
                 grads = [p.grad.double().sum().item() for p in held.parameters() if p.grad is not None]
                 peaks.setdefault(key, grads)  # (the first step's gradients, per parameter)
@@ -703,6 +713,10 @@ def _pipeline_step_peaks(rank: int, world_size: int, runs: dict) -> dict:
                 opt.zero_grad(set_to_none=True)
 
             step()
+            # (the last config's schedule and stages sit in reference cycles: collected now, not
+            # in the middle of this step, where freeing what it kept, such as the outputs a
+            # step returned, would lower this step's timeline)
+            gc.collect()
             peaks[schedule, name] = _step_peak(step, [*module.parameters(), *_receive_buffers(stages)], opt)
     return peaks
 
@@ -733,6 +747,7 @@ def _pipeline_matrix(
     from sac_compile import hf
 
     keeps = {"none": None, "full": (), "attn": {"attn"}, "attn compiled": {"attn"}, "full once": ()}
+    keeps |= {"none returned": None, "full returned": ()}
     measured = run_ranks(_pipeline_step_peaks, runs, world_size=pp)
     if measured_out is not None:
         measured_out.extend(measured)  # (per rank: the peaks and the first step's gradients)
@@ -740,8 +755,9 @@ def _pipeline_matrix(
     out = []
     for schedule, configs in runs.items():
         for name in configs:
-            once = name.endswith(" once")
-            priced = dataclasses.replace(figures, target=_pp_target(schedule, pp, pp_recompute_once=once))
+            once, returned = name.endswith(" once"), name.endswith(" returned")
+            target = _pp_target(schedule, pp, pp_recompute_once=once, pp_return_outputs=returned)
+            priced = dataclasses.replace(figures, target=target)
             predicted = [p.bytes for p in priced.stages(keeps[name], compile=name.endswith("compiled"))]
             out.append((schedule, name, [p / r[schedule, name] for p, r in zip(predicted, measured)]))
     return out
@@ -763,13 +779,17 @@ def test_the_predicted_pipeline_stage_peaks_match_each_ranks_measured_peak():
     interleaved 1F1B (no checkpoint, full recompute) and ZBV (no checkpoint, full recompute;
     compiled layers are refused there: a compiled backward's donated buffers refuse the
     split backward's ``retain_graph``, PyTorch's rule). Attention kept by the eager engine
-    and every schedule: the extended test below. Within 5% (0.98-1.02 here). Red before the
+    and every schedule: the extended test below. A step that returns the outputs (PyTorch's
+    default; 1F1B without a checkpoint, interleaved 1F1B with full recompute): the last rank
+    keeps every microbatch's logits to the next step (0.83 / 0.82 of its peak before
+    ``pp_return_outputs`` counted them). Within 5% (0.98-1.02 here). Red before the
     split backward's recompute per weight group was counted (ZBV with full recompute at
     0.99 / 0.56 of the two ranks' peaks, ``planning.split_backward``), before the schedule's own
     actions were read (a formula for three schedules; none for ZBV), before the last stage's
     kept outputs and the accumulated gradients were counted (1F1B's last stage at 0.77-0.79)
     and before the pipeline's buffers were (1F1B's first stage at 0.935)."""
-    runs = {"1f1b": ("none", "full", "attn compiled"), "interleaved-1f1b": ("none", "full")}
+    runs = {"1f1b": ("none", "full", "attn compiled", "none returned"), "interleaved-1f1b": ("none", "full")}
+    runs["interleaved-1f1b"] += ("full returned",)
     measured: list[dict] = []
     zbv = "zbv-zero-bubble"
     _check_pipeline(_pipeline_matrix(2, {**runs, zbv: ("none", "full", "full once")}, measured), 0.05)
@@ -784,13 +804,14 @@ def test_the_predicted_pipeline_stage_peaks_match_each_ranks_measured_peak():
 def test_every_pytorch_schedule_at_four_stages_matches_each_ranks_measured_peak():
     """The same on four gloo ranks (eight layers, eight microbatches), every schedule PyTorch
     has, no checkpoint, full recompute and attention kept, and the split-backward ones with
-    their weight pass recomputing once (``sac_compile.pipelining.recompute_once``): within
-    10% (0.93-1.06 here). Red
+    their weight pass recomputing once (``sac_compile.pipelining.recompute_once``), and each
+    with full recompute and the outputs returned (``pp_return_outputs``): within 10%
+    (0.93-1.06 here). Red
     before a split backward's recompute per weight group was counted (the zero-bubble ones
     with a checkpoint at 0.60-1.01), before what PyTorch's action runtime keeps to the step's end was counted (every stage
     output and input gradient it sent: the interleaved and looped ranks at 0.85-1.03) and
     before a split backward's recorded gradients, held from I to W, were (the zero-bubble
     ones without a checkpoint at 0.78-1.01)."""
-    runs = dict.fromkeys(_ALL_SCHEDULES, ("none", "full", "attn"))
-    runs.update(dict.fromkeys(SPLIT_BACKWARD, ("none", "full", "attn", "full once")))
+    runs = dict.fromkeys(_ALL_SCHEDULES, ("none", "full", "attn", "full returned"))
+    runs.update(dict.fromkeys(SPLIT_BACKWARD, ("none", "full", "attn", "full once", "full returned")))
     _check_pipeline(_pipeline_matrix(4, runs), 0.10)

@@ -308,7 +308,7 @@ def test_a_device_plan_allowed_to_offload_recomputes_no_more_and_is_no_slower(de
         if any(g.plan.chosen.offload for g in moved.groups):
             offloaded += 1
             assert moved.recompute_flops < plain.recompute_flops, memory
-            assert 0 < moved.host_bytes <= moved.target.host_memory
+            assert 0 < moved.host_bytes <= moved.target.machine.host_memory
             assert moved.step.transfer > 0 and moved.transfer_seconds == moved.step.transfer
             assert "offload" in moved.step.terms() and "offloaded:" in moved.format()
             per_layer = sum(g.plan.chosen.offloaded_bytes * len(g.paths) for g in moved.groups)
@@ -361,8 +361,10 @@ def test_an_offloading_point_whose_step_is_slower_gives_way_to_one_that_is_not()
     )
     config = Path(__file__).resolve().parents[1] / "examples" / "configs" / "llama3_70b.json"
     measured = hf.plan_for(_model(str(config)), None, device=target.replace(memory=1 << 60), budgets=(None,))
-    moved = _choose(measured, False, memory=target.memory)
-    plain = _choose(measured, False, memory=target.memory, offload=False, host_memory=None, host_link=None)
+    moved = _choose(measured, False, memory=target.machine.memory)
+    plain = _choose(
+        measured, False, memory=target.machine.memory, offload=False, host_memory=None, host_link=None
+    )
     assert moved.groups[0].plan.chosen.offload, moved.format()
     assert moved.recompute_flops < plain.recompute_flops and moved.step_seconds <= plain.step_seconds
 
@@ -404,7 +406,7 @@ def test_the_copies_hide_behind_the_compute_around_them_in_their_own_graph():
     from sac_compile.planning.offload import transfer
 
     target = Target("h100-80gb", offload=True, host_memory="1TB", host_link="pcie5")
-    d = target.device
+    d = target.machine.device
     one = 63e9 * HOST_EFFICIENCY  # bytes/s one way
     nbytes = 10**8
     copy_s = nbytes / one

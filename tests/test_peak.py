@@ -176,8 +176,37 @@ def test_bad_targets_are_refused_clearly():
     with pytest.raises(ValueError, match=r"memory='80': .* no unit .* '80GiB' or '80GB'"):
         Target("h200", memory="80")
     assert parse_memory("4096B") == 4096 and parse_memory(4096) == 4096  # bytes said so: bytes
-    assert Target("h200").memory == DEVICES["h200"].memory and device("H100-80GB") is DEVICES["h100-80gb"]
+    assert (
+        Target("h200").machine.memory == DEVICES["h200"].memory
+        and device("H100-80GB") is DEVICES["h100-80gb"]
+    )
     assert all(d.source and d.bf16_flops > 0 and d.bandwidth > 0 for d in DEVICES.values())
+
+
+def test_a_target_is_its_machine_layout_and_workload():
+    """A ``Target`` is three parts, each field in exactly one; built from keywords or from
+    parts alike; ``replace`` changes a field in its part; the parts hold the values the
+    model reads, normalized (a ``Device``, bytes, a ``torch.dtype``); a misspelt keyword is
+    refused with the fields named."""
+    from sac_compile.planning.devices import Layout, Machine, Workload
+
+    parts = [{f.name for f in dataclasses.fields(p)} for p in (Machine, Layout, Workload)]
+    assert [f.name for f in dataclasses.fields(Target)] == ["machine", "layout", "workload"]
+    assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
+    flat = Target("h100-96gb", memory="70GiB", fsdp=4, tp=2, pp=2, batch=4, seq=2048, param_dtype="float32")
+    layout, workload = Layout(fsdp=4, tp=2, pp=2), Workload(batch=4, seq=2048, param_dtype=torch.float32)
+    assert Target("h100-96gb", memory=70 << 30, layout=layout, workload=workload) == flat
+    assert flat.machine.device is DEVICES["h100-96gb"] and flat.machine.memory == 70 << 30
+    assert flat.workload.param_dtype is torch.float32 and flat.traced == (1, 2048) and flat.microbatches == 4
+    wider = flat.replace(tp=4, batch=8, headroom=0.1)
+    assert (wider.layout.tp, wider.layout.fsdp, wider.workload.batch, wider.workload.seq) == (4, 4, 8, 2048)
+    assert (wider.machine.headroom, wider.machine.memory, wider.microbatches) == (0.1, 70 << 30, 8)
+    assert flat.replace(device="h200").machine.device is DEVICES["h200"]
+    with pytest.raises(TypeError, match=r"unexpected keyword\(s\) fdsp: the fields are .*fsdp"):
+        Target("h200", fdsp=8)
+    # a whole part's check, and what spans parts, stay before any work
+    with pytest.raises(ValueError, match=r"Target\(batch=3, microbatch_size=2\)"):
+        flat.replace(microbatch_size=2, batch=3)
 
 
 @pytest.mark.slow
@@ -314,7 +343,7 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
     scores = heads * seq * seq * 2  # one bf16 seq x seq matrix per head
     # FSDP over 8 devices: the activations dominate a step of this small model
     gpu = hf.plan_for(meta_llama(heads), "80GB", device="h100-80gb", batch=1, seq=seq, fsdp=8)
-    assert gpu.fits and gpu.peak_bytes <= gpu.target.usable
+    assert gpu.fits and gpu.peak_bytes <= gpu.target.machine.usable
     table = gpu.measured[0].plan
 
     def kept_by_attention(table) -> int:  # what keeping attention adds to full recompute's bytes
@@ -341,9 +370,9 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
     # chosen by predicted step among all that fit: a smaller memory never gives a faster step
     steps = [p.step_seconds for p in chosen]
     assert steps == sorted(steps), steps
-    least = [p.select(p.target.memory) for p in chosen]  # (the same choice again)
+    least = [p.select(p.target.machine.memory) for p in chosen]  # (the same choice again)
     assert [p.step_seconds for p in least] == steps
-    assert all(p.peak_bytes <= p.reserved_bytes <= p.target.usable for p in chosen)
+    assert all(p.peak_bytes <= p.reserved_bytes <= p.target.machine.usable for p in chosen)
     assert full.recompute_flops * 4 >= flops[-1]  # at most every layer fully recomputed
     with pytest.raises(
         ValueError, match=r"no plan fits h100-80gb with .* smallest predicted peak is .* GiB .*largest term"
@@ -359,7 +388,7 @@ def test_a_meta_model_is_planned_for_a_gpu_with_its_attention_kernel():
     assert found, str(tiny.value)
     reserved, allocated = (float(v) * 2**30 for v in found.groups())
     assert allocated < reserved
-    between = (allocated + reserved) / 2 / (1 - gpu.target.headroom)
+    between = (allocated + reserved) / 2 / (1 - gpu.target.machine.headroom)
     with pytest.raises(ValueError) as e:
         gpu.select(int(between))
     usable = float(re.search(rf"with {gib} usable", str(e.value)).group(1)) * 2**30
@@ -755,7 +784,7 @@ def test_pipeline_stages_hold_the_microbatches_their_schedule_keeps_in_flight():
     the layers split as torchtitan splits them (the embeddings and the head a layer each)."""
     from sac_compile.planning.devices import Target
     from sac_compile.planning.peak import in_flight, stage_peaks, step_peak
-    from sac_compile.planning.pipeline import stage_layers
+    from sac_compile.planning.pipeline import rank_schedules, stage_layers
 
     def target(**kw):
         return Target("h100-80gb", batch=8, seq=16, optimizer="sgd", **kw)
@@ -785,6 +814,19 @@ def test_pipeline_stages_hold_the_microbatches_their_schedule_keeps_in_flight():
     assert whole.breakdown["parameters"] == (8 * 1000 + 600) * 4
     gpipe = stage_peaks(sizes, layers, target(pp=4, pp_schedule="gpipe"))
     assert gpipe[0].breakdown["activations"] == 8 * 2 * 4096
+    # a step that returns the outputs: the last stage keeps each microbatch's past its
+    # backward, to the next step (1F1B's last rank: 0, 1, ... of them at its backwards),
+    # and concatenates them; the other ranks are unchanged
+    last = rank_schedules(one_f)[3]
+    assert [m.returned for m in last.moments] == list(range(8))
+    layers, sizes = _pipeline_model(logits_bytes=1 << 20)
+    kept, returned = (stage_peaks(sizes, layers, target(pp=4, pp_return_outputs=r)) for r in (False, True))
+    assert [p.bytes for p in returned[:3]] == [p.bytes for p in kept[:3]]
+    merged = 2 * 8 * sizes.logits_bytes  # every microbatch's kept and their concatenation
+    assert returned[3].phase == "merging the outputs" and returned[3].breakdown["pipeline_buffers"] >= merged
+    assert kept[3].bytes < returned[3].bytes
+    with pytest.raises(ValueError, match=r"pp_return_outputs=True, pp=1\): .* there is no pipeline"):
+        target(pp_return_outputs=True)
 
 
 def test_each_pytorch_schedule_is_priced_from_its_own_actions():
@@ -847,7 +889,7 @@ def test_the_bubble_is_the_schedules_own():
         "zbv-zero-bubble",
     ):
         t = Target("h100-80gb", batch=8, seq=16, pp=4, pp_schedule=schedule)
-        v = t.stages_per_rank
+        v = t.layout.stages_per_rank
         bubbles[schedule] = makespan(t, [1.0 / v] * 4 * v, [2.0 / v] * 4 * v) - work
     assert bubbles["gpipe"] == bubbles["1f1b"] == pytest.approx(work * 3 / 8)
     assert bubbles["interleaved-1f1b"] == bubbles["looped-bfs"] == pytest.approx(work * 3 / 16)

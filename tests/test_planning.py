@@ -135,8 +135,11 @@ def test_memory_has_one_meaning_per_type_at_every_entry_point():
     whole = p.no_checkpoint_bytes
     assert p.select("64KiB").memory == p.select(65536).memory == 65536
     assert p.select(0.5).memory == int(0.5 * whole) and p.select(1.0).memory == whole
-    assert Target("h100-80gb", memory=0.9).memory == int(0.9 * DEVICES["h100-80gb"].memory)
-    assert Target("h100-80gb", memory="70GiB").memory == Target("h100-80gb", memory=70 * GiB).memory
+    assert Target("h100-80gb", memory=0.9).machine.memory == int(0.9 * DEVICES["h100-80gb"].memory)
+    assert (
+        Target("h100-80gb", memory="70GiB").machine.memory
+        == Target("h100-80gb", memory=70 * GiB).machine.memory
+    )
     with pytest.raises(ValueError, match=r"memory=80000000000.0: a float is a fraction in \[0, 1\]"):
         Target("h100-80gb", memory=80e9)
     with pytest.raises(TypeError, match=r"host_memory=0.5: a float is a fraction, and there is no whole"):

@@ -18,7 +18,7 @@ from .._compat.transformers import grouped_query_sdpa
 from ..keep import Keep, Regions
 from ..memory import Memory
 from ..planning import ModelPlan, plan_model
-from ..planning.devices import Device, Target
+from ..planning.devices import Target
 from ..planning.peak import ModelSizes, Peak
 from .layers import layer_regions, merged, read_stacks, report_unchecked, vocab_size
 
@@ -56,19 +56,19 @@ def plan_for_device(
         target = Target(device, memory=memory, batch=batch, seq=seq, param_dtype=dtype, loss=loss, **parallel)
     if options.get("estimator") == "time":
         where = next(root.parameters()).device
-        here = "cuda" if target.device.cuda else "cpu"  # type: ignore[union-attr]
+        here = "cuda" if target.machine.device.cuda else "cpu"
         if not compile or where.type != here or (here == "cuda" and not torch.cuda.is_available()):
             raise ValueError(
                 f"estimator='time' measures compiled steps on the device itself: a model on {here} planned with "
-                f"compile=True (this one is on {where.type}, compile={compile}); for {target.device.name} from "  # type: ignore[union-attr]
+                f"compile=True (this one is on {where.type}, compile={compile}); for {target.machine.device.name} from "
                 "another machine the step is estimated (planning.step_time; estimator='flops', the default)"
             )
-    if target.async_tp and not compile:
+    if target.layout.async_tp and not compile:
         raise ValueError(
-            f"plan_for(compile=False) with Target(async_tp=True, tp={target.tp}): async TP is an Inductor pass, "
+            f"plan_for(compile=False) with Target(async_tp=True, tp={target.layout.tp}): async TP is an Inductor pass, "
             "eager layers run their collectives as they are (compile=True, or drop async_tp)"
         )
-    if options.get("offload") and not target.offload:
+    if options.get("offload") and not target.machine.offload:
         raise ValueError(
             "plan_for(offload=True, device=...): a device plan offloads within the host memory of its target: "
             "pass device=Target(..., offload=True, host_memory='256GB') instead"
@@ -76,7 +76,7 @@ def plan_for_device(
     if not compile:
         options.setdefault("budgets", (None,))
     options.setdefault("eager", not compile and not meta)
-    options["offload"] = target.offload
+    options["offload"] = target.machine.offload
     planned, params, sizes, inputs = _measure(model, read, target, inputs, options)
     return choose(planned.groups, params, sizes, target, compile=compile, layers=planned.layers)
 
@@ -95,21 +95,21 @@ def _measure(
 
     root = unwrap_compiled(model)
     where = next(root.parameters()).device
-    if target.repeat_kv and where.type == "cuda":
+    if target.workload.repeat_kv and where.type == "cuda":
         raise ValueError(
             "Target(repeat_kv=True) traces the target's attention on the meta device or the CPU; a model on a "
             "CUDA device is measured running its own (transformers repeats keys and values when handed a "
             "mask): drop repeat_kv"
         )
     if where.type == "meta":
-        root.to(target.param_dtype)
+        root.to(target.workload.param_dtype)
     if inputs is None:
         inputs = _tokens(model, target, where)
     patterns = tuple(f"{path}.*" for path, _ in read)
     # (on the meta device, a recomputed dropout's RNG state is saved as on the CPU)
     rng = meta_rng_states() if where.type == "meta" else contextlib.nullcontext()
-    gpu_kernels = cast(Device, target.device).cuda and where.type != "cuda"  # (a Device once made)
-    with target_kernels(gpu_kernels, target.repeat_kv), grouped_query_sdpa(gpu_kernels), rng:
+    gpu_kernels = target.machine.device.cuda and where.type != "cuda"
+    with target_kernels(gpu_kernels, target.workload.repeat_kv), grouped_query_sdpa(gpu_kernels), rng:
         planned = plan_model(
             model, layers=patterns, memory=1.0, regions=merged(read), use_cache=False, **inputs, **options
         )
@@ -188,7 +188,7 @@ def _step_sizes(
     root: nn.Module, planned: ModelPlan, target: Target, inputs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], Any]:
     """Per kind of layer, one layer's parameters; the model's sizes for the step's peak: its
-    parameters and the head's terms, by ``target.loss`` (:data:`~sac_compile.planning.devices.LOSSES`:
+    parameters and the head's terms, by ``target.workload.loss`` (:data:`~sac_compile.planning.devices.LOSSES`:
     transformers' causal-LM loss upcasts the logits to float32, its ``log_softmax`` output is
     held, two gradients of that size live in its backward, and the model's own logits stay
     alive in its output; torchtitan frees those before the backward; a chunked loss holds one
@@ -209,7 +209,7 @@ def _step_sizes(
     tokens = (
         int(inputs["input_ids"].numel()) if "input_ids" in inputs else target.traced[0] * target.traced[1]
     )
-    width = torch.empty((), dtype=cast(torch.dtype, target.param_dtype)).element_size()
+    width = torch.empty((), dtype=target.workload.param_dtype).element_size()
     logits = tokens * text.vocab_size * 4
     norm = 3 * tokens * text.hidden_size * width
     model_logits = tokens * text.vocab_size * width if width != 4 else 0
@@ -322,7 +322,7 @@ def step_figures(
 ) -> StepFigures:
     """Measure what a training step of ``model`` on ``target`` (a
     :class:`~sac_compile.planning.devices.Target`) is made of: a causal-LM loss on
-    ``target.batch`` x ``target.seq`` tokens (or ``inputs``), optimizer ``target.optimizer``.
+    ``target.workload.batch`` x ``target.workload.seq`` tokens (or ``inputs``), optimizer ``target.workload.optimizer``.
 
     One layer of each kind of every stack is measured on this machine (what it holds for the
     backward without a checkpoint and with each keep set; the backward graph's transient:
@@ -332,7 +332,7 @@ def step_figures(
     :func:`sac_compile.planning.peak.step_peak` composes the step. For a CUDA target, a model
     that is not on a CUDA device is traced with the target's attention kernel
     (:mod:`sac_compile.planning.kernels`); a model on the meta device is cast in place to
-    ``target.param_dtype``. What the eager engine holds is measured by running it; on the
+    ``target.workload.param_dtype``. What the eager engine holds is measured by running it; on the
     meta device nothing runs, and a meta model's eager figures are its compiled partition's
     (``peak(keep)`` equals ``peak(keep, compile=True)`` there)."""
 
@@ -341,6 +341,6 @@ def step_figures(
     read = read_stacks(model, include or ())
     report_unchecked(model, include, "nor does this prediction: include={include!r} counts them too")
     meta = any(p.is_meta for p in unwrap_compiled(model).parameters())
-    options = {"budgets": (None,), "eager": not meta, "offload": target.offload}
+    options = {"budgets": (None,), "eager": not meta, "offload": target.machine.offload}
     planned, params, sizes, _ = _measure(model, read, target, inputs, options)
     return StepFigures(target, planned, params, sizes)

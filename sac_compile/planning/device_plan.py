@@ -111,7 +111,9 @@ class DevicePlan(ModelPlan):
         offloads within its host memory."""
         if self.peak is None or self.target is None:
             return False
-        return self.peak.reserved <= self.target.usable and self.host_bytes <= (self.target.host_memory or 0)  # type: ignore[operator]
+        return self.peak.reserved <= self.target.machine.usable and self.host_bytes <= (
+            self.target.machine.host_memory or 0
+        )
 
     def stages(self) -> list[Peak]:
         """Each rank's predicted peak with the plan's choices: every pipeline rank's in rank
@@ -139,8 +141,8 @@ class DevicePlan(ModelPlan):
             t = self.target
             scale, unit = (2**30, "GiB") if self.peak.bytes >= 2**30 else (2**20, "MiB")
             lines.append(
-                f"  on {t.device.name} ({t.memory / 2**30:.1f} GiB, {t.usable / 2**30:.1f} usable; "  # type: ignore[union-attr,operator]
-                f"fsdp {t.fsdp}, tp {t.tp}{layout_text(t)}, batch {t.batch} x seq {t.seq}): predicted peak "
+                f"  on {t.machine.device.name} ({t.machine.memory / 2**30:.1f} GiB, {t.machine.usable / 2**30:.1f} usable; "
+                f"fsdp {t.layout.fsdp}, tp {t.layout.tp}{layout_text(t)}, batch {t.workload.batch} x seq {t.workload.seq}): predicted peak "
                 f"{self.peak.bytes / scale:.2f} {unit} in the {self.peak.phase}, {self.peak.reserved / scale:.2f} {unit} "
                 f"reserved ({'fits' if self.fits else 'does not fit'})"
             )
@@ -150,7 +152,7 @@ class DevicePlan(ModelPlan):
             if self.host_bytes:
                 lines.append(
                     f"    offloaded: {self.host_bytes / scale:.2f} {unit} a GPU in host memory (of "
-                    f"{t.host_memory / scale:.0f} {unit}) over {t.host.name}"  # type: ignore[operator]
+                    f"{t.machine.host_memory / scale:.0f} {unit}) over {t.machine.host.name}"  # type: ignore[operator]
                 )
             if self.step is not None:
                 lines.append(step_line(self.step, self.step_measured))
@@ -222,8 +224,8 @@ def _cost(c: Candidate, target: Target, compile: bool, table: Plan) -> float:
     _, exposed = transfer(c, target, compile, *layer_seconds(table, c, target, compile=compile))
     if c.step_time is not None:
         return base + exposed
-    device = target.device
-    return base + exposed * device.bf16_flops * device.efficiency * target.tp  # type: ignore[union-attr]
+    device = target.machine.device
+    return base + exposed * device.bf16_flops * device.efficiency * target.layout.tp
 
 
 def _frontier(
@@ -309,7 +311,7 @@ def _walk(
         host = host_bytes(
             [(len(g.paths), offloaded_per_rank(c, target, compile)) for c, g in zip(chosen, groups)], target
         )
-        if peak.reserved <= target.usable and host <= (target.host_memory or 0):  # type: ignore[operator]
+        if peak.reserved <= target.machine.usable and host <= (target.machine.host_memory or 0):
             cost = sum(f[i][1] * len(g.paths) for f, i, g in zip(fronts, state, groups))
             return _Walk(fronts, state, peak, smallest, cost, host)
     assert smallest is not None
@@ -319,7 +321,7 @@ def _walk(
 def _sequence(groups: Sequence[LayerGroup], target: Target, compile: bool) -> Iterator[list[Candidate]]:
     """Every point of the walks (not offloading; offloading where the target may), as the
     chosen candidates: what :func:`~.fastest.fastest` weighs beside the uniform ones."""
-    for offload in (False, True) if target.offload else (False,):
+    for offload in (False, True) if target.machine.offload else (False,):
         fronts = [_frontier(g.plan, compile, target, offload) for g in groups]
         for state in _states(fronts, groups, target, compile):
             yield [f[i][0] for f, i in zip(fronts, state)]
@@ -337,7 +339,7 @@ def choose(
 ) -> DevicePlan:
     """The least-recompute plan per kind of layer whose predicted step peak fits ``target``
     (with ``by_step``, then the fastest predicted step that fits: :mod:`.fastest`).
-    With ``target.offload``, the walk that may offload where its cost (the recompute plus the
+    With ``target.machine.offload``, the walk that may offload where its cost (the recompute plus the
     copies compute does not hide) is below the plain plan's recompute and its predicted step
     is no slower: so never more recompute, never a slower step, than not offloading. Where
     the walk's point predicts a slower step (its copies exposed where the recompute it saves
@@ -345,7 +347,7 @@ def choose(
     runs again."""
     walk = _walk(groups, params, sizes, target, compile, offload=False)
     chosen = None if walk.state is None else _planned(walk, groups, params, sizes, target, compile, layers)
-    if target.offload:
+    if target.machine.offload:
         excluded: frozenset[Candidate] = frozenset()
         while True:
             moved = _walk(groups, params, sizes, target, compile, offload=True, excluded=excluded)
@@ -364,10 +366,10 @@ def choose(
     if chosen is not None:
         return fastest(chosen, _sequence(groups, target, compile)) if by_step else chosen
     term = walk.smallest.largest()
-    host = f"; offloading within {(target.host_memory or 0) / 2**30:.0f} GiB of host memory"  # type: ignore[operator]
+    host = f"; offloading within {(target.machine.host_memory or 0) / 2**30:.0f} GiB of host memory"
     raise ValueError(
-        f"no plan fits {target.device.name} with {target.usable / 2**30:.3f} GiB usable "  # type: ignore[union-attr]
-        f"({target.memory / 2**30:.2f} GiB less {target.headroom:.0%} headroom{host if target.offload else ''}): the smallest predicted "  # type: ignore[operator]
+        f"no plan fits {target.machine.device.name} with {target.machine.usable / 2**30:.3f} GiB usable "
+        f"({target.machine.memory / 2**30:.2f} GiB less {target.machine.headroom:.0%} headroom{host if target.machine.offload else ''}): the smallest predicted "
         f"peak is {walk.smallest.reserved / 2**30:.3f} GiB reserved, the figure compared ("
         f"{walk.smallest.bytes / 2**30:.3f} GiB allocated; every layer at its least memory), its largest term {term} "
         f"({walk.smallest.breakdown[term] / 2**30:.2f} GiB): {_FIX[term]}"

@@ -12,17 +12,20 @@ from typing import Any
 
 import torch
 
-from .._compat.pipelining import SCHEDULES
 from ..memory import Memory, parse_memory
 from .catalog import DEVICES, EAGER_SLOWDOWN, Device, device, present
 from .host import HOST_LINKS, HostLink, check_target
+from .layout import LAYOUT_FIELDS, Layout
 
 __all__ = [
     "DEVICES",
     "EAGER_SLOWDOWN",
     "LOSSES",
     "Device",
+    "Layout",
+    "Machine",
     "Target",
+    "Workload",
     "device",
     "parse_loss",
     "parse_memory",
@@ -67,8 +70,109 @@ def _dtype(value: str | torch.dtype, what: str) -> torch.dtype:
 
 
 @dataclass(frozen=True)
+class Machine:
+    """Where a step runs: the device, the memory a step may use on it, its links and host
+    (the fields are :class:`Target`'s of the same names, documented there; ``device`` a
+    :class:`Device`, ``memory`` and ``host_memory`` bytes once built)."""
+
+    device: Device
+    memory: int
+    headroom: float = 0.05
+    gpus_per_node: int = 8
+    network: float = 400e9 / 8
+    offload: bool = False
+    host_memory: int | None = None
+    host_link: str | None = None
+
+    @classmethod
+    def of(cls, device: Device | str = "h100-80gb", memory: Memory | None = None, **fields: Any) -> Machine:
+        """A machine from a device kind (or :class:`Device`), ``memory`` as :mod:`sac_compile.memory`
+        reads it (bytes, ``"80GiB"``, a fraction of the device's) and ``host_memory`` as bytes
+        or ``"256GB"``."""
+        dev = globals()["device"](device)
+        used = dev.memory if memory is None else parse_memory(memory, dev.memory, of="the device's memory")
+        if used <= 0:
+            raise ValueError(f"Target(memory={memory!r}): more than 0 bytes")
+        host = fields.pop("host_memory", None)
+        if host is not None:
+            host = parse_memory(host, name="host_memory")
+        return cls(dev, used, host_memory=host, **fields)
+
+    def __post_init__(self) -> None:
+        check_target(self, self.device.cuda, self.device.name)
+        value = self.gpus_per_node
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Target(gpus_per_node={value!r}): a positive int")
+        if isinstance(self.network, bool) or not isinstance(self.network, (int, float)) or self.network <= 0:
+            raise ValueError(
+                f"Target(network={self.network!r}): bytes/s per GPU between nodes, > 0 (400 Gb/s: 50e9)"
+            )
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"Target(headroom={self.headroom!r}): a fraction in [0, 1)")
+
+    @property
+    def usable(self) -> int:
+        """The bytes a plan may use: ``memory`` less the headroom."""
+        return int(self.memory * (1.0 - self.headroom))
+
+    @property
+    def host(self) -> HostLink:
+        """The :class:`~sac_compile.planning.host.HostLink` offloaded values cross."""
+        return HOST_LINKS[self.host_link or self.device.host_link]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step trains: per-device batch and sequence, the loss, the dtypes and the
+    optimizer (the fields are :class:`Target`'s of the same names, documented there; the
+    dtypes :class:`torch.dtype` once built)."""
+
+    batch: int = 1
+    seq: int = 4096
+    loss: str = "transformers"
+    repeat_kv: bool = False
+    param_dtype: torch.dtype = torch.bfloat16
+    master_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Target({name}={value!r}): a positive int")
+        try:
+            parse_loss(self.loss)
+        except ValueError as e:
+            raise ValueError(f"Target({e}") from None
+        if not isinstance(self.repeat_kv, bool):
+            raise ValueError(f"Target(repeat_kv={self.repeat_kv!r}): True or False")
+        for name in ("param_dtype", "master_dtype", "reduce_dtype"):
+            object.__setattr__(self, name, _dtype(getattr(self, name), name))
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"Target(optimizer={self.optimizer!r}): one of {', '.join(OPTIMIZER_STATES)}")
+
+
+_PARTS = {
+    "machine": frozenset(f.name for f in dataclasses.fields(Machine)),
+    "layout": LAYOUT_FIELDS,
+    "workload": frozenset(f.name for f in dataclasses.fields(Workload)),
+}
+
+
+def _only(fields: dict[str, Any], part: str) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if k in _PARTS[part]}
+
+
+@dataclass(frozen=True, init=False)
 class Target:
-    """A training step on a device: what a plan must fit.
+    """A training step on a device: what a plan must fit. It is three parts: the
+    :class:`Machine` it runs on (``target.machine``: the device, its memory, links and host),
+    the :class:`~sac_compile.planning.layout.Layout` over devices (``target.layout``: the
+    parallel degrees, the pipeline) and the :class:`Workload` (``target.workload``: batch,
+    sequence, loss, dtypes, optimizer). It is built from their fields as keywords
+    (``Target("h100-80gb", fsdp=8, batch=2)``) or from the parts (``layout=``, ``workload=``;
+    a keyword of one of their fields then changes that field).
 
     Args:
         device: a kind from :data:`DEVICES`, ``"cpu"``, or a :class:`Device`.
@@ -86,6 +190,11 @@ class Target:
         pp_recompute_once: a split-backward schedule's weight pass recomputes each
             checkpointed layer once, not once per weight group (the stages wrapped by
             :func:`sac_compile.pipelining.recompute_once`; :mod:`.split_backward`).
+        pp_return_outputs: the pipeline schedule's ``step`` returns the last stage's outputs
+            (PyTorch's default, ``return_outputs=True``; before that flag, 2025-10, always):
+            the last stage keeps every microbatch's output (the logits) from its forward to
+            the next step, and concatenates them at the step's end. Default ``False``, as
+            torchtitan steps since 2025-10-22 (:mod:`.pipeline`).
         async_tp: with ``tp`` and compiled layers, Inductor's micro-pipelined TP (torchtitan's
             ``enable_async_tensor_parallel``): each all-gather / reduce-scatter split into
             ``tp`` chunks run under the projection matmuls beside it (:mod:`.step_time`).
@@ -145,232 +254,117 @@ class Target:
             ``"pcie5"``, the A100's ``"pcie4"``; ``"c2c"`` for GH200 / GB200).
     """
 
-    device: Device | str = "h100-80gb"
-    memory: Memory | None = None
-    fsdp: int = 1
-    tp: int = 1
-    ep: int = 1
-    replicate: int = 1
-    zero: int = 0
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-    async_tp: bool = False
-    loss: str = "transformers"
-    repeat_kv: bool = False
-    param_dtype: torch.dtype | str = torch.bfloat16
-    master_dtype: torch.dtype | str = torch.float32
-    reduce_dtype: torch.dtype | str = torch.float32
-    optimizer: str = "adamw"
-    batch: int = 1
-    seq: int = 4096
-    headroom: float = 0.05
-    cp: int = 1
-    pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int | None = None
-    microbatch_size: int = 1
-    pp_recompute_once: bool = False
-    gpus_per_node: int = 8
-    network: float = 400e9 / 8
-    offload: bool = False
-    host_memory: int | str | None = None
-    host_link: str | None = None
+    machine: Machine
+    layout: Layout
+    workload: Workload
 
-    def __post_init__(self) -> None:
-        dev = device(self.device)
-        object.__setattr__(self, "device", dev)
-        memory = (
-            dev.memory
-            if self.memory is None
-            else parse_memory(self.memory, dev.memory, of="the device's memory")
-        )
-        if memory <= 0:
-            raise ValueError(f"Target(memory={self.memory!r}): more than 0 bytes")
-        object.__setattr__(self, "memory", memory)
-        check_target(self, dev.cuda, dev.name)
-        if self.host_memory is not None:
-            object.__setattr__(self, "host_memory", parse_memory(self.host_memory, name="host_memory"))
-        for name in (
-            "fsdp",
-            "tp",
-            "ep",
-            "cp",
-            "pp",
-            "replicate",
-            "batch",
-            "seq",
-            "microbatch_size",
-            "gpus_per_node",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Target({name}={value!r}): a positive int")
-        try:
-            parse_loss(self.loss)
-        except ValueError as e:
-            raise ValueError(f"Target({e}") from None
-        if self.repeat_kv and not dev.cuda:
+    def __init__(
+        self,
+        device: Device | str | None = None,
+        memory: Memory | None = None,
+        *,
+        machine: Machine | None = None,
+        layout: Layout | None = None,
+        workload: Workload | None = None,
+        **fields: Any,
+    ) -> None:
+        unknown = sorted(set(fields) - _PARTS["machine"] - _PARTS["layout"] - _PARTS["workload"])
+        if unknown:
+            names = ", ".join(sorted(_PARTS["machine"] | _PARTS["layout"] | _PARTS["workload"]))
+            raise TypeError(
+                f"Target() got unexpected keyword(s) {', '.join(unknown)}: the fields are {names}"
+            )
+        own = {k: fields.pop(k) for k in list(fields) if k in _PARTS["machine"]}
+        if machine is not None:  # its fields, those given changed
+            own = {f: getattr(machine, f) for f in _PARTS["machine"] - {"device", "memory"}} | own
+            device, memory = device or machine.device, machine.memory if memory is None else memory
+        machine = Machine.of("h100-80gb" if device is None else device, memory, **own)
+        layout = dataclasses.replace(layout or Layout(), **_only(fields, "layout"))
+        workload = dataclasses.replace(workload or Workload(), **_only(fields, "workload"))
+        object.__setattr__(self, "machine", machine)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "workload", workload)
+        self._check()
+
+    def _check(self) -> None:
+        """What one part's fields cannot check alone."""
+        layout, work, dev = self.layout, self.workload, self.machine.device
+        if work.repeat_kv and not dev.cuda:
             raise ValueError(
                 f"Target(repeat_kv=True) on {dev.name}: it traces a GPU's attention layout; a {dev.name} target "
                 "runs the attention transformers calls there (drop repeat_kv, or name a GPU device)"
             )
-        for name in ("sequence_parallel", "loss_parallel", "repeat_kv", "async_tp"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Target({name}={getattr(self, name)!r}): True or False")
-        if self.async_tp and (self.tp == 1 or not self.sequence_parallel):
+        if layout.pp > 1 and work.batch % layout.microbatch_size:
             raise ValueError(
-                f"Target(async_tp=True, tp={self.tp}, sequence_parallel={self.sequence_parallel}): async TP "
-                "overlaps sequence parallelism's all-gathers and reduce-scatters with the projections: it needs "
-                "tp above 1 with sequence_parallel (drop async_tp, or raise tp)"
-            )
-        object.__setattr__(self, "pp_schedule", _schedule(self.pp_schedule))
-        if self.pp > 1 and self.batch % self.microbatch_size:
-            raise ValueError(
-                f"Target(batch={self.batch}, microbatch_size={self.microbatch_size}): with pp the batch is split "
+                f"Target(batch={work.batch}, microbatch_size={layout.microbatch_size}): with pp the batch is split "
                 "into microbatches: microbatch_size divides batch"
             )
-        self._check_stages()
-        if self.seq % self.cp:
-            raise ValueError(
-                f"Target(seq={self.seq}, cp={self.cp}): the sequence is split cp ways: cp divides seq"
-            )
-        self._check_data_parallel()
-        for name in ("param_dtype", "master_dtype", "reduce_dtype"):
-            object.__setattr__(self, name, _dtype(getattr(self, name), name))
-        if self.optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"Target(optimizer={self.optimizer!r}): one of {', '.join(OPTIMIZER_STATES)}")
-        if isinstance(self.network, bool) or not isinstance(self.network, (int, float)) or self.network <= 0:
-            raise ValueError(
-                f"Target(network={self.network!r}): bytes/s per GPU between nodes, > 0 (400 Gb/s: 50e9)"
-            )
-        if not 0.0 <= self.headroom < 1.0:
-            raise ValueError(f"Target(headroom={self.headroom!r}): a fraction in [0, 1)")
-
-    def _check_data_parallel(self) -> None:
-        if self.fsdp > 1 and self.fsdp % self.ep:
-            raise ValueError(
-                f"Target(ep={self.ep}, fsdp={self.fsdp}): the expert-parallel degree divides the FSDP degree "
-                "(experts are split ep ways and FSDP-sharded over the other fsdp / ep)"
-            )
-        if self.fsdp == 1 and self.ep > 1 and self.replicate % self.ep:
-            raise ValueError(
-                f"Target(ep={self.ep}, replicate={self.replicate}): without FSDP the experts are split over the "
-                "data-parallel replicas: ep divides replicate"
-            )
-        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
-            raise ValueError(
-                f"Target(zero={self.zero!r}): 0 (none), 1 (optimizer state sharded) or 2 (gradients too)"
-            )
-        if self.zero and (self.replicate == 1 or self.fsdp > 1):
-            raise ValueError(
-                f"Target(zero={self.zero}, replicate={self.replicate}, fsdp={self.fsdp}): ZeRO shards over DDP's "
-                "replicas: replicate above 1 and fsdp 1 (FSDP already shards all of it)"
-            )
-
-    def _check_stages(self) -> None:
-        fixed, v = PP_SCHEDULES[self.pp_schedule], self.pp_virtual_stages
-        runs_it = isinstance(v, int) and not isinstance(v, bool) and (v == fixed if fixed else v >= 2)
-        if v is not None and not runs_it:
-            runs = f"exactly {fixed}" if fixed else "2 or more"
-            raise ValueError(
-                f"Target(pp_virtual_stages={v!r}): {self.pp_schedule} runs {runs} stage(s) a rank "
-                "(leave it unset for the schedule's default)"
-            )
-        if not isinstance(self.pp_recompute_once, bool):
-            raise ValueError(f"Target(pp_recompute_once={self.pp_recompute_once!r}): True or False")
-        if self.pp > 1:
+        if layout.pp > 1:
             from .pipeline import rank_schedules
 
             try:
                 rank_schedules(self)
             except ValueError as e:
-                raise ValueError(f"Target(pp={self.pp}, pp_schedule={self.pp_schedule!r}): {e}") from None
-        if self.pp_recompute_once and not self.weight_pass:
+                raise ValueError(f"Target(pp={layout.pp}, pp_schedule={layout.pp_schedule!r}): {e}") from None
+        if layout.pp_recompute_once and not self.weight_pass:
             raise ValueError(
-                f"Target(pp_recompute_once=True, pp={self.pp}, pp_schedule={self.pp_schedule!r}): it plans a split "
-                "backward's weight pass recomputing each checkpointed layer once "
+                f"Target(pp_recompute_once=True, pp={layout.pp}, pp_schedule={layout.pp_schedule!r}): it plans a "
+                "split backward's weight pass recomputing each checkpointed layer once "
                 "(sac_compile.pipelining.recompute_once); this layout runs no weight pass (a zero-bubble schedule "
                 "or DualPipeV with pp above 1, or drop pp_recompute_once)"
+            )
+        if work.seq % layout.cp:
+            raise ValueError(
+                f"Target(seq={work.seq}, cp={layout.cp}): the sequence is split cp ways: cp divides seq"
             )
 
     @property
     def weight_pass(self) -> bool:
         """Whether the pipeline's schedule splits a stage's backward into its input's gradient
         (``I``) and its weights' (``W``): the zero-bubble schedules, DualPipeV."""
-        if self.pp == 1:
+        if self.layout.pp == 1:
             return False
         from .pipeline import rank_schedules
 
         return any(m.kind == "W" for r in rank_schedules(self) for m in r.moments)
 
     @property
-    def stages_per_rank(self) -> int:
-        """Pipeline stages a rank runs: ``pp_virtual_stages``, else its schedule's default."""
-        return self.pp_virtual_stages or PP_SCHEDULES[self.pp_schedule] or 2
-
-    @property
     def microbatches(self) -> int:
         """Microbatches a step runs (1 without pipeline parallelism)."""
-        return self.batch // self.microbatch_size if self.pp > 1 else 1
+        layout = self.layout
+        return self.workload.batch // layout.microbatch_size if layout.pp > 1 else 1
 
     @property
     def traced(self) -> tuple[int, int]:
         """``(batch, seq)`` one layer is measured at: one microbatch of one rank's share of the
         sequence."""
-        return (self.microbatch_size if self.pp > 1 else self.batch), self.seq // self.cp
+        layout, work = self.layout, self.workload
+        return (layout.microbatch_size if layout.pp > 1 else work.batch), work.seq // layout.cp
 
     @property
     def measured(self) -> tuple[Any, ...]:
         """What measuring one layer depends on: targets equal here trace a model alike (the
         rest, the layout, memory and links, is priced after): whether the target runs a GPU's
         kernels, the parameters' dtype, the traced shape, ``repeat_kv`` and ``offload``."""
-        return (self.device.cuda, self.param_dtype, self.traced, self.repeat_kv, self.offload)  # type: ignore[union-attr]
-
-    @property
-    def host(self) -> HostLink:
-        """The :class:`~sac_compile.planning.host.HostLink` offloaded values cross."""
-        return HOST_LINKS[self.host_link or self.device.host_link]  # type: ignore[union-attr]
+        work = self.workload
+        return (self.machine.device.cuda, work.param_dtype, self.traced, work.repeat_kv, self.machine.offload)
 
     def compute_seconds(self, flops: float, traffic: float = 0.0) -> float:
         """Seconds one rank computes ``flops`` costly FLOPs and moves ``traffic`` memory-bound
         bytes (a whole step's worth, split ``tp`` ways): the device's roofline over the
         efficiency a published run reached (:mod:`.step_time`)."""
-        d = self.device
-        return (flops / d.bf16_flops + traffic / d.bandwidth) / d.efficiency / self.tp  # type: ignore[union-attr]
+        d = self.machine.device
+        return (flops / d.bf16_flops + traffic / d.bandwidth) / d.efficiency / self.layout.tp
 
     def attention_seconds(self, flops: float) -> float:
         """Seconds one rank runs ``flops`` attention FLOPs (split ``tp`` ways): at the rate
         the device's attention kernel was measured at, else as :meth:`compute_seconds`."""
-        rate = self.device.attention_flops  # type: ignore[union-attr]
-        return flops / rate / self.tp if rate else self.compute_seconds(flops)
-
-    @property
-    def usable(self) -> int:
-        """The bytes a plan may use: ``memory`` less the headroom."""
-        return int(self.memory * (1.0 - self.headroom))  # type: ignore[operator]
+        rate = self.machine.device.attention_flops
+        return flops / rate / self.layout.tp if rate else self.compute_seconds(flops)
 
     def replace(self, **changes: Any) -> Target:
-        return dataclasses.replace(self, **changes)
-
-
-#: pipeline schedule -> the stages a rank runs (0: any from 2, default 2), PyTorch's
-#: ``torch.distributed.pipelining`` schedules (:data:`~sac_compile._compat.pipelining.SCHEDULES`)
-PP_SCHEDULES = {name: v or 0 for name, (_, v) in SCHEDULES.items()}
-_SCHEDULE_NAMES = {
-    key.replace("-", "").replace("_", "").lower(): name
-    for name, (torch_name, _) in SCHEDULES.items()
-    for key in (name, torch_name)
-}
-
-
-def _schedule(name: str) -> str:
-    """A schedule's name here from ours or PyTorch's (any case, ``-`` / ``_`` ignored)."""
-    found = _SCHEDULE_NAMES.get(str(name).replace("-", "").replace("_", "").lower())
-    if found is None:
-        raise ValueError(
-            f"Target(pp_schedule={name!r}): one of {', '.join(PP_SCHEDULES)} (or PyTorch's names)"
-        )
-    return found
+        """This target with ``changes``: any part's field by name, or a whole part."""
+        return Target(machine=self.machine, layout=self.layout, workload=self.workload, **changes)
 
 
 #: optimizer -> states kept per parameter (in ``master_dtype``)

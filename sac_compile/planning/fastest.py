@@ -69,7 +69,9 @@ def fastest(plan: Any, sequence: Iterator[Sequence[Candidate]]) -> Any:
     best: _Point | None = None
     for order, chosen in enumerate(pool):
         point = _predict(plan, tuple(chosen), order)
-        fits = point.peak.reserved <= target.usable and point.host <= (target.host_memory or 0)
+        fits = point.peak.reserved <= target.machine.usable and point.host <= (
+            target.machine.host_memory or 0
+        )
         if fits and (best is None or (point.step.seconds, point.recompute, order) < _key(best)):
             best = point
     if best is None or best.step.seconds >= plan.step.seconds * (1 - SHORTER):

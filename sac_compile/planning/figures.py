@@ -93,9 +93,9 @@ def configured_figures(
     out = []
     for g, p, c in zip(groups, params, chosen):
         figures = layer_figures(c, g.plan, p, len(g.paths), target, compile=compile)
-        if c is not None and c is g.plan.op_sac and target.ep > 1 and p[1]:
-            width = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
-            exchanged = 2 * sizes.tokens * sizes.top_k * sizes.hidden_size * width // target.tp
+        if c is not None and c is g.plan.op_sac and target.layout.ep > 1 and p[1]:
+            width = dtype_bytes(target.workload.param_dtype)
+            exchanged = 2 * sizes.tokens * sizes.top_k * sizes.hidden_size * width // target.layout.tp
             figures = dataclasses.replace(figures, saved_bytes=figures.saved_bytes + exchanged)
         out.append(figures)
     return out
@@ -127,7 +127,7 @@ def figures_of(
             count,
             params[0],
             held(c, target, compile=True),
-            ring_transient(c.transient_bytes, c.ring_transient, target) // target.tp,
+            ring_transient(c.transient_bytes, c.ring_transient, target) // target.layout.tp,
             params[1],
             weight_gradient_inputs=recorded_gradients(table, target),
             split_recompute=_per_rank(c.split_recompute, target),
@@ -139,8 +139,8 @@ def figures_of(
     backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
     # (on a GPU the engine holds a layer's offloaded values until their copies are awaited, and
     # brings the next layer's back during this one's backward: eager/host_copy.py)
-    moved = offloaded_per_rank(c, target, compile=False) if target.device.cuda else 0  # type: ignore[union-attr]
-    transient = max(plain - saved, 0) + backward / target.tp + moved
+    moved = offloaded_per_rank(c, target, compile=False) if target.machine.device.cuda else 0
+    transient = max(plain - saved, 0) + backward / target.layout.tp + moved
     split = recorded_gradients(table, target)
     return LayerFigures(
         count,
@@ -158,8 +158,10 @@ def _per_rank(split: SplitCopies, target: Target) -> tuple[int, int]:
     """A split backward's recomputed copies (:func:`~.split_backward.split_recompute`: once
     per weight group, PyTorch's, or once with ``Target.pp_recompute_once``) on one
     tensor-parallel rank: split ``tp`` ways, as the transients."""
-    left, last = (split.left_once, split.last_once) if target.pp_recompute_once else (split.left, split.last)
-    return (left // target.tp, last // target.tp)
+    left, last = (
+        (split.left_once, split.last_once) if target.layout.pp_recompute_once else (split.left, split.last)
+    )
+    return (left // target.layout.tp, last // target.layout.tp)
 
 
 def no_checkpoint_figures(
@@ -178,12 +180,12 @@ def no_checkpoint_figures(
         table.no_checkpoint_bytes if compile else table.no_checkpoint_eager_bytes or table.no_checkpoint_bytes
     )
     saved = int(plain * rank_share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target))
-    if compile and target.cp > 1:
-        saved += (target.cp + 1) * table.no_checkpoint_ring[1] // target.tp
+    if compile and target.layout.cp > 1:
+        saved += (target.layout.cp + 1) * table.no_checkpoint_ring[1] // target.layout.tp
     backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
     split = recorded_gradients(table, target)
     return LayerFigures(
-        count, params[0], saved, backward // target.tp, params[1], weight_gradient_inputs=split
+        count, params[0], saved, backward // target.layout.tp, params[1], weight_gradient_inputs=split
     )
 
 
@@ -191,12 +193,12 @@ def recorded_gradients(table: Plan, target: Target) -> int:
     """The gradients a split backward records for the weights and holds from I to W, per
     device (:func:`~.graph_memory.weight_gradient_inputs`): split ``tp`` ways, which
     under-counts a row-parallel projection's output gradient (whole on every rank)."""
-    return table.weight_gradient_inputs // target.tp
+    return table.weight_gradient_inputs // target.layout.tp
 
 
 def ring_transient(transient: int, ring: tuple[int, int], target: Target) -> int:
     """A backward's transient on ``target``: with context parallelism at least what its
     attention holds run as ring attention on ``cp`` ranks (:func:`~.graph_memory.graph_ring`)."""
-    if target.cp == 1 or not ring[1]:
+    if target.layout.cp == 1 or not ring[1]:
         return transient
-    return max(transient, ring[0] + target.cp * ring[1])
+    return max(transient, ring[0] + target.layout.cp * ring[1])

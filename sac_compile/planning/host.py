@@ -36,21 +36,21 @@ HOST_LINKS: dict[str, HostLink] = {
 HOST_EFFICIENCY: float = WORLD["links"]["host_copy_efficiency"]["value"]
 
 
-def check_target(target: Any, cuda: bool, name: str) -> None:
-    """A ``Target``'s offload fields checked (``cuda``: its device's kernels are a GPU's,
+def check_target(machine: Any, cuda: bool, name: str) -> None:
+    """A ``Target``'s ``Machine``'s offload fields checked (``cuda``: its device's kernels are a GPU's,
     ``name`` the device's): each names a value it takes; host memory and a link only with
     ``offload``; only on a GPU."""
-    if target.host_link is not None and target.host_link not in HOST_LINKS:
-        raise ValueError(f"Target(host_link={target.host_link!r}): one of {', '.join(HOST_LINKS)}")
-    if not isinstance(target.offload, bool):
-        raise ValueError(f"Target(offload={target.offload!r}): True or False")
+    if machine.host_link is not None and machine.host_link not in HOST_LINKS:
+        raise ValueError(f"Target(host_link={machine.host_link!r}): one of {', '.join(HOST_LINKS)}")
+    if not isinstance(machine.offload, bool):
+        raise ValueError(f"Target(offload={machine.offload!r}): True or False")
     for field in ("host_memory", "host_link"):
-        if getattr(target, field) is not None and not target.offload:
+        if getattr(machine, field) is not None and not machine.offload:
             raise ValueError(
-                f"Target({field}={getattr(target, field)!r}) without offload=True does nothing: "
+                f"Target({field}={getattr(machine, field)!r}) without offload=True does nothing: "
                 f"pass offload=True to let the plan offload regions, or drop {field}"
             )
-    if target.offload and (target.host_memory is None or not cuda):
+    if machine.offload and (machine.host_memory is None or not cuda):
         raise ValueError(
             f"Target(offload=True) on {name}: "
             + (

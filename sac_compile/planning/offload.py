@@ -87,14 +87,16 @@ def offloaded_per_rank(c: Candidate | None, target: Target, compile: bool) -> fl
     (tests/test_tensor_parallel.py); else ``1 / tp`` of it."""
     if c is None or not c.offload:
         return 0.0
-    if target.tp > 1 and compile and any(c.tp_offloaded_split):
+    if target.layout.tp > 1 and compile and any(c.tp_offloaded_split):
         split = c.tp_offloaded_split[:3]
-        return float(per_rank_bytes(c.offloaded_bytes, split, target.tp, target.sequence_parallel))
-    if target.tp > 1 and c.nested is not None:
+        return float(
+            per_rank_bytes(c.offloaded_bytes, split, target.layout.tp, target.layout.sequence_parallel)
+        )
+    if target.layout.tp > 1 and c.nested is not None:
         inner, outer = c.nested  # (what a rank holds keeping the offloaded regions too, less without)
         return max(held(outer, target, compile) - held(inner, target, compile), 0.0)
     moved = c.offloaded_bytes if compile or c.eager_offloaded_bytes is None else c.eager_offloaded_bytes
-    return moved / target.tp
+    return moved / target.layout.tp
 
 
 def transfer(
@@ -112,13 +114,13 @@ def transfer(
     moved = offloaded_per_rank(c, target, compile)
     if not moved or c is None:
         return 0.0, 0.0
-    link = target.host.bandwidth * HOST_EFFICIENCY
+    link = target.machine.host.bandwidth * HOST_EFFICIENCY
     if not compile:
         one = moved / link
         return 2 * one, max(one - forward_seconds, 0.0) + max(one - backward_seconds, 0.0)
 
     def copy(nbytes: int) -> float:
-        return nbytes / target.tp / link
+        return nbytes / target.layout.tp / link
 
     seconds = target.compute_seconds
 
@@ -142,4 +144,4 @@ def host_bytes(layers: list[tuple[int, float]], target: Target) -> int:
     microbatches it holds at once."""
     from .peak import in_flight
 
-    return int(sum(count * moved for count, moved in layers) / target.pp * in_flight(target, 0))
+    return int(sum(count * moved for count, moved in layers) / target.layout.pp * in_flight(target, 0))

@@ -242,9 +242,9 @@ def per_rank_bytes(total: int, split: tuple[int, ...], tp: int, sequence_paralle
 
 def rank_share(total: int, split: tuple[int, int, int], target: Target) -> float:
     """The fraction of a layer's saved bytes one tensor-parallel rank holds."""
-    if target.tp == 1 or total == 0:
+    if target.layout.tp == 1 or total == 0:
         return 1.0
-    return per_rank_bytes(total, split, target.tp, target.sequence_parallel) / total
+    return per_rank_bytes(total, split, target.layout.tp, target.layout.sequence_parallel) / total
 
 
 def held(c: Candidate, target: Target, compile: bool) -> int:
@@ -270,9 +270,9 @@ def eager_share(c: Candidate, target: Target) -> float:
 def sequence_split_input(stream_input_bytes: int, target: Target) -> int:
     """What sequence parallelism takes off a checkpointed layer's eager bytes on one rank: the
     part of its input (the residual stream, ``Plan.stream_input_bytes``) other ranks hold."""
-    if target.tp == 1 or not target.sequence_parallel:
+    if target.layout.tp == 1 or not target.layout.sequence_parallel:
         return 0
-    return stream_input_bytes - stream_input_bytes // target.tp
+    return stream_input_bytes - stream_input_bytes // target.layout.tp
 
 
 def eager_held(c: Candidate, share: float, target: Target) -> float:
@@ -283,5 +283,5 @@ def eager_held(c: Candidate, share: float, target: Target) -> float:
     if c.eager_bytes is None:
         return c.saved_bytes * share
     beyond = max(c.eager_bytes - c.saved_bytes, 0)
-    rows = c.tp_row_outputs if target.tp > 1 else 0
+    rows = c.tp_row_outputs if target.layout.tp > 1 else 0
     return (c.eager_bytes - beyond) * share + beyond + rows

@@ -32,7 +32,7 @@ import torch
 
 from .allocator import loss_slack
 from .devices import OPTIMIZER_STATES, Target
-from .head import head_logits_bytes, head_terms, logits_split, pipeline_head
+from .head import head_logits_bytes, head_terms, logits_split, pipeline_head, returned_output
 from .pipeline import Moment, RankSchedule, in_flight, rank_schedules, stage_layers
 from .sizes import LayerFigures, ModelSizes
 
@@ -91,8 +91,10 @@ def kept_params(params: float, expert_params: float, target: Target) -> float:
     """Of a layer's ``params`` (``expert_params`` of them routed experts'), the elements a
     rank keeps: split ``tp`` ways, the dense ones sharded over ``fsdp x cp``, the experts
     split ``ep`` ways and FSDP-sharded over the rest (without FSDP, ``ep`` ways alone)."""
-    shard = target.fsdp * target.cp
-    return ((params - expert_params) / shard + expert_params / max(shard, target.ep)) / target.tp
+    shard = target.layout.fsdp * target.layout.cp
+    return (
+        (params - expert_params) / shard + expert_params / max(shard, target.layout.ep)
+    ) / target.layout.tp
 
 
 def step_peak(model: ModelSizes, layers: Sequence[LayerFigures], target: Target) -> Peak:
@@ -109,9 +111,9 @@ def stage_peaks(model: ModelSizes, layers: Sequence[LayerFigures], target: Targe
     schedule runs (:func:`~.pipeline.rank_schedules`) the microbatches each of its stages
     holds then, the gradients made so far and the pipeline's buffers."""
     order = [dataclasses.replace(g, count=1) for g in layers for _ in range(g.count)]  # forward order
-    if target.pp == 1:
+    if target.layout.pp == 1:
         return [_rank_peak(model, order, target, _Stage((range(len(order)),), True, True))]
-    split = stage_layers(len(order), target.pp * target.stages_per_rank)
+    split = stage_layers(len(order), target.layout.pp * target.layout.stages_per_rank)
     last = len(split) - 1
     return [
         _rank_peak(
@@ -161,9 +163,12 @@ class _Rank:
 def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, stage: _Stage) -> Peak:
     """The peak of one rank running the stage ``stage`` of the model's layers ``every``."""
     layers = [every[i] for r in stage.layers for i in r]
-    shard, tp = target.fsdp * target.cp, target.tp  # (torchtitan shards parameters over fsdp x cp)
-    master = dtype_bytes(target.master_dtype)  # type: ignore[arg-type]
-    param_b = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
+    shard, tp = (
+        target.layout.fsdp * target.layout.cp,
+        target.layout.tp,
+    )  # (torchtitan shards parameters over fsdp x cp)
+    master = dtype_bytes(target.workload.master_dtype)
+    param_b = dtype_bytes(target.workload.param_dtype)
     other = max(model.params - sum(g.params for g in every), 0)  # embeddings, final norm, head
     embedding = model.embedding_params or other // 2
     # (with tp the embeddings and the output projection are split on the vocabulary, as
@@ -174,15 +179,15 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         return kept_params(g.params, g.expert_params, target)
 
     params_all = int((sum(kept(g) for g in layers) + outside / shard) * master)
-    states = OPTIMIZER_STATES[target.optimizer]
+    states = OPTIMIZER_STATES[target.workload.optimizer]
     # ZeRO over DDP's replicas: stage 1 the optimizer state, stage 2 the gradients too
-    zero_state, zero_grads = (target.replicate if target.zero >= z else 1 for z in (1, 2))
+    zero_state, zero_grads = (target.layout.replicate if target.layout.zero >= z else 1 for z in (1, 2))
     order = layers[::-1]  # backward order
     # DDP's buckets, from the wrap on: a second copy of the gradients (its default); under ZeRO-1
     # the one gradient buffer, the gradients views into it (``gradient_as_bucket_view``, as
     # Megatron's buffer); ZeRO-2 reduces each gradient into its shard as it is made
-    ddp = target.replicate > 1 and shard == 1 and target.zero < 2
-    views = 0 if ddp and target.zero == 1 else 1
+    ddp = target.layout.replicate > 1 and shard == 1 and target.layout.zero < 2
+    views = 0 if ddp and target.layout.zero == 1 else 1
     rank = _Rank(
         base={
             "parameters": params_all,
@@ -190,7 +195,7 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
             "ddp_buckets": params_all if ddp else 0,
         },
         grads_of=[int(kept(g) * master / zero_grads) * views for g in order],
-        gathered=[(g.params - g.expert_params) / tp + g.expert_params / target.ep for g in order],
+        gathered=[(g.params - g.expert_params) / tp + g.expert_params / target.layout.ep for g in order],
         acts=[g.saved_bytes for g in order],
         transients=[g.transient_bytes for g in order],
         split=[g.weight_gradient_inputs for g in order],
@@ -201,7 +206,7 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
         # the forward to the end of the backward
         root=int(outside * param_b) if shard > 1 else 0,
         param_b=param_b,
-        reduce_b=dtype_bytes(target.reduce_dtype),  # type: ignore[arg-type]
+        reduce_b=dtype_bytes(target.workload.reduce_dtype),
     )
     if stage.schedule is None:
         phases = _backward_phases(rank, model, target, stage)
@@ -218,6 +223,9 @@ def _rank_peak(model: ModelSizes, every: list[LayerFigures], target: Target, sta
     phases.append(
         ("optimizer step", _terms(**rank.base, gradients=done, other=temp, pipeline_buffers=buffers))
     )
+    if stage.head and target.layout.pp_return_outputs:  # (step()'s return: every output concatenated)
+        merged = buffers + target.microbatches * returned_output(model, target)
+        phases.append(("merging the outputs", _terms(**rank.base, gradients=done, pipeline_buffers=merged)))
     phase, breakdown = max(phases, key=lambda p: sum(p[1].values()))
     return Peak(
         sum(breakdown.values()), phase, breakdown, _reserved(rank, model, target, stage, phases, done)
@@ -234,22 +242,24 @@ def _reserved(
 ) -> int:
     """What the caching allocator holds at the rank's high-water mark: its ``phases`` on the
     default stream, the loss's slack, FSDP2's streams' pools (``done``: every gradient)."""
-    shard = target.fsdp * target.cp
+    shard = target.layout.fsdp * target.layout.cp
     # a GPU's caching allocator's slack at an eager loss (the loss's holes no other block fits:
     # .allocator), reserved from the loss's backward on; a pipeline's head is not replayed
     # (with TP but no loss parallelism the logits are all-gathered first: not replayed)
     slack = 0
-    replayed = target.tp == 1 or target.loss_parallel
-    if stage.head and target.pp == 1 and replayed and target.device.cuda:  # type: ignore[union-attr]
-        slack = loss_slack(target.loss, model.logits_bytes, model.model_logits_bytes, logits_split(target))
+    replayed = target.layout.tp == 1 or target.layout.loss_parallel
+    if stage.head and target.layout.pp == 1 and replayed and target.machine.device.cuda:
+        slack = loss_slack(
+            target.workload.loss, model.logits_bytes, model.model_logits_bytes, logits_split(target)
+        )
     pooled: tuple[str, ...] = ()
     pools = 0
     if shard > 1:  # FSDP2's all-gathers and reduce-scatters allocate in their own streams' pools
         # (with pp the stage's unsharded parameters and gradients stay in fsdp_buffers all
         # along: counted as they are)
         most = max(rank.gathered + [0])
-        gather_pool = 0 if target.pp > 1 else rank.root + int(2 * most * rank.param_b)
-        pooled = ("gradients",) if target.pp > 1 else ("gradients", "fsdp_buffers")
+        gather_pool = 0 if target.layout.pp > 1 else rank.root + int(2 * most * rank.param_b)
+        pooled = ("gradients",) if target.layout.pp > 1 else ("gradients", "fsdp_buffers")
         pools = gather_pool + done + int(most * rank.reduce_b)
     default_stream = max(
         sum(v for k, v in t.items() if k not in pooled) + (slack if name == LOSS_PHASE else 0)
@@ -262,9 +272,9 @@ def _optimizer_temp(params: int, largest: float, target: Target) -> int:
     """The optimizer step's temporary on a rank of ``params`` bytes of parameters (``largest``
     the largest tensor's): foreach (CUDA's default) one of all; the single-tensor loop (CPU's)
     two of the largest at once (AdamW's ``exp_avg_sq.sqrt() / c``); none without state."""
-    if not OPTIMIZER_STATES[target.optimizer]:
+    if not OPTIMIZER_STATES[target.workload.optimizer]:
         return 0
-    return params if target.device.cuda else int(2 * largest)  # type: ignore[union-attr]
+    return params if target.machine.device.cuda else int(2 * largest)
 
 
 def _backward_phases(
@@ -272,7 +282,7 @@ def _backward_phases(
 ) -> list[tuple[str, dict[str, int]]]:
     """Without pipeline parallelism: the loss's backward and each layer's, last to first,
     the gradients of the layers after it made."""
-    sharded = target.fsdp * target.cp > 1
+    sharded = target.layout.fsdp * target.layout.cp > 1
     done = rank.outside
     extra = {
         "fsdp_buffers": rank.root,
@@ -306,7 +316,7 @@ def _pipeline_phases(
     loss's backward, and the pipeline's buffers. With FSDP, torchtitan reshards nothing
     between microbatches and accumulates unsharded gradients (in ``reduce_dtype``) until
     the last microbatch: the rank's stages' parameters stay unsharded all along."""
-    sharded = target.fsdp * target.cp > 1
+    sharded = target.layout.fsdp * target.layout.cp > 1
     blocks, end = {}, len(rank.acts)  # each stage's layers in the backward-ordered lists
     for sid, layers in zip(stage.ids, stage.layers):
         blocks[sid] = slice(end - len(layers), end)
@@ -315,7 +325,7 @@ def _pipeline_phases(
     split = {sid: sum(rank.split[b]) for sid, b in blocks.items()}
     grads = {sid: sum(rank.grads_of[b]) for sid, b in blocks.items()}
     gathered = {sid: sum(rank.gathered[b]) for sid, b in blocks.items()}
-    last = target.pp * target.stages_per_rank - 1
+    last = target.layout.pp * target.layout.stages_per_rank - 1
     phases: list[tuple[str, dict[str, int]]] = []
     for m in schedule.moments:
         # (a zero-bubble schedule's recorded gradients counted with what the stages hold)
@@ -388,14 +398,17 @@ def _pipeline_buffers(model: ModelSizes, target: Target, stage: _Stage, moment: 
     if stage.schedule is None:
         return 0
     stream = model.stage_stream_bytes(target)
-    last, n = target.pp * target.stages_per_rank - 1, target.microbatches
+    last, n = target.layout.pp * target.layout.stages_per_rank - 1, target.microbatches
     inputs, gradients = sum(s != 0 for s in stage.ids), sum(s != last for s in stage.ids)
     flight = dict(moment.held) if moment is not None else {}
     if moment is not None:
         flight[moment.stage] += 1  # (the running microbatch's)
     kept = sum(c for s, c in flight.items() if s != last) - sum(c for s, c in flight.items() if s != 0)
     kept += moment.sent if moment is not None else 0  # (held by their sends: the action runtime's)
-    return int((n * (inputs + gradients) + kept) * stream)
+    returned = 0
+    if target.layout.pp_return_outputs and last in stage.ids:  # (kept to the next step to return)
+        returned = (moment.returned if moment is not None else n) * returned_output(model, target)
+    return int((n * (inputs + gradients) + kept) * stream) + returned
 
 
 def _terms(**found: int) -> dict[str, int]:

@@ -15,7 +15,9 @@ runs, and what a rank holds whenever a backward runs, read off the schedule's ow
   beside a backward (DualPipeV's ``OVERLAP_F_B``) is held during it. On PyTorch's action
   runtime (every schedule but GPipe and 1F1B) what a stage sent to another rank stays alive
   to the step's end (:func:`~sac_compile._compat.pipelining.holds_sends`): its outputs past
-  their backward and its input gradients (``Moment.sent``).
+  their backward and its input gradients (``Moment.sent``). A ``step`` that returns the
+  outputs (PyTorch's default; ``Target.pp_return_outputs``) keeps the last stage's output of
+  every microbatch it ran to the next step (``Moment.returned``: those past their backward).
 
 :func:`~sac_compile.planning.peak.stage_peaks` prices each moment's phases.
 """
@@ -65,6 +67,10 @@ class Moment:
     # (stage, microbatches whose backward to the input ran and whose weights' has not): a
     # split backward's recorded gradients, held from I to W
     pending: tuple[tuple[int, int], ...] = ()
+    # the last stage's microbatches whose backward to the input ran (B or I): their outputs
+    # left its cache and stay alive only where the schedule keeps them to return them
+    # (``Target.pp_return_outputs``)
+    returned: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +92,7 @@ def _schedules(schedule: str, pp: int, microbatches: int, v: int) -> tuple[RankS
         stages = tuple(sorted({s for _, s, _ in actions}))
         held = dict.fromkeys(stages, 0)
         done: set[int] = set()
-        sent, pending = 0, dict.fromkeys(stages, 0)
+        sent, returned, pending = 0, 0, dict.fromkeys(stages, 0)
         moments: dict[Moment, None] = {}
         for kind, stage, _ in actions:
             if kind == "F":
@@ -97,8 +103,11 @@ def _schedules(schedule: str, pp: int, microbatches: int, v: int) -> tuple[RankS
             # gradient, its W runs the whole backward)
             split = kind != "B" and stage != 0
             pending[stage] += split and kind == "I"
-            moments.setdefault(Moment(stage, others, frozenset(done), kind, sent, tuple(pending.items())))
+            moments.setdefault(
+                Moment(stage, others, frozenset(done), kind, sent, tuple(pending.items()), returned)
+            )
             pending[stage] -= split and kind == "W"
+            returned += stage == last and kind in "BI"
             if holds:  # (an output past its backward; an input gradient, made by B or I)
                 sent += kind in "BW" and stage != last and stage + 1 not in stages
                 sent += kind in "BI" and stage != 0 and stage - 1 not in stages
@@ -111,7 +120,9 @@ def _schedules(schedule: str, pp: int, microbatches: int, v: int) -> tuple[RankS
 
 def rank_schedules(target) -> tuple[RankSchedule, ...]:  # noqa: ANN001 (a Target)
     """Each pipeline rank's stages and moments under ``target``'s schedule."""
-    return _schedules(target.pp_schedule, target.pp, target.microbatches, target.stages_per_rank)
+    return _schedules(
+        target.layout.pp_schedule, target.layout.pp, target.microbatches, target.layout.stages_per_rank
+    )
 
 
 def in_flight(target, rank: int) -> float:  # noqa: ANN001 (a Target)
@@ -131,7 +142,9 @@ def makespan(target, forward: list[float], backward: list[float], send: float = 
     forward) and, from another rank, sent (``send`` seconds: one microbatch's activations or
     their gradient between neighbouring ranks). What it exceeds a rank's own work by is the
     pipeline's bubble, as this schedule has it."""
-    actions = schedule_actions(target.pp_schedule, target.pp, target.microbatches, target.stages_per_rank)
+    actions = schedule_actions(
+        target.layout.pp_schedule, target.layout.pp, target.microbatches, target.layout.stages_per_rank
+    )
     last = len(forward) - 1
     rank_of = {stage: r for r, todo in enumerate(actions) for _, stage, _ in todo}
     done: dict[tuple[str, int, int], float] = {}
@@ -154,7 +167,7 @@ def makespan(target, forward: list[float], backward: list[float], send: float = 
                 moved = True
         if not moved:
             raise RuntimeError(
-                f"{target.pp_schedule}: its actions wait on each other (PyTorch's schedule changed?)"
+                f"{target.layout.pp_schedule}: its actions wait on each other (PyTorch's schedule changed?)"
             )
     return max(free)
 

@@ -27,21 +27,29 @@ def step_line(step: StepTime, measured: bool) -> str:
 
 
 def _more_layout(t: Target) -> str:
-    parts = [f"ep {t.ep}"] if t.ep > 1 else []
-    if t.replicate > 1:
+    parts = [f"ep {t.layout.ep}"] if t.layout.ep > 1 else []
+    if t.layout.replicate > 1:
         parts.append(
-            f"{'HSDP ' if t.fsdp > 1 else 'DDP '}{t.replicate} replicas"
-            + (f", ZeRO-{t.zero}" if t.zero else "")
+            f"{'HSDP ' if t.layout.fsdp > 1 else 'DDP '}{t.layout.replicate} replicas"
+            + (f", ZeRO-{t.layout.zero}" if t.layout.zero else "")
         )
-    parts += [f"cp {t.cp}"] if t.cp > 1 else []
-    parts += ["keys and values repeated"] if t.repeat_kv else []
-    if t.pp > 1:
-        parts.append(f"pp {t.pp} {t.pp_schedule}, {t.microbatches} microbatches of {t.microbatch_size}")
+    parts += [f"cp {t.layout.cp}"] if t.layout.cp > 1 else []
+    parts += ["keys and values repeated"] if t.workload.repeat_kv else []
+    if t.layout.pp > 1:
+        parts.append(
+            f"pp {t.layout.pp} {t.layout.pp_schedule}, {t.microbatches} microbatches of {t.layout.microbatch_size}"
+            + (", weight pass recomputing once" if t.layout.pp_recompute_once else "")
+            + (", outputs returned" if t.layout.pp_return_outputs else "")
+        )
     return "".join(f", {p}" for p in parts)
 
 
 def _tp_layout(t: Target) -> str:
-    if t.tp == 1:
+    if t.layout.tp == 1:
         return ""
-    parts = [name for name, on in (("sequence", t.sequence_parallel), ("loss", t.loss_parallel)) if on]
+    parts = [
+        name
+        for name, on in (("sequence", t.layout.sequence_parallel), ("loss", t.layout.loss_parallel))
+        if on
+    ]
     return f" ({' and '.join(parts)} parallel)" if parts else " (no sequence or loss parallel)"

@@ -4,9 +4,6 @@ outside its layers (:mod:`.peak` composes them; :mod:`.figures` and ``hf.plan`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
-
-import torch
 
 from .devices import Target
 
@@ -63,5 +60,10 @@ class ModelSizes:
         """One microbatch's residual stream as a pipeline stage passes it to the next: a
         rank's share (split ``tp`` ways with sequence parallelism, as torchtitan's stages
         pass it), in the target's ``param_dtype``."""
-        width = cast(torch.dtype, target.param_dtype).itemsize
-        return self.tokens * self.hidden_size * width // (target.tp if target.sequence_parallel else 1)
+        width = target.workload.param_dtype.itemsize
+        return (
+            self.tokens
+            * self.hidden_size
+            * width
+            // (target.layout.tp if target.layout.sequence_parallel else 1)
+        )

@@ -105,9 +105,9 @@ class StepTime:
 
 def _link(target: Target, group: int, inner: int) -> float:
     """Bytes/s a ring over ``group`` ranks reaches, ``inner`` ranks apart in the mesh."""
-    device = target.device
-    inside = group * inner <= target.gpus_per_node and device.link > 0  # type: ignore[union-attr]
-    return (device.link if inside else target.network) * LINK_EFFICIENCY  # type: ignore[union-attr]
+    device = target.machine.device
+    inside = group * inner <= target.machine.gpus_per_node and device.link > 0
+    return (device.link if inside else target.machine.network) * LINK_EFFICIENCY
 
 
 @dataclass
@@ -143,29 +143,29 @@ def step_time(
     Layer figures are per traced unit (one microbatch, one rank's share of the sequence): a
     rank runs ``1 / pp`` of the layers for each of ``target.microbatches``. ``compile``: the
     layers compiled (offload copies overlap compute: :mod:`.offload`) or eager."""
-    rate = target.device.bf16_flops  # type: ignore[union-attr]
-    runs = target.microbatches / target.pp  # traced units of every layer a rank runs a step
+    rate = target.machine.device.bf16_flops
+    runs = target.microbatches / target.layout.pp  # traced units of every layer a rank runs a step
     head_flops = sizes.head_flops * 4 // 3 if _chunked(target) else sizes.head_flops
     head = target.compute_seconds(head_flops, sizes.head_traffic)
     total = _Sum(compute=head * runs, model=sizes.head_flops * runs)
     for count, table, c, params in layers:
         _layer(total, count * runs, table, c, params, sizes, target, compile)
     if measured is not None:  # (the device's own figure replaces the layers' estimate)
-        total.compute = head * runs + measured * target.microbatches / target.pp
+        total.compute = head * runs + measured * target.microbatches / target.layout.pp
     fsdp = total.fsdp
-    if target.pp > 1 and total.gathers:  # gathered once and reduced once a step, hidden behind it all
+    if target.layout.pp > 1 and total.gathers:  # gathered once and reduced once a step, hidden behind it all
         fsdp = max(sum(total.gathers) - total.compute, 0.0)
     fsdp += total.first + total.last
-    bubble = _bubble(layers, head, total.compute, sizes, target, compile) if target.pp > 1 else 0.0
+    bubble = _bubble(layers, head, total.compute, sizes, target, compile) if target.layout.pp > 1 else 0.0
     dp = max(total.sync - total.backward, 0.0) + total.sync_last + total.gather if total.sync else 0.0
     return StepTime(
         total.compute,
         fsdp,
         total.tp,
         total.ep,
-        tokens=target.batch * target.seq,
-        ranks_per_replica=target.tp * target.cp * target.pp,
-        model_flops=total.model / target.tp,
+        tokens=target.workload.batch * target.workload.seq,
+        ranks_per_replica=target.layout.tp * target.layout.cp * target.layout.pp,
+        model_flops=total.model / target.layout.tp,
         peak_flops=rate,
         cp=total.cp,
         bubble=bubble,
@@ -192,14 +192,14 @@ def _bubble(
     every: list[tuple[float, float]] = []
     for count, table, c, _ in layers:  # (one kind's layers alike: priced once)
         every += [layer_seconds(table, c, target, compile)] * count
-    split = stage_layers(len(every), target.pp * target.stages_per_rank)
+    split = stage_layers(len(every), target.layout.pp * target.layout.stages_per_rank)
     forward = [sum(every[i][0] for i in r) for r in split]
     backward = [sum(every[i][1] for i in r) for r in split]
     forward[-1] += head / 3
     backward[-1] += 2 * head / 3
-    estimated = (sum(forward) + sum(backward)) * target.microbatches / target.pp
+    estimated = (sum(forward) + sum(backward)) * target.microbatches / target.layout.pp
     scale = compute / estimated if estimated else 1.0
-    apart = target.replicate * target.fsdp * target.cp * target.tp
+    apart = target.layout.replicate * target.layout.fsdp * target.layout.cp * target.layout.tp
     send = sizes.stage_stream_bytes(target) / _link(target, 2, apart)
     span = makespan(target, [f * scale for f in forward], [b * scale for b in backward], send)
     return max(span - compute, 0.0)
@@ -208,7 +208,7 @@ def _bubble(
 def ring_flops(table: Plan, target: Target) -> float:
     """The attention FLOPs context parallelism adds to a traced unit's forward: each rank
     attends to the whole sequence, ``cp`` times the traced attention."""
-    return (target.cp - 1) * table.forward_attention_flops
+    return (target.layout.cp - 1) * table.forward_attention_flops
 
 
 def _work(table: Plan, c: Candidate | None, target: Target) -> tuple[float, float, float]:
@@ -226,7 +226,7 @@ def _weight_pass_recompute(c: Candidate | None, target: Target) -> float:
     one whole backward: over by its share)."""
     if c is None or not c.split_recompute.groups or not target.weight_pass:
         return 0.0
-    return (1 if target.pp_recompute_once else c.split_recompute.groups) * c.recompute_flops
+    return (1 if target.layout.pp_recompute_once else c.split_recompute.groups) * c.recompute_flops
 
 
 def layer_seconds(
@@ -268,7 +268,12 @@ def _layer(
 ) -> None:
     """Add one kind of layer's terms, run ``units`` times (layers x traced units) a step:
     offloaded, its copies to the host and back (:func:`~sac_compile.planning.offload.transfer`)."""
-    tp, cp, ep, shard = target.tp, target.cp, target.ep, target.fsdp * target.cp
+    tp, cp, ep, shard = (
+        target.layout.tp,
+        target.layout.cp,
+        target.layout.ep,
+        target.layout.fsdp * target.layout.cp,
+    )
     ring, _, redo = _work(table, c, target)
     forward, backward = layer_seconds(table, c, target, compile)
     total.compute += units * (forward + backward)
@@ -277,25 +282,25 @@ def _layer(
     total.transfer += units * copying
     total.offload += units * exposed
     total.model += units * (table.forward_flops + table.no_checkpoint_flops + 3.5 * ring)
-    param_b = dtype_bytes(target.param_dtype)  # type: ignore[arg-type]
-    reduce_b = dtype_bytes(target.reduce_dtype)  # type: ignore[arg-type]
+    param_b = dtype_bytes(target.workload.param_dtype)
+    reduce_b = dtype_bytes(target.workload.reduce_dtype)
     if shard > 1:
         dense, routed = (params[0] - params[1]) / tp, params[1] / ep
         seconds = _ring(dense, shard, _link(target, shard, tp))
         seconds += _ring(routed, shard // ep, _link(target, shard // ep, tp * ep))
         gather, scatter = seconds * param_b, seconds * reduce_b
-        if target.pp > 1:  # this stage's layers: gathered once, reduced once a step
+        if target.layout.pp > 1:  # this stage's layers: gathered once, reduced once a step
             total.gathers += [gather + scatter] * round(units / target.microbatches)
             total.first = total.first or gather
         else:
             total.fsdp += units * (max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0))
             total.first, total.last = total.first or gather, scatter
-    if target.replicate > 1:
+    if target.layout.replicate > 1:
         _replicas(total, units / target.microbatches, params, target, reduce_b, param_b)
     stream = sizes.tokens * sizes.hidden_size * param_b  # one residual-stream tensor of the unit
     if tp > 1:  # two all-gathers and two reduce-scatters (SP), or two all-reduces: as many bytes
         collectives = 4 * (tp - 1) / tp * stream / _link(target, tp, 1)  # one pass's
-        if target.async_tp and compile:  # (under the projections: forward, input gradients, recompute)
+        if target.layout.async_tp and compile:  # (under the projections: forward, input gradients, recompute)
             matmuls = target.compute_seconds(table.forward_flops - table.forward_attention_flops)
             collectives = max(collectives - matmuls * (tp - 1) / tp, 0.0)
         total.tp += units * (2 + redo) * collectives
@@ -316,14 +321,14 @@ def _replicas(
     ones, ZeRO reduce-scatters them and all-gathers the updated parameters after the step
     (exposed); the ring runs over the replicas, ``fsdp x cp x tp`` ranks apart (torchtitan's
     mesh)."""
-    r = target.replicate
+    r = target.layout.replicate
     elements = kept_params(params[0], params[1], target)
-    link = _link(target, r, target.fsdp * target.cp * target.tp)
-    passes = 1 if target.zero else 2  # (a reduce-scatter; an all-reduce is two passes)
+    link = _link(target, r, target.layout.fsdp * target.layout.cp * target.layout.tp)
+    passes = 1 if target.layout.zero else 2  # (a reduce-scatter; an all-reduce is two passes)
     seconds = passes * _ring(elements, r, link) * reduce_b
     total.sync += layers * seconds
     total.sync_last = seconds
-    if target.zero:
+    if target.layout.zero:
         total.gather += layers * _ring(elements, r, link) * param_b
 
 
@@ -333,4 +338,4 @@ def _ring(elements: float, ranks: int, bandwidth: float) -> float:
 
 
 def _chunked(target: Target) -> bool:
-    return parse_loss(target.loss)[0] == "chunked"
+    return parse_loss(target.workload.loss)[0] == "chunked"
