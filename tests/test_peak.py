@@ -556,6 +556,7 @@ def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
         (["--async-tp", "--tp", "2", "--eager"], r"async TP is an Inductor pass"),
         (["--pp-recompute-once"], r"pp_recompute_once=True, pp=1, .*this layout runs no weight pass"),
         (["--pp-recompute-once", "--pp", "2", "--batch", "4"], r"pp_schedule='1f1b'\): it plans a split"),
+        (["--pp-return-outputs"], r"pp_return_outputs=True, pp=1\): .*there is no pipeline"),
     ):
         with pytest.raises(SystemExit, match=rule):
             main(["plan", str(path), "--seq", "64", "--device", "h200", *layout])
