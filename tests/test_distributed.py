@@ -805,13 +805,14 @@ def test_every_pytorch_schedule_at_four_stages_matches_each_ranks_measured_peak(
     """The same on four gloo ranks (eight layers, eight microbatches), every schedule PyTorch
     has, no checkpoint, full recompute and attention kept, and the split-backward ones with
     their weight pass recomputing once (``sac_compile.pipelining.recompute_once``), and each
-    with full recompute and the outputs returned (``pp_return_outputs``): within 10%
-    (0.93-1.06 here). Red
-    before a split backward's recompute per weight group was counted (the zero-bubble ones
+    with full recompute and the outputs returned (``pp_return_outputs``): within 7%
+    (0.95-1.06 here). Red before what the last stage's in-flight microbatches keep of the head
+    was counted at the rank's other moments (the interleaved zero-bubble last rank at 0.935
+    with full recompute), before a split backward's recompute per weight group was counted (the zero-bubble ones
     with a checkpoint at 0.60-1.01), before what PyTorch's action runtime keeps to the step's end was counted (every stage
     output and input gradient it sent: the interleaved and looped ranks at 0.85-1.03) and
     before a split backward's recorded gradients, held from I to W, were (the zero-bubble
     ones without a checkpoint at 0.78-1.01)."""
     runs = dict.fromkeys(_ALL_SCHEDULES, ("none", "full", "attn", "full returned"))
     runs.update(dict.fromkeys(SPLIT_BACKWARD, ("none", "full", "attn", "full once", "full returned")))
-    _check_pipeline(_pipeline_matrix(4, runs), 0.10)
+    _check_pipeline(_pipeline_matrix(4, runs), 0.07)

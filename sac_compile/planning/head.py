@@ -6,7 +6,14 @@ from __future__ import annotations
 from .devices import Target, parse_loss
 from .sizes import ModelSizes
 
-__all__ = ["head_logits_bytes", "head_terms", "logits_split", "pipeline_head", "returned_output"]
+__all__ = [
+    "head_logits_bytes",
+    "head_terms",
+    "held_heads",
+    "logits_split",
+    "pipeline_head",
+    "returned_output",
+]
 
 
 def logits_split(target: Target) -> int:
@@ -53,9 +60,19 @@ def pipeline_head(model: ModelSizes, target: Target, in_flight: float, split: in
     with the detached loss, the output left the stage's cache)."""
     kind, _ = parse_loss(target.workload.loss)
     output = model.model_logits_bytes or model.logits_bytes
-    saved = model.logits_bytes if kind in ("transformers", "torchtitan") else 0  # (the log-softmax)
     now = head_terms(model, target) + (output if kind != "transformers" else 0) // logits_split(target)
-    return int(now + ((in_flight - 1 - split) * (output + saved) + split * output) / logits_split(target))
+    return now + held_heads(model, target, int(in_flight - 1), split)
+
+
+def held_heads(model: ModelSizes, target: Target, held: int, split: int = 0) -> int:
+    """What the last stage's ``held`` microbatches in flight beside a running one keep of the
+    head per device: each its output (the logits, in the stage's cache) and what its loss
+    saved (a log-softmax), but the ``split`` whose ``I`` ran, which keep the logits-sized
+    gradient it recorded at the output projection."""
+    kind, _ = parse_loss(target.workload.loss)
+    output = model.model_logits_bytes or model.logits_bytes
+    saved = model.logits_bytes if kind in ("transformers", "torchtitan") else 0  # (the log-softmax)
+    return int(((held - split) * (output + saved) + split * output) / logits_split(target))
 
 
 def returned_output(model: ModelSizes, target: Target) -> int:

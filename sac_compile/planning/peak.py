@@ -32,7 +32,7 @@ import torch
 
 from .allocator import loss_slack
 from .devices import OPTIMIZER_STATES, Target
-from .head import head_logits_bytes, head_terms, logits_split, pipeline_head, returned_output
+from .head import head_logits_bytes, head_terms, held_heads, logits_split, pipeline_head, returned_output
 from .pipeline import Moment, RankSchedule, in_flight, rank_schedules, stage_layers
 from .sizes import LayerFigures, ModelSizes
 
@@ -340,12 +340,13 @@ def _pipeline_phases(
         common["pipeline_buffers"] = _pipeline_buffers(model, target, stage, m)
         own, transients = rank.acts[blocks[m.stage]], rank.transients[blocks[m.stage]]
         where = f"stage {m.stage}, microbatches held {'/'.join(str(n) for _, n in m.held)}"
+        # the last stage's microbatches in flight beside the running one, and of those the
+        # split ones (their I ran): what each keeps of the head, at every moment of the rank
+        heads = (schedule.held(m, last), dict(m.pending).get(last, 0) - (m.stage == last and m.kind in "IW"))
         if m.stage == last and m.kind != "W":
             extra = {
                 "activations": held + sum(own),
-                "logits_loss": pipeline_head(
-                    model, target, 1 + schedule.held(m, last), dict(m.pending).get(last, 0) - (m.kind == "I")
-                ),
+                "logits_loss": pipeline_head(model, target, 1 + heads[0], heads[1]),
             }
             phases.append((f"{LOSS_PHASE} ({where})", _terms(**rank.base, **common, **extra)))
         if own:
@@ -358,6 +359,8 @@ def _pipeline_phases(
             i = max(range(len(own)), key=lambda i: sum(own[i:]) + transients[i] + growing[i])
             layer = stage.layers[stage.ids.index(m.stage)].stop - 1 - i
             extra = {"activations": held + sum(own[i:]), "backward_transient": transients[i]}
+            if last in stage.ids:
+                extra["logits_loss"] = held_heads(model, target, *heads)
             if m.kind == "W" and m.stage != 0:  # (the first stage's W: one whole backward)
                 # a split W runs its weights' gradient ops alone (what they make: gradients)
                 extra["backward_transient"] = 0
