@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from ..memory import Memory, parse_memory
+from . import catalog
 from .catalog import DEVICES, EAGER_SLOWDOWN, Device, device, present
 from .host import HOST_LINKS, HostLink, check_target
-from .layout import LAYOUT_FIELDS, Layout
+from .layout import LAYOUT_FIELDS, Layout, check_positive
 
 __all__ = [
     "DEVICES",
@@ -89,7 +90,7 @@ class Machine:
         """A machine from a device kind (or :class:`Device`), ``memory`` as :mod:`sac_compile.memory`
         reads it (bytes, ``"80GiB"``, a fraction of the device's) and ``host_memory`` as bytes
         or ``"256GB"``."""
-        dev = globals()["device"](device)
+        dev = catalog.device(device)
         used = dev.memory if memory is None else parse_memory(memory, dev.memory, of="the device's memory")
         if used <= 0:
             raise ValueError(f"Target(memory={memory!r}): more than 0 bytes")
@@ -100,9 +101,7 @@ class Machine:
 
     def __post_init__(self) -> None:
         check_target(self, self.device.cuda, self.device.name)
-        value = self.gpus_per_node
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"Target(gpus_per_node={value!r}): a positive int")
+        check_positive(self, ("gpus_per_node",))
         if isinstance(self.network, bool) or not isinstance(self.network, (int, float)) or self.network <= 0:
             raise ValueError(
                 f"Target(network={self.network!r}): bytes/s per GPU between nodes, > 0 (400 Gb/s: 50e9)"
@@ -137,10 +136,7 @@ class Workload:
     optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
-        for name in ("batch", "seq"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Target({name}={value!r}): a positive int")
+        check_positive(self, ("batch", "seq"))
         try:
             parse_loss(self.loss)
         except ValueError as e:

@@ -30,7 +30,7 @@ def head_logits_bytes(model: ModelSizes, target: Target) -> int:
     nll_loss's, ``(zeros + exp(x)) * grad``): beside the held log-softmax, three at once."""
     kind, chunks = parse_loss(target.workload.loss)
     if kind == "compiled":  # the logits saved and their gradient, in the model's dtype
-        return 2 * (model.model_logits_bytes or model.logits_bytes)
+        return 2 * _output(model)
     held = 4 if logits_split(target) > 1 else 3
     if kind == "chunked":
         return held * model.logits_bytes // chunks
@@ -59,7 +59,7 @@ def pipeline_head(model: ModelSizes, target: Target, in_flight: float, split: in
     the gradient it recorded at the output projection (logits-sized: the loss's graph died
     with the detached loss, the output left the stage's cache)."""
     kind, _ = parse_loss(target.workload.loss)
-    output = model.model_logits_bytes or model.logits_bytes
+    output = _output(model)
     now = head_terms(model, target) + (output if kind != "transformers" else 0) // logits_split(target)
     return now + held_heads(model, target, int(in_flight - 1), split)
 
@@ -70,7 +70,7 @@ def held_heads(model: ModelSizes, target: Target, held: int, split: int = 0) -> 
     saved (a log-softmax), but the ``split`` whose ``I`` ran, which keep the logits-sized
     gradient it recorded at the output projection."""
     kind, _ = parse_loss(target.workload.loss)
-    output = model.model_logits_bytes or model.logits_bytes
+    output = _output(model)
     saved = model.logits_bytes if kind in ("transformers", "torchtitan") else 0  # (the log-softmax)
     return int(((held - split) * (output + saved) + split * output) / logits_split(target))
 
@@ -79,4 +79,9 @@ def returned_output(model: ModelSizes, target: Target) -> int:
     """One microbatch's output of the last pipeline stage per device (the model's logits,
     split on the vocabulary with loss parallelism): what a schedule that returns its outputs
     keeps of each microbatch to the next step (``Target.pp_return_outputs``)."""
-    return (model.model_logits_bytes or model.logits_bytes) // logits_split(target)
+    return _output(model) // logits_split(target)
+
+
+def _output(model: ModelSizes) -> int:
+    """The last stage's output per microbatch, whole: the model's logits (in its dtype)."""
+    return model.model_logits_bytes or model.logits_bytes

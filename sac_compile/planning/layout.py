@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from .._compat.pipelining import SCHEDULES
 
-__all__ = ["LAYOUT_FIELDS", "PP_SCHEDULES", "Layout"]
+__all__ = ["LAYOUT_FIELDS", "PP_SCHEDULES", "Layout", "check_positive"]
 
 #: pipeline schedule -> the stages a rank runs (0: any from 2, default 2), PyTorch's
 #: ``torch.distributed.pipelining`` schedules (:data:`~sac_compile._compat.pipelining.SCHEDULES`)
@@ -30,6 +30,14 @@ def _schedule(name: str) -> str:
             f"Target(pp_schedule={name!r}): one of {', '.join(PP_SCHEDULES)} (or PyTorch's names)"
         )
     return found
+
+
+def check_positive(part: object, names: tuple[str, ...]) -> None:
+    """Refuse a field of ``part`` (a part of a ``Target``) that is not a positive int."""
+    for name in names:
+        value = getattr(part, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Target({name}={value!r}): a positive int")
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,7 @@ class Layout:
     pp_return_outputs: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("fsdp", "tp", "ep", "cp", "pp", "replicate", "microbatch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Target({name}={value!r}): a positive int")
+        check_positive(self, ("fsdp", "tp", "ep", "cp", "pp", "replicate", "microbatch_size"))
         for name in (
             "sequence_parallel",
             "loss_parallel",
