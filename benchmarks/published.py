@@ -53,7 +53,7 @@ class Run:
     device: str
     batch: int
     seq: int
-    ac: str  # none, full, torchtitan-op
+    ac: str  # none, full, torchtitan-op, torchtitan-op-2025-08 (the policy before it saved the all-to-alls)
     published_gib: float | None  # max reserved, GiB
     published_tps: float | None  # tokens/s per GPU
     source: str

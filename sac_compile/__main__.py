@@ -175,7 +175,8 @@ def _parser() -> argparse.ArgumentParser:
         "--ac",
         default=None,
         help="predict one configuration instead of choosing: none, full, torchtitan-op (torchtitan's per-op "
-        "SAC), keep=attn,mlp[@BUDGET], keep=all, budget=B (PyTorch's activation_memory_budget alone)",
+        "SAC; torchtitan-op-2025-08: as before it saved the all-to-alls), keep=attn,mlp[@BUDGET], keep=all, "
+        "budget=B (PyTorch's activation_memory_budget alone)",
     )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs a node's link joins (default 8)")
     parser.add_argument(
@@ -350,14 +351,14 @@ def _parse_ac(spec: str) -> tuple[Any, float | None]:
     ``budget=B`` (PyTorch's budget alone: ``keep=@B``), or ``keep=attn,mlp`` / ``keep=all``
     with an optional ``@budget`` -> ``(keep, budget)``."""
     from .keep import ALL_REGIONS
-    from .planning.op_sac import TORCHTITAN_OP
+    from .planning.op_sac import TORCHTITAN_OP, TORCHTITAN_OP_2025_08
 
     if spec == "none":
         return None, None
     if spec == "full":
         return (), None
-    if spec == TORCHTITAN_OP:
-        return TORCHTITAN_OP, None
+    if spec in (TORCHTITAN_OP, TORCHTITAN_OP_2025_08):
+        return spec, None
     if spec.startswith("budget="):  # PyTorch's budget alone: no region kept
         body, budget = "keep=", spec.removeprefix("budget=") or "none"
     else:
@@ -371,7 +372,7 @@ def _parse_ac(spec: str) -> tuple[Any, float | None]:
         if value is None or 0 < value <= 1:
             return (ALL_REGIONS if names == ["all"] else frozenset(names)), value
     raise SystemExit(
-        f"sac_compile plan: --ac {spec}: none, full, torchtitan-op, budget=B (B in (0, 1]), or "
+        f"sac_compile plan: --ac {spec}: none, full, torchtitan-op, torchtitan-op-2025-08, budget=B (B in (0, 1]), or "
         "keep=REGION[,REGION...] (keep=all: every region) with an optional @BUDGET in (0, 1], e.g. keep=attn,mlp "
         "or keep=attn@0.3"
     )

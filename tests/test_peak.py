@@ -545,7 +545,9 @@ def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match=r"repeat_kv=True\) on cpu: it traces a GPU's attention layout"):
         main(["plan", str(path), "--seq", "64", "--device", "cpu", "--repeat-kv"])
     for ac in ("some", "keep=attn@2", "keep=attn@x", "budget=", "budget=0"):
-        with pytest.raises(SystemExit, match=rf"--ac {ac}: none, full, torchtitan-op, budget=B"):
+        with pytest.raises(
+            SystemExit, match=rf"--ac {ac}: none, full, torchtitan-op, torchtitan-op-2025-08, budget=B"
+        ):
             main(["plan", str(path), "--seq", "64", "--device", "h200", "--ac", ac])
     for layout, rule in (
         (["--dp", "2", "--fsdp", "2"], "DDP shards nothing; HSDP is --replicate R --fsdp S"),
@@ -1117,6 +1119,11 @@ def test_under_expert_parallelism_torchtitans_op_sac_holds_its_all_to_all_output
     assert held(ep, "torchtitan-op") - held(figures, "torchtitan-op") == exchanged
     for keep in (None, (), {"attn"}):
         assert held(ep, keep) == held(figures, keep), keep
+    # torchtitan's policy before it saved them (2025-09-06) holds none and redoes them: its
+    # all-to-alls run three times a step (forward, recompute, backward) to the current one's two
+    assert held(ep, "torchtitan-op-2025-08") == held(figures, "torchtitan-op")
+    saved, redone = ep.step("torchtitan-op").ep, ep.step("torchtitan-op-2025-08").ep
+    assert saved > 0 and redone == pytest.approx(1.5 * saved)
 
 
 def test_under_context_parallelism_the_attention_backward_runs_as_a_ring():

@@ -105,6 +105,10 @@ class Candidate:
     # under a split backward's W (zero bubble, eager): the recomputed copies the layer leaves
     # alive and its most, then the same recomputed once (planning.split_backward.split_recompute)
     split_recompute: SplitCopies = SplitCopies()
+    # what it does with expert parallelism's all-to-all outputs, which a one-process trace
+    # lacks: "saved" (held for the backward, not redone), "recomputed" (redone with the rest),
+    # "" (redone as much as its recompute redoes of the forward)
+    all_to_all: str = ""
     copies: tuple[Copies, ...] = ()  # per graph, its offload copies and the compute around them
     # (an offloading candidate) the candidates keeping its keep set and keeping its offloaded
     # regions too: what a tensor-parallel rank sends to the host is the difference they hold

@@ -301,7 +301,10 @@ def plan(
         no_checkpoint_tp=base.tp_split,
         no_checkpoint_ring=base.ring,
         stream_input_bytes=_stream_input_bytes(example_args, example_kwargs),
-        op_sac=_candidate(first.figures[TORCHTITAN_OP], base, Actions(), first.eager.get(TORCHTITAN_OP)),
+        op_sac=dataclasses.replace(
+            _candidate(first.figures[TORCHTITAN_OP], base, Actions(), first.eager.get(TORCHTITAN_OP)),
+            all_to_all="saved",
+        ),
     )
     return _choose(target, table)
 

@@ -37,15 +37,19 @@ def configured(
     offloads: ``Target(offload=True)``). A region no layer has, or a configuration not
     measured, is a ``ValueError``."""
     from ..keep import ALL_REGIONS, normalize_keep
-    from .op_sac import TORCHTITAN_OP
+    from .op_sac import TORCHTITAN_OP, TORCHTITAN_OP_2025_08
 
     if keep is None:
         return [None] * len(groups)
-    if isinstance(keep, str) and keep == TORCHTITAN_OP:
+    if isinstance(keep, str) and keep in (TORCHTITAN_OP, TORCHTITAN_OP_2025_08):
         missing = [g.kind for g in groups if g.plan.op_sac is None]
         if missing:
             raise ValueError(f"torchtitan's per-op SAC was not measured for {', '.join(missing)}")
-        return [g.plan.op_sac for g in groups]
+        if keep == TORCHTITAN_OP:
+            return [g.plan.op_sac for g in groups]
+        return [
+            dataclasses.replace(cast("Candidate", g.plan.op_sac), all_to_all="recomputed") for g in groups
+        ]
     known = {r for g in groups for r in g.plan.regions}
     named = normalize_keep(keep)
     moved = frozenset(offload)
@@ -88,12 +92,14 @@ def configured_figures(
     """Every kind of layer's figures with its candidate of one configuration (:func:`configured`).
     torchtitan's per-op SAC saves the outputs of its expert-parallel all-to-alls
     (``torchtitan/distributed/activation_checkpoint.py``'s communication ops: the tokens
-    dispatched to the experts and combined back), which a one-process trace does not have:
-    with ``ep > 1`` each MoE layer holds two ``tokens x top_k x hidden`` tensors more."""
+    dispatched to the experts and combined back; ``Candidate.all_to_all == "saved"``), which
+    a one-process trace does not have: with ``ep > 1`` each MoE layer holds two ``tokens x
+    top_k x hidden`` tensors more (``"torchtitan-op-2025-08"``, the policy before it saved
+    them, holds none and redoes them)."""
     out = []
     for g, p, c in zip(groups, params, chosen):
         figures = layer_figures(c, g.plan, p, len(g.paths), target, compile=compile)
-        if c is not None and c is g.plan.op_sac and target.layout.ep > 1 and p[1]:
+        if c is not None and c.all_to_all == "saved" and target.layout.ep > 1 and p[1]:
             width = dtype_bytes(target.workload.param_dtype)
             exchanged = 2 * sizes.tokens * sizes.top_k * sizes.hidden_size * width // target.layout.tp
             figures = dataclasses.replace(figures, saved_bytes=figures.saved_bytes + exchanged)

@@ -24,10 +24,15 @@ from .._compat import aot
 from .._compat.checkpoint import CheckpointPolicy
 from .._compat.ops import is_view_op
 
-__all__ = ["TORCHTITAN_OP", "TorchtitanOpSac", "tag_torchtitan_op"]
+__all__ = ["TORCHTITAN_OP", "TORCHTITAN_OP_2025_08", "TorchtitanOpSac", "tag_torchtitan_op"]
 
 #: the name of torchtitan's per-op SAC among configurations (``--ac torchtitan-op``)
 TORCHTITAN_OP = "torchtitan-op"
+
+#: the same policy as torchtitan ran it before it saved the expert-parallel all-to-alls
+#: (github.com/pytorch/torchtitan/pull/1672, 2025-09-06: until then its dispatch and combine
+#: were recomputed, outside the save list); the runs of that time are planned so
+TORCHTITAN_OP_2025_08 = "torchtitan-op-2025-08"
 
 _MM = torch.ops.aten.mm.default
 

@@ -205,6 +205,10 @@ def _bubble(
     return max(span - compute, 0.0)
 
 
+#: the share of its all-to-alls a configuration redoes in the backward (``Candidate.all_to_all``)
+_REDONE = {"saved": 0.0, "recomputed": 1.0}
+
+
 def ring_flops(table: Plan, target: Target) -> float:
     """The attention FLOPs context parallelism adds to a traced unit's forward: each rank
     attends to the whole sequence, ``cp`` times the traced attention."""
@@ -306,7 +310,8 @@ def _layer(
         total.tp += units * (2 + redo) * collectives
     if ep > 1 and params[1]:
         moved = 2 * sizes.top_k * stream / tp * (ep - 1) / ep
-        total.ep += units * (2 + redo) * moved / _link(target, ep, tp)
+        again = _REDONE.get(c.all_to_all, redo) if c is not None else 0.0
+        total.ep += units * (2 + again) * moved / _link(target, ep, tp)
     if cp > 1:  # keys and values around the ring (and their gradients back), beside the attention
         passes = (cp - 1) * sizes.kv_bytes / tp * (1 + 2 + redo) / _link(target, cp, tp)
         hidden = target.attention_seconds(4.5 * ring)
