@@ -1126,6 +1126,27 @@ def test_under_expert_parallelism_torchtitans_op_sac_holds_its_all_to_all_output
     assert saved > 0 and redone == pytest.approx(1.5 * saved)
 
 
+def test_under_expert_parallelism_a_rank_backward_holds_its_own_experts_gradients():
+    """A one-process trace runs every expert, so its backward makes every expert's weight
+    gradient; a rank of expert parallelism holds ``1 / ep`` of the experts and makes only
+    theirs (``graph_memory.routed_transient``). Its layer's backward transient is the one of a
+    model holding just the rank's experts (the same tokens, the same top-k rows), not the
+    whole model's: 64 experts at ep = 8 against the same layer with 8 experts (on the meta
+    device, where the experts run ``aten._grouped_mm``, as at real size). Red before: the
+    64-expert transient, 5x the 8-expert one."""
+    target = Target("h100-80gb", batch=1, seq=32, fsdp=8)
+
+    def transient(experts: int, ep: int) -> int:
+        with torch.device("meta"):
+            model = tiny_qwen3_moe(layers=1, hidden=128, experts=experts)
+        figures = dataclasses.replace(hf.step_figures(model, target), target=target.replace(ep=ep))
+        return figures.peak((), compile=True).breakdown["backward_transient"]
+
+    whole, rank, own = transient(64, 1), transient(64, 8), transient(8, 1)
+    assert rank == pytest.approx(own, rel=0.03)  # (the routers differ: 64 x 128 weights, 8 x 128)
+    assert whole > 4 * rank
+
+
 def test_under_context_parallelism_the_attention_backward_runs_as_a_ring():
     """``graph_ring``: a backward graph's attention kernel becomes PyTorch's ring on ``cp``
     ranks: the keys and values all-gathered (``cp`` copies of them) beside float32

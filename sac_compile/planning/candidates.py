@@ -109,6 +109,9 @@ class Candidate:
     # lacks: "saved" (held for the backward, not redone), "recomputed" (redone with the rest),
     # "" (redone as much as its recompute redoes of the forward)
     all_to_all: str = ""
+    # its backward's transient split, the routed experts' part apart: split ep ways on a rank
+    # of expert parallelism (graph_memory.routed_transient)
+    routed_transient: tuple[tuple[int, int], ...] = ()
     copies: tuple[Copies, ...] = ()  # per graph, its offload copies and the compute around them
     # (an offloading candidate) the candidates keeping its keep set and keeping its offloaded
     # regions too: what a tensor-parallel rank sends to the host is the difference they hold

@@ -83,6 +83,9 @@ class Plan:
     no_checkpoint_traffic: int = 0  # the same for the no-checkpoint backward
     no_checkpoint_tp: tuple[int, int, int] = (0, 0, 0)  # its saved bytes' tp_split (Candidate)
     no_checkpoint_ring: tuple[int, int] = (0, 0)  # its backward's ring attention (Candidate.ring_transient)
+    no_checkpoint_routed: tuple[
+        tuple[int, int], ...
+    ] = ()  # its routed experts' part (Candidate.routed_transient)
     # the layer's first input (its residual stream), which sequence parallelism splits of what
     # a checkpointed layer holds eagerly (planning.parallel.sequence_split_input)
     stream_input_bytes: int = 0
@@ -300,6 +303,7 @@ def plan(
         no_checkpoint_traffic=base.backward_traffic,
         no_checkpoint_tp=base.tp_split,
         no_checkpoint_ring=base.ring,
+        no_checkpoint_routed=base.routed_transient,
         stream_input_bytes=_stream_input_bytes(example_args, example_kwargs),
         op_sac=dataclasses.replace(
             _candidate(first.figures[TORCHTITAN_OP], base, Actions(), first.eager.get(TORCHTITAN_OP)),
@@ -391,6 +395,7 @@ def _candidate(
         ring_transient=figures.ring,
         tp_offloaded_split=figures.tp_offloaded_split,
         split_recompute=figures.split_recompute,
+        routed_transient=figures.routed_transient,
     )
 
 

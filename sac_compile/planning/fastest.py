@@ -184,7 +184,11 @@ def _candidates(groups: Sequence[LayerGroup], chosen: tuple[Candidate | None, ..
         c
         if c is not None
         else Candidate(
-            Actions(), g.plan.no_checkpoint_bytes, 0, transient_bytes=g.plan.no_checkpoint_transient
+            Actions(),
+            g.plan.no_checkpoint_bytes,
+            0,
+            transient_bytes=g.plan.no_checkpoint_transient,
+            routed_transient=g.plan.no_checkpoint_routed,
         )
         for g, c in zip(groups, chosen)
     ]

@@ -22,6 +22,7 @@ __all__ = [
     "figures_of",
     "layer_figures",
     "no_checkpoint_figures",
+    "rank_transient",
     "recorded_gradients",
     "ring_transient",
 ]
@@ -133,7 +134,8 @@ def figures_of(
             count,
             params[0],
             held(c, target, compile=True),
-            ring_transient(c.transient_bytes, c.ring_transient, target) // target.layout.tp,
+            rank_transient(c.transient_bytes, c.ring_transient, c.routed_transient, target)
+            // target.layout.tp,
             params[1],
             weight_gradient_inputs=recorded_gradients(table, target),
             split_recompute=_per_rank(c.split_recompute, target),
@@ -142,7 +144,9 @@ def figures_of(
         table.no_checkpoint_bytes, table.no_checkpoint_tp, target
     )
     saved = held(c, target, compile=False) - sequence_split_input(table.stream_input_bytes, target)
-    backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
+    backward = rank_transient(
+        table.no_checkpoint_transient, table.no_checkpoint_ring, table.no_checkpoint_routed, target
+    )
     # (on a GPU the engine holds a layer's offloaded values until their copies are awaited, and
     # brings the next layer's back during this one's backward: eager/host_copy.py)
     moved = offloaded_per_rank(c, target, compile=False) if target.machine.device.cuda else 0
@@ -188,7 +192,9 @@ def no_checkpoint_figures(
     saved = int(plain * rank_share(table.no_checkpoint_bytes, table.no_checkpoint_tp, target))
     if compile and target.layout.cp > 1:
         saved += (target.layout.cp + 1) * table.no_checkpoint_ring[1] // target.layout.tp
-    backward = ring_transient(table.no_checkpoint_transient, table.no_checkpoint_ring, target)
+    backward = rank_transient(
+        table.no_checkpoint_transient, table.no_checkpoint_ring, table.no_checkpoint_routed, target
+    )
     split = recorded_gradients(table, target)
     return LayerFigures(
         count, params[0], saved, backward // target.layout.tp, params[1], weight_gradient_inputs=split
@@ -200,6 +206,18 @@ def recorded_gradients(table: Plan, target: Target) -> int:
     device (:func:`~.graph_memory.weight_gradient_inputs`): split ``tp`` ways, which
     under-counts a row-parallel projection's output gradient (whole on every rank)."""
     return table.weight_gradient_inputs // target.layout.tp
+
+
+def rank_transient(
+    transient: int, ring: tuple[int, int], routed: tuple[tuple[int, int], ...], target: Target
+) -> int:
+    """A backward's transient on one rank of ``target``: under expert parallelism with its
+    routed experts' part (their weights and gradients, ``routed``:
+    :func:`~.graph_memory.routed_transient`) split ``ep`` ways, as the rank holds them; with
+    context parallelism at least its attention's ring (:func:`ring_transient`)."""
+    if target.layout.ep > 1 and routed:
+        transient = max(a + b // target.layout.ep for a, b in routed)
+    return ring_transient(transient, ring, target)
 
 
 def ring_transient(transient: int, ring: tuple[int, int], target: Target) -> int:

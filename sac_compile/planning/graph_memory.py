@@ -19,6 +19,7 @@ __all__ = [
     "graph_ring",
     "graph_transient",
     "larger_ring",
+    "routed_transient",
     "weight_gradient_inputs",
 ]
 
@@ -126,6 +127,15 @@ def weight_gradient_inputs(gm: torch.fx.GraphModule, is_param: Callable[[str], b
 def _timeline(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[torch.fx.Node, int]]]:
     """A backward graph's input bytes, and per op the bytes live once its outputs are
     allocated (before what it last reads is freed): :func:`graph_transient`'s accounting."""
+    inputs, _, timeline = _split_timeline(gm, frozenset())
+    return inputs, [(n, live) for n, live, _ in timeline]
+
+
+def _split_timeline(
+    gm: torch.fx.GraphModule, part: frozenset[torch.fx.Node]
+) -> tuple[int, int, list[tuple[torch.fx.Node, int, int]]]:
+    """:func:`_timeline`, with the bytes of the nodes in ``part`` (placeholders, or ops'
+    outputs) counted apart too: ``(inputs, of them part's, [(op, live, of it part's)])``."""
     nodes = list(gm.graph.nodes)
     base: dict[torch.fx.Node, torch.fx.Node] = {}
     size: dict[torch.fx.Node, int] = {}
@@ -146,16 +156,54 @@ def _timeline(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[torch.fx.Node, 
         for a in n.all_input_nodes:
             root = base.get(a, a)
             last[root] = i if n.op != "output" else len(nodes)
+    part = frozenset(base.get(n, n) for n in part)  # (a view's bytes are its base's)
     inputs = sum(size[n] for n in nodes if n.op == "placeholder")
-    live = inputs
+    inputs_part = sum(size[n] for n in nodes if n.op == "placeholder" and n in part)
+    live, live_part = inputs, inputs_part
     timeline = []
     for i, n in enumerate(nodes):
         if n in size and n.op == "call_function":
             live += size[n]
-            timeline.append((n, live))
+            live_part += size[n] if n in part else 0
+            timeline.append((n, live, live_part))
         for a in n.all_input_nodes:
             root = base.get(a, a)
             if last.get(root) == i and root in size:
                 live -= size[root]
+                live_part -= size[root] if root in part else 0
                 last.pop(root)
-    return inputs, timeline
+    return inputs, inputs_part, timeline
+
+
+def routed_transient(gm: torch.fx.GraphModule, routed: frozenset[str]) -> tuple[tuple[int, int], ...]:
+    """A backward graph's transient (:func:`graph_transient`'s accounting) split in two at
+    each op: the bytes beyond its inputs not of the routed experts, and the routed experts'
+    (their weights, ``routed`` primals and their saved views, what it computes from them
+    alone, and the gradients it returns for them) beyond theirs;
+    the pairs no other exceeds in both. A one-process trace runs every expert; a rank of
+    expert parallelism holds ``1 / ep`` of them and their gradients, so its transient is
+    ``max(a + b // ep)`` over the pairs (:func:`~.figures.rank_transient`; ``max(a + b)`` is
+    :func:`graph_transient`'s). Empty where nothing is routed."""
+    if not routed:
+        return ()
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    part = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in routed}
+    grads = output.args[0] if isinstance(output.args[0], (tuple, list)) else ()
+    part |= {g for i, g in enumerate(grads) if isinstance(g, torch.fx.Node) and primal_name(i) in routed}
+    for n in gm.graph.nodes:  # (what it computes from routed weights alone: copies, casts of them)
+        if n.op == "call_function" and n.all_input_nodes and all(a in part for a in n.all_input_nodes):
+            part.add(n)
+    if not part:
+        return ()
+    inputs, inputs_part, timeline = _split_timeline(gm, frozenset(part))
+    points = [(0, 0)] + [(live - p - (inputs - inputs_part), p - inputs_part) for _, live, p in timeline]
+    return frontier(points)
+
+
+def frontier(points: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Of ``(a, b)`` pairs, those no other is at least as large as in both (one of equals)."""
+    kept: list[tuple[int, int]] = []
+    for a, b in sorted(set(points), key=lambda p: (-p[0], -p[1])):
+        if not kept or b > kept[-1][1]:
+            kept.append((a, b))
+    return tuple(kept)

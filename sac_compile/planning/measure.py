@@ -48,6 +48,9 @@ class LayerMeasure:
     # under a split backward's W, the recomputed copies it leaves and its most alive
     # (split_backward.split_recompute), then the same recomputed once
     split_recompute: SplitCopies = SplitCopies()
+    # the backward's transient split, its routed experts' apart (graph_memory.routed_transient;
+    # the graphs run in turn: one frontier of their pairs)
+    routed_transient: tuple[tuple[int, int], ...] = ()
 
     def add_split(self, held: tuple[int, ...], moved: tuple[int, ...] | None) -> None:
         """Add a graph's tensor-parallel splits (:func:`_splits`) to the sums."""
@@ -84,10 +87,9 @@ class PartitionEach:
         from ..compiler import backend as backends
         from ..compiler.inner import snapshot
         from ..diagnostics import trace_watch
-        from ..inspection.flops import graph_attention_flops, graph_costly_flops, graph_traffic
         from ..inspection.report import build_partition, param_input
         from ..passes.saving_rules import TAGGED
-        from .graph_memory import backward_figures, larger_ring, weight_gradient_inputs
+        from .graph_memory import weight_gradient_inputs
         from .offload import graph_copies
         from .split_backward import split_recompute
 
@@ -99,6 +101,8 @@ class PartitionEach:
 
         def partition(joint, joint_inputs, **kwargs):
             chosen = None
+            backwards = []  # (configuration, its backward graph): their routed experts' part, once known
+            routed: frozenset[str] | None = None
             recorded = None  # (the weights' gradients' inputs: alike in every configuration's backward)
             for key, backend in self.configs.items():
                 one = dataclasses.replace(unit, records=[], graphs={}, saved_names=None)
@@ -122,20 +126,16 @@ class PartitionEach:
                 found.offloaded_bytes += part.offloaded_bytes
                 if part.offloaded_bytes:
                     self.copies.setdefault(key, []).append(graph_copies(fw, bw))
-                found.backward_flops += graph_costly_flops(bw)
-                transient, ring = backward_figures(bw)
-                found.backward_transient = max(found.backward_transient, transient)
-                found.ring = larger_ring(found.ring, ring)
-                found.forward_flops += graph_costly_flops(fw)
-                found.backward_traffic += graph_traffic(bw)
-                found.forward_traffic += graph_traffic(fw)
-                found.forward_attention_flops += graph_attention_flops(fw)
+                _add_graphs(found, fw, bw)
+                backwards.append((found, bw))
                 if recorded is None:
                     recorded = weight_gradient_inputs(bw, is_param)
                 found.weight_gradient_inputs += recorded
                 if backend.checkpoint:
                     found.split_recompute += split_recompute(tagged, is_param, TAGGED, order)
                 node_regions = dict(one.records[-1].node_regions) if one.records else {}
+                if routed is None and one.records:
+                    routed = _routed_primals(tagged, node_regions, is_param)
                 found.add_split(*_splits(fw, bw, is_param, node_regions, actions, part.offloaded_bytes))
                 if hasattr(backend, "held_eagerly"):  # (what its eager run holds, from the tags)
                     self.eager[key] = self.eager.get(key, 0) + backend.held_eagerly(tagged, is_param)
@@ -144,6 +144,8 @@ class PartitionEach:
                     if chosen is None:
                         self.scopes.append(len(rec.scopes))
                 chosen = chosen or (fw, bw)
+            for found, bw in backwards if routed else ():
+                _add_routed(found, bw, cast("frozenset[str]", routed))
             return chosen
 
         def compile_graph(g, _inputs):
@@ -188,6 +190,60 @@ def _splits(
     moving = functools.partial(_saves, actions.offload if actions is not None else frozenset())
     held, moved = tensor_parallel_splits(fw, bw, is_param, regions, saving, moving)
     return tuple(held), tuple(moved)
+
+
+def _add_graphs(found: LayerMeasure, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule) -> None:
+    """Add one graph's partition (``fw``, ``bw``) to a configuration's FLOPs, traffic and
+    transients (the transient and the ring's: the largest, the graphs run in turn)."""
+    from ..inspection.flops import graph_attention_flops, graph_costly_flops, graph_traffic
+    from .graph_memory import backward_figures, larger_ring
+
+    found.backward_flops += graph_costly_flops(bw)
+    transient, ring = backward_figures(bw)
+    found.backward_transient = max(found.backward_transient, transient)
+    found.ring = larger_ring(found.ring, ring)
+    found.forward_flops += graph_costly_flops(fw)
+    found.backward_traffic += graph_traffic(bw)
+    found.forward_traffic += graph_traffic(fw)
+    found.forward_attention_flops += graph_attention_flops(fw)
+
+
+def _add_routed(found: LayerMeasure, bw: torch.fx.GraphModule, routed: frozenset[str]) -> None:
+    """Add a backward graph's transient split on its ``routed`` experts
+    (:func:`~.graph_memory.routed_transient`): one frontier, the graphs run in turn."""
+    from .graph_memory import frontier, routed_transient
+
+    found.routed_transient = frontier([*found.routed_transient, *routed_transient(bw, routed)])
+
+
+def _routed_primals(
+    joint: torch.fx.GraphModule, node_regions: dict[str, tuple[str, ...]], is_param: Callable[[str], bool]
+) -> frozenset[str]:
+    """The parameters (``primals_N``) only a region named ``experts`` reads in the forward
+    (every forward op reading them, through views, runs in it), and those views (a backward
+    graph's inputs where saved): the routed experts, which expert parallelism splits ``ep``
+    ways (:data:`~.parallel.WHOLE_REGIONS`)."""
+    from .._compat.aot import gradient_nodes
+    from .._compat.ops import is_view_op
+
+    backward = gradient_nodes(joint.graph.nodes)
+    found = set()
+    for p in joint.graph.nodes:
+        if p.op != "placeholder" or not is_param(p.name):
+            continue
+        readers, views, todo = [], [p.name], list(p.users)
+        while todo:
+            n = todo.pop()
+            if n in backward or n.op == "output":
+                continue
+            if n.op == "call_function" and is_view_op(n.target):
+                views.append(n.name)
+                todo.extend(n.users)
+            else:
+                readers.append(n)
+        if readers and all("experts" in node_regions.get(n.name, ()) for n in readers):
+            found.update(views)
+    return frozenset(found)
 
 
 def _regions(node_regions: dict[str, tuple[str, ...]], name: str) -> tuple[str, ...]:
