@@ -16,7 +16,7 @@ from ..memory import Memory, parse_memory
 from . import catalog
 from .catalog import DEVICES, EAGER_SLOWDOWN, Device, device, present
 from .host import HOST_LINKS, HostLink, check_target
-from .layout import LAYOUT_FIELDS, Layout, check_positive
+from .layout import LAYOUT_FIELDS, Layout, check_flags, check_positive
 
 __all__ = [
     "DEVICES",
@@ -141,8 +141,7 @@ class Workload:
             parse_loss(self.loss)
         except ValueError as e:
             raise ValueError(f"Target({e}") from None
-        if not isinstance(self.repeat_kv, bool):
-            raise ValueError(f"Target(repeat_kv={self.repeat_kv!r}): True or False")
+        check_flags(self, ("repeat_kv",))
         for name in ("param_dtype", "master_dtype", "reduce_dtype"):
             object.__setattr__(self, name, _dtype(getattr(self, name), name))
         if self.optimizer not in OPTIMIZER_STATES:

@@ -107,11 +107,9 @@ def weight_gradient_inputs(gm: torch.fx.GraphModule, is_param: Callable[[str], b
     PyTorch's split backward (``stage_backward_input``, zero-bubble schedules) records at
     those ops and holds from a microbatch's ``I`` to its ``W``."""
     tangent = gradient_nodes(gm.graph.nodes)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
     found: dict[torch.fx.Node, int] = {}
-    for i, grad in enumerate(output.args[0]):
-        node = grad
-        if not isinstance(node, torch.fx.Node) or not is_param(primal_name(i)):
+    for primal, node in _returned_gradients(gm):
+        if not is_param(primal):
             continue
         while node in tangent and node.op == "call_function":
             side = [a for a in node.all_input_nodes if a in tangent]
@@ -122,6 +120,13 @@ def weight_gradient_inputs(gm: torch.fx.GraphModule, is_param: Callable[[str], b
                 break
             node = side[0]
     return sum(found.values())
+
+
+def _returned_gradients(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.Node]]:
+    """The gradients a backward graph returns, each with the primal (``primals_N``) it is of."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = output.args[0] if isinstance(output.args[0], (tuple, list)) else ()
+    return [(primal_name(i), g) for i, g in enumerate(grads) if isinstance(g, torch.fx.Node)]
 
 
 def _timeline(gm: torch.fx.GraphModule) -> tuple[int, list[tuple[torch.fx.Node, int]]]:
@@ -186,10 +191,8 @@ def routed_transient(gm: torch.fx.GraphModule, routed: frozenset[str]) -> tuple[
     :func:`graph_transient`'s). Empty where nothing is routed."""
     if not routed:
         return ()
-    output = next(n for n in gm.graph.nodes if n.op == "output")
     part = {n for n in gm.graph.nodes if n.op == "placeholder" and n.name in routed}
-    grads = output.args[0] if isinstance(output.args[0], (tuple, list)) else ()
-    part |= {g for i, g in enumerate(grads) if isinstance(g, torch.fx.Node) and primal_name(i) in routed}
+    part |= {g for primal, g in _returned_gradients(gm) if primal in routed}
     for n in gm.graph.nodes:  # (what it computes from routed weights alone: copies, casts of them)
         if n.op == "call_function" and n.all_input_nodes and all(a in part for a in n.all_input_nodes):
             part.add(n)

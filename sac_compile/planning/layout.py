@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 
 from .._compat.pipelining import SCHEDULES
 
-__all__ = ["LAYOUT_FIELDS", "PP_SCHEDULES", "Layout", "check_positive"]
+__all__ = ["LAYOUT_FIELDS", "PP_SCHEDULES", "Layout", "check_flags", "check_positive"]
 
 #: pipeline schedule -> the stages a rank runs (0: any from 2, default 2), PyTorch's
 #: ``torch.distributed.pipelining`` schedules (:data:`~sac_compile._compat.pipelining.SCHEDULES`)
@@ -40,6 +40,13 @@ def check_positive(part: object, names: tuple[str, ...]) -> None:
             raise ValueError(f"Target({name}={value!r}): a positive int")
 
 
+def check_flags(part: object, names: tuple[str, ...]) -> None:
+    """Refuse a field of ``part`` (a part of a ``Target``) that is not True or False."""
+    for name in names:
+        if not isinstance(getattr(part, name), bool):
+            raise ValueError(f"Target({name}={getattr(part, name)!r}): True or False")
+
+
 @dataclass(frozen=True)
 class Layout:
     """The parallel layout of a step (the fields are :class:`~sac_compile.planning.devices.Target`'s
@@ -65,15 +72,9 @@ class Layout:
 
     def __post_init__(self) -> None:
         check_positive(self, ("fsdp", "tp", "ep", "cp", "pp", "replicate", "microbatch_size"))
-        for name in (
-            "sequence_parallel",
-            "loss_parallel",
-            "async_tp",
-            "pp_recompute_once",
-            "pp_return_outputs",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Target({name}={getattr(self, name)!r}): True or False")
+        check_flags(
+            self, ("sequence_parallel", "loss_parallel", "async_tp", "pp_recompute_once", "pp_return_outputs")
+        )
         if self.async_tp and (self.tp == 1 or not self.sequence_parallel):
             raise ValueError(
                 f"Target(async_tp=True, tp={self.tp}, sequence_parallel={self.sequence_parallel}): async TP "
