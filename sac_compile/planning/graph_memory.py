@@ -5,6 +5,7 @@ per layer to what the layers hold."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,8 @@ __all__ = [
 def graph_transient(gm: torch.fx.GraphModule) -> int:
     """The most bytes a backward graph allocates beyond its inputs while it runs: each op's
     outputs (views and aliases allocate nothing; a view keeps its base alive) live from the op
-    to their last use, inputs (saved values, incoming gradients) freed after theirs, outputs
+    to their last use (a multi-output op's each to its own ``getitem``'s last use, counted
+    once), inputs (saved values, incoming gradients) freed after theirs, outputs
     (the gradients it returns) live to the end. A saved value offloaded to the host takes
     no device memory until it is brought back, which allocates it. Returns
     ``max(live) - inputs``: what the backward of a layer adds on top of what the layer held
@@ -144,6 +146,7 @@ def _split_timeline(
     nodes = list(gm.graph.nodes)
     base: dict[torch.fx.Node, torch.fx.Node] = {}
     size: dict[torch.fx.Node, int] = {}
+    owner: dict[torch.fx.Node, torch.fx.Node] = {}  # (an output of a multi-output op: its op)
     for n in nodes:
         if (
             n.op == "call_function"
@@ -156,6 +159,8 @@ def _split_timeline(
             size[n] = 0  # (on the host)
         elif n.op in ("placeholder", "call_function"):
             size[n] = val_bytes(n.meta.get("val"))
+            if n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node):
+                owner[n] = n.args[0]
     last: dict[torch.fx.Node, int] = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
@@ -167,7 +172,13 @@ def _split_timeline(
     live, live_part = inputs, inputs_part
     timeline = []
     for i, n in enumerate(nodes):
-        if n in size and n.op == "call_function":
+        if n in owner and owner[n] in size:  # (allocated with its op: its bytes move out of the op's)
+            moved = min(size[n], size[owner[n]])
+            size[owner[n]] -= moved
+            live += size[n] - moved
+            live_part += (size[n] if n in part else 0) - (moved if owner[n] in part else 0)
+            timeline.append((n, live, live_part))
+        elif n in size and n.op == "call_function":
             live += size[n]
             live_part += size[n] if n in part else 0
             timeline.append((n, live, live_part))

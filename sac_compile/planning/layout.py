@@ -123,6 +123,11 @@ class Layout:
         """Pipeline stages a rank runs: ``pp_virtual_stages``, else its schedule's default."""
         return self.pp_virtual_stages or PP_SCHEDULES[self.pp_schedule] or 2
 
+    @property
+    def stages(self) -> int:
+        """The pipeline's stages, every rank's: ``pp * stages_per_rank`` (the last is ``stages - 1``)."""
+        return self.pp * self.stages_per_rank
+
 
 #: the names of :class:`Layout`'s fields (a ``Target`` keyword of these names sets its layout)
 LAYOUT_FIELDS = frozenset(f.name for f in fields(Layout))

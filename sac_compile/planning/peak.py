@@ -113,7 +113,7 @@ def stage_peaks(model: ModelSizes, layers: Sequence[LayerFigures], target: Targe
     order = [dataclasses.replace(g, count=1) for g in layers for _ in range(g.count)]  # forward order
     if target.layout.pp == 1:
         return [_rank_peak(model, order, target, _Stage((range(len(order)),), True, True))]
-    split = stage_layers(len(order), target.layout.pp * target.layout.stages_per_rank)
+    split = stage_layers(len(order), target.layout.stages)
     last = len(split) - 1
     return [
         _rank_peak(
@@ -325,7 +325,7 @@ def _pipeline_phases(
     split = {sid: sum(rank.split[b]) for sid, b in blocks.items()}
     grads = {sid: sum(rank.grads_of[b]) for sid, b in blocks.items()}
     gathered = {sid: sum(rank.gathered[b]) for sid, b in blocks.items()}
-    last = target.layout.pp * target.layout.stages_per_rank - 1
+    last = target.layout.stages - 1
     phases: list[tuple[str, dict[str, int]]] = []
     for m in schedule.moments:
         # (a zero-bubble schedule's recorded gradients counted with what the stages hold)
@@ -401,7 +401,7 @@ def _pipeline_buffers(model: ModelSizes, target: Target, stage: _Stage, moment: 
     if stage.schedule is None:
         return 0
     stream = model.stage_stream_bytes(target)
-    last, n = target.layout.pp * target.layout.stages_per_rank - 1, target.microbatches
+    last, n = target.layout.stages - 1, target.microbatches
     inputs, gradients = sum(s != 0 for s in stage.ids), sum(s != last for s in stage.ids)
     flight = dict(moment.held) if moment is not None else {}
     if moment is not None:

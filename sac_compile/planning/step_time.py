@@ -192,7 +192,7 @@ def _bubble(
     every: list[tuple[float, float]] = []
     for count, table, c, _ in layers:  # (one kind's layers alike: priced once)
         every += [layer_seconds(table, c, target, compile)] * count
-    split = stage_layers(len(every), target.layout.pp * target.layout.stages_per_rank)
+    split = stage_layers(len(every), target.layout.stages)
     forward = [sum(every[i][0] for i in r) for r in split]
     backward = [sum(every[i][1] for i in r) for r in split]
     forward[-1] += head / 3
