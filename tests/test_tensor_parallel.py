@@ -363,6 +363,51 @@ def _offloading(rank: int, world_size: int, compile: bool = False) -> dict:
     return out
 
 
+def _stream_copies(rank: int, world_size: int, batches: tuple[int, ...]) -> dict:
+    """Per batch, the whole-stream copies (``aten.cat`` of the full ``[batch, seq, hidden]``)
+    and the collectives one sequence-parallel block's forward and backward run."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sac_compile.testing.tp import LlamaStack, parallelize
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.append((func.name(), out.numel() if isinstance(out, torch.Tensor) else 0))
+            return out
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    counts = {}
+    for batch in batches:
+        torch.manual_seed(0)
+        stack = parallelize(LlamaStack(n=1, d=32), mesh, sequence_parallel=True)
+        x = torch.randn(batch, 16, 32).chunk(world_size, dim=1)[rank].contiguous().requires_grad_()
+        with Ops() as ops:
+            stack(x).sum().backward()
+        copies = sum(n == "aten::cat" and numel == batch * 16 * 32 for n, numel in ops.seen)
+        collectives = [n for n, _ in ops.seen if n.startswith("_c10d_functional::")]
+        counts[batch] = (copies, sum("wait" not in n and "wrap" not in n for n in collectives))
+    return counts
+
+
+def test_sequence_parallel_collectives_copy_the_stream_as_the_step_time_counts():
+    """The step time's TP term adds whole copies of the stream around a sequence-parallel
+    layer's collectives (``planning.step_time.sequence_parallel_copies``): counted here in
+    one block's forward and backward on two ranks, two passes of 2 all-gathers and 2
+    reduce-scatters each; every reduce-scatter copies its input, an all-gather its output
+    but where the batch is 1 (a view)."""
+    from sac_compile.planning.step_time import sequence_parallel_copies
+
+    for counts in run_ranks(_stream_copies, (1, 2)):
+        for batch, (copies, collectives) in counts.items():
+            assert collectives == 8 and copies == 2 * sequence_parallel_copies(batch), (batch, counts)
+
+
 def test_tensor_parallel_eager_offload_moves_each_ranks_shards_and_keeps_the_gradients():
     """Both plans, ``keep={"attn"}, offload={"mlp"}`` and the reverse, eagerly on two ranks:
     gradients equal the unwrapped sharded stack's, and each rank copies less to the host than

@@ -22,7 +22,9 @@ One model for every configuration (:func:`step_time`):
 * **TP** (torchtitan's layout): per layer two all-gathers and two reduce-scatters of the
   residual stream with sequence parallelism (two all-reduces without), in the forward, again
   in the backward, and in the recomputed forward in proportion to the FLOPs recomputed;
-  exposed. With ``Target.async_tp`` (compiled layers) each pass's collectives run in ``tp``
+  exposed. With sequence parallelism DTensor's collectives also copy the whole stream around
+  them (:func:`sequence_parallel_copies`), at the device's memory bandwidth (under async TP
+  its fused ops instead: not counted). With ``Target.async_tp`` (compiled layers) each pass's collectives run in ``tp``
   chunks under the projection matmuls beside them (the forward's, the input gradients' of
   the backward: as many FLOPs, the recompute's): all but the first chunk's matmul hides
   them, what exceeds it is exposed (the chunked matmuls' lower rate is not modelled).
@@ -52,7 +54,14 @@ from .offload import transfer
 from .peak import ModelSizes, dtype_bytes, kept_params
 from .pipeline import makespan, stage_layers
 
-__all__ = ["LINK_EFFICIENCY", "StepTime", "layer_seconds", "ring_flops", "step_time"]
+__all__ = [
+    "LINK_EFFICIENCY",
+    "StepTime",
+    "layer_seconds",
+    "ring_flops",
+    "sequence_parallel_copies",
+    "step_time",
+]
 
 #: the fraction of a link's bandwidth a large ring collective reaches (``world.json``: NCCL's
 #: bus bandwidth in nccl-tests on NVLink and 400 Gb/s InfiniBand is about 80-90% of the link's)
@@ -307,6 +316,9 @@ def _layer(
         if target.layout.async_tp and compile:  # (under the projections: forward, input gradients, recompute)
             matmuls = target.compute_seconds(table.forward_flops - table.forward_attention_flops)
             collectives = max(collectives - matmuls * (tp - 1) / tp, 0.0)
+        elif target.layout.sequence_parallel:  # (each copy reads and writes the whole stream once)
+            copies = sequence_parallel_copies(target.traced[0])
+            collectives += copies * 2 * stream / target.machine.device.bandwidth
         total.tp += units * (2 + redo) * collectives
     if ep > 1 and params[1]:
         moved = 2 * sizes.top_k * stream / tp * (ep - 1) / ep
@@ -316,6 +328,17 @@ def _layer(
         passes = (cp - 1) * sizes.kv_bytes / tp * (1 + 2 + redo) / _link(target, cp, tp)
         hidden = target.attention_seconds(4.5 * ring)
         total.cp += units * max(passes - hidden, 0.0)
+
+
+def sequence_parallel_copies(batch: int) -> int:
+    """Whole copies of the residual stream one pass of a sequence-parallel layer makes around
+    its collectives as DTensor runs them (``[batch, seq, hidden]`` sharded on the sequence,
+    PyTorch's functional collectives): each reduce-scatter chunks its input on the sequence
+    and concatenates the chunks (``reduce_scatter_single``); each all-gather gathers on the
+    first dimension and concatenates on the sequence, a view where ``batch`` is 1
+    (``_maybe_view_chunk_cat``). Two of each a pass; counted on gloo ranks
+    (``tests/test_tensor_parallel.py``)."""
+    return 4 if batch > 1 else 2
 
 
 def _replicas(
