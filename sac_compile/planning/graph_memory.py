@@ -29,7 +29,7 @@ def graph_transient(gm: torch.fx.GraphModule) -> int:
     """The most bytes a backward graph allocates beyond its inputs while it runs: each op's
     outputs (views and aliases allocate nothing; a view keeps its base alive) live from the op
     to their last use (a multi-output op's each to its own ``getitem``'s last use, counted
-    once), inputs (saved values, incoming gradients) freed after theirs, outputs
+    once; a multi-output view's ``getitem`` a view), inputs (saved values, incoming gradients) freed after theirs, outputs
     (the gradients it returns) live to the end. A saved value offloaded to the host takes
     no device memory until it is brought back, which allocates it. Returns
     ``max(live) - inputs``: what the backward of a layer adds on top of what the layer held
@@ -155,6 +155,8 @@ def _split_timeline(
             and isinstance(n.args[0], torch.fx.Node)
         ):
             base[n] = base.get(n.args[0], n.args[0])
+        elif n.target is operator.getitem and n.args and n.args[0] in base:  # (of a multi-output view op)
+            base[n] = base[n.args[0]]
         elif n.op == "placeholder" and offloaded_source(n.name) != n.name:
             size[n] = 0  # (on the host)
         elif n.op in ("placeholder", "call_function"):
