@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import frontier  # noqa: E402
 
+from .bench import run_benchmark  # noqa: E402
 from .releases import default_torch_only, extended  # noqa: E402
 
 
@@ -57,13 +57,7 @@ def test_every_llama_keep_set_is_on_the_frontier(tmp_path):
     plot = tmp_path / "frontier.png"
     argv = ["--models", "llama", "--batch", "2", "--seq", "32", "--hidden", "64", "--no-inductor"]
     argv += ["--keep-budgets", "", "--iters", "1"]  # keep+budget points are not judged; timing is not
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "frontier.py"), *argv, "--plot", str(plot)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT / "benchmarks",
-    )
+    done = run_benchmark("frontier.py", [*argv, "--plot", str(plot)])
     # exit 0: no keep set dominated, keep-everything <= the zero-recompute point (+1%) and
     # <= no checkpoint, compiled and eager (keep + budget points are reported, not judged)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from .bench import run_benchmark
 from .releases import default_torch_only, extended
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # extended: the predicted peak against the allocator's timeline is checked in CI by test_peak.py;
 # this is the benchmark script end to end (make bench runs it too)
@@ -21,13 +16,7 @@ def test_the_gpu_benchmark_runs_every_configuration_on_a_cpu():
     argv = ["--model", "llama", "--device", "cpu", "--layers", "2", "--d", "32", "--heads", "4"]
     argv += ["--batch", "2", "--seq", "16", "--iters", "2", "--inner", "aot_eager"]
     argv += ["--fractions", "0.6", "--plan-budgets", "none,0.3"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT / "benchmarks",
-    )
+    done = run_benchmark("gpu.py", argv)
     # exit 1: a loss differs, or a predicted whole-step peak is more than 10% off the measured
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     first, steps = done.stdout.split("whole AdamW steps on cpu")

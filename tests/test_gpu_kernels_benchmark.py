@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from .bench import run_benchmark
 from .releases import default_torch_only
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.subprocess, default_torch_only]
 
@@ -19,13 +15,7 @@ pytestmark = [pytest.mark.subprocess, default_torch_only]
 def test_the_kernel_rates_benchmark_times_every_shape_and_names_what_a_backend_refuses(tmp_path):
     out = tmp_path / "rates.json"
     argv = ["--device", "cpu", "--scale", "64", "--iters", "1", "--tokens", "128,1536", "--json", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_kernels.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT / "benchmarks",
-    )
+    done = run_benchmark("gpu_kernels.py", argv, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     grouped = {
