@@ -15,7 +15,7 @@ Each figure is the median of ``--iters`` timed calls (CUDA events) after two war
 TFLOP/s of the useful FLOPs (``2 m k n`` a GEMM; causal attention half of ``2 s^2 (d_qk +
 d_v)`` a head, forward, 2.5 times that backward). ``--json PATH`` writes the rows with the
 device's name: the data a rate by shape in ``sac_compile/planning/world.json`` would be read
-from. Sized to finish in about 3 minutes on one H100; ``tests/test_gpu_benchmark.py`` runs it
+from. Sized to finish in about 3 minutes on one H100; ``tests/test_gpu_kernels_benchmark.py`` runs it
 on a CPU at ``--scale 64`` (every size but the heads' widths divided by 64).
 
     python benchmarks/gpu_kernels.py [--device cuda] [--tokens 128,384,...] [--json PATH]

@@ -24,10 +24,11 @@ One model for every configuration (:func:`step_time`):
   in the backward, and in the recomputed forward in proportion to the FLOPs recomputed;
   exposed. With sequence parallelism DTensor's collectives also copy the whole stream around
   them (:func:`sequence_parallel_copies`), at the device's memory bandwidth (under async TP
-  its fused ops instead: not counted). With ``Target.async_tp`` (compiled layers) each pass's collectives run in ``tp``
-  chunks under the projection matmuls beside them (the forward's, the input gradients' of
-  the backward: as many FLOPs, the recompute's): all but the first chunk's matmul hides
-  them, what exceeds it is exposed (the chunked matmuls' lower rate is not modelled).
+  its fused ops instead: not counted). With ``Target.async_tp`` (compiled layers) each
+  pass's collectives run in ``tp`` chunks under the projection matmuls beside them (the
+  forward's, the input gradients' of the backward: as many FLOPs, the recompute's): all but
+  the first chunk's matmul hides them, what exceeds it is exposed (the chunked matmuls'
+  lower rate is not modelled).
 * **EP**: per MoE layer the tokens' dispatch and combine all-to-all (``top_k`` copies of the
   stream), forward and backward; not overlapped.
 * **offload**: an offloaded region's values copied to host memory and back over the host link
