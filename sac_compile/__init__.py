@@ -55,4 +55,4 @@ __all__ = [
 # the planner (sac_compile.planning.advice: one INFO line when a plan dominates a keep set).
 _session.set_advisor(_advice.advise)
 
-__version__ = "0.16.0"
+__version__ = "0.16.1"
