@@ -58,6 +58,7 @@ class Run:
     published_tps: float | None  # tokens/s per GPU
     source: str
     fsdp: int = 1
+    fsdp_reshard_after_forward: bool = True  # False: torchtitan's fsdp_reshard_after_forward never
     tp: int = 1
     cp: int = 1
     pp: int = 1
@@ -111,6 +112,7 @@ def _target(run: Run, **changes: object) -> object:
 
     layout = dict(
         fsdp=run.fsdp,
+        fsdp_reshard_after_forward=run.fsdp_reshard_after_forward,
         tp=run.tp,
         ep=run.ep,
         cp=run.cp,

@@ -133,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     _layout_arguments(parser)
     parser.add_argument(
+        "--fsdp-no-reshard",
+        action="store_true",
+        help="with --fsdp: FSDP2's reshard_after_forward=False on every layer (torchtitan's "
+        "--parallelism.fsdp_reshard_after_forward never): each layer's parameters stay unsharded from its "
+        "forward to its backward",
+    )
+    parser.add_argument(
         "--no-sequence-parallel",
         action="store_true",
         help="with --tp: the residual stream whole on every rank (default: split on the sequence, as torchtitan)",
@@ -289,6 +296,7 @@ def _target(args: argparse.Namespace) -> Any:
             args.device,
             memory=args.memory,
             fsdp=args.fsdp,
+            fsdp_reshard_after_forward=not args.fsdp_no_reshard,
             tp=args.tp,
             ep=args.ep,
             sequence_parallel=not args.no_sequence_parallel,

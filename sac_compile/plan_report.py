@@ -18,6 +18,7 @@ def report(plan: Any, seconds: float) -> dict[str, Any]:
         "memory": t.machine.memory,
         "usable": t.machine.usable,
         "fsdp": t.layout.fsdp,
+        "fsdp_reshard_after_forward": t.layout.fsdp_reshard_after_forward,
         "tp": t.layout.tp,
         "ep": t.layout.ep,
         "replicate": t.layout.replicate,

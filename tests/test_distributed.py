@@ -338,11 +338,12 @@ def _step_peak(step, params, opt) -> int:
     return before + allocation_peak(step)
 
 
-def _fsdp_step_peaks(rank: int, world_size: int, replicate: int = 1) -> dict:
+def _fsdp_step_peaks(rank: int, world_size: int, replicate: int = 1, reshard: bool = True) -> dict:
     """Per rank, the allocator's peak over one AdamW step of a tiny Llama with FSDP2 on every
     layer and the root (float32), with no checkpoint and with full recompute (the eager engine),
     plus what was live before it (this rank's shards and optimizer state); with ``replicate``
-    above 1, HSDP (a ``replicate x shard`` mesh)."""
+    above 1, HSDP (a ``replicate x shard`` mesh); ``reshard=False``: FSDP2's
+    ``reshard_after_forward=False`` on every layer (the root never reshards after the forward)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -355,9 +356,10 @@ def _fsdp_step_peaks(rank: int, world_size: int, replicate: int = 1) -> dict:
         model = _fsdp_llama().train()
         if keep is not None:
             hf.config_for(model, keep=keep, compile=False).apply(model)
+        # (None: FSDP2's default, layers resharding, the root not)
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=None if reshard else False)
+        fully_shard(model, mesh=mesh, reshard_after_forward=None if reshard else False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(1 + rank)
         ids = torch.randint(0, model.config.vocab_size, (FSDP_BATCH, FSDP_SEQ), generator=g)
@@ -389,14 +391,36 @@ def test_the_predicted_fsdp_peak_matches_each_ranks_measured_peak():
     _assert_each_rank_close(figures, dataclasses.replace(figures, target=target.replace(fsdp=1)), measured)
 
 
-def _assert_each_rank_close(figures, without, measured: list[dict]) -> None:
-    """Each rank's measured peak within 5% of ``figures``' prediction, no checkpoint and full
-    recompute, and farther from ``without``'s (the same step without the layout's terms)."""
+def test_fsdp_without_resharding_after_the_forward_matches_each_ranks_measured_peak():
+    """``Target(fsdp_reshard_after_forward=False)`` (FSDP2's ``reshard_after_forward=False``,
+    torchtitan's ``fsdp_reshard_after_forward never``): every layer's parameters stay unsharded
+    from its forward to its backward. Each rank's allocator peak, two gloo ranks, no checkpoint
+    and full recompute: within 1% (0.998, 1.002 here), where the resharding prediction is 3.0%
+    and 4.4% under (red before the flag was planned: every layer's unsharded parameters
+    missing; the tiny Llama's root, which FSDP2 keeps unsharded either way, outweighs them)."""
+    import dataclasses
+
+    from sac_compile import hf
+    from sac_compile.planning.devices import Target
+
+    measured = run_ranks(_fsdp_step_peaks, 1, False)
+    target = Target(
+        "cpu", fsdp=2, fsdp_reshard_after_forward=False, param_dtype="float32", batch=FSDP_BATCH, seq=FSDP_SEQ
+    )
+    figures = hf.step_figures(_fsdp_llama(), target)
+    resharding = dataclasses.replace(figures, target=target.replace(fsdp_reshard_after_forward=True))
+    _assert_each_rank_close(figures, resharding, measured, within=0.01)
+
+
+def _assert_each_rank_close(figures, without, measured: list[dict], within: float = 0.05) -> None:
+    """Each rank's measured peak within ``within`` (5%) of ``figures``' prediction, no
+    checkpoint and full recompute, and farther from ``without``'s (the same step without the
+    layout's terms)."""
     for keep in (None, ()):
         predicted, alone = figures.peak(keep).bytes, without.peak(keep).bytes
         for rank in measured:
             peak = rank[str(keep)]
-            assert abs(predicted - peak) <= 0.05 * peak < abs(alone - peak), (
+            assert abs(predicted - peak) <= within * peak < abs(alone - peak), (
                 keep,
                 predicted,
                 alone,

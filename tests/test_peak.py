@@ -170,6 +170,12 @@ def test_bad_targets_are_refused_clearly():
         Target("h200", fsdp=8, ep=3)
     with pytest.raises(ValueError, match=r"optimizer='adam'"):
         Target("h200", optimizer="adam")
+    with pytest.raises(
+        ValueError, match=r"fsdp_reshard_after_forward=False, fsdp=1, cp=1\): .*nothing is sharded"
+    ):
+        Target("h200", fsdp_reshard_after_forward=False)
+    with pytest.raises(ValueError, match=r"Target\(fsdp_reshard_after_forward='never'\): True or False"):
+        Target("h200", fsdp=8, fsdp_reshard_after_forward="never")
     assert parse_memory("80GiB") == 80 << 30 and parse_memory("141 GB") == 141 * 10**9
     # a number without a unit, as a command line or a config file writes it: not 80 bytes
     # (red before: 2 minutes of measuring, then "shard wider")
@@ -559,6 +565,7 @@ def test_the_plan_command_refuses_bad_input_before_any_work(tmp_path):
         (["--pp-recompute-once"], r"pp_recompute_once=True, pp=1, .*this layout runs no weight pass"),
         (["--pp-recompute-once", "--pp", "2", "--batch", "4"], r"pp_schedule='1f1b'\): it plans a split"),
         (["--pp-return-outputs"], r"pp_return_outputs=True, pp=1\): .*there is no pipeline"),
+        (["--fsdp-no-reshard"], r"fsdp_reshard_after_forward=False, fsdp=1, cp=1\): .*nothing is sharded"),
     ):
         with pytest.raises(SystemExit, match=rule):
             main(["plan", str(path), "--seq", "64", "--device", "h200", *layout])
@@ -1050,6 +1057,11 @@ def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     # FSDP over nodes: the gathers of 10**9 parameters outrun a layer's compute
     inside, across = step(fsdp=8), step(fsdp=64)
     assert 0 < inside.fsdp < across.fsdp
+    # without resharding after the forward the backward gathers nothing again: each of the 8
+    # layers exposes 2 bytes a parameter less (its gathers and reduce-scatters outrun it)
+    ring = 63 / 64 * 10**9 / (50e9 * LINK_EFFICIENCY)
+    resharding, kept = (step(fsdp=64, gpus_per_node=1, fsdp_reshard_after_forward=r) for r in (True, False))
+    assert resharding.fsdp - kept.fsdp == pytest.approx(8 * 2 * ring) and kept.compute == resharding.compute
     # PP: a rank runs 1/pp of the layers for every microbatch (the table read as one
     # microbatch's: 8 of them, 1 sequence each), plus the fill and drain
     pp = step(pp=4)
@@ -1061,7 +1073,6 @@ def test_the_step_time_adds_communication_the_bubble_and_ring_attention():
     # with FSDP each stage gathers its own 2 layers once a step (and reduces them once): over
     # the network, outrunning the stage's compute, the excess exposed
     gathered = step(pp=4, fsdp=64, gpus_per_node=1)
-    ring = 63 / 64 * 10**9 / (50e9 * LINK_EFFICIENCY)
     assert gathered.fsdp == pytest.approx(max(2 * ring * (2 + 4) - gathered.compute, 0) + 2 * ring)
     # CP: each rank attends to the whole sequence: cp - 1 more of the traced attention, at
     # the attention rate

@@ -175,6 +175,12 @@ class Target:
             ``"80GiB"``, or a float: that fraction of the device's memory); default the device's.
         fsdp: FSDP degree: parameters, gradients and optimizer state sharded this many ways;
             a layer's parameters (and in the backward its gradients) unsharded while it runs.
+        fsdp_reshard_after_forward: FSDP2's ``reshard_after_forward`` on every layer (default
+            ``True``); ``False`` (torchtitan's ``--parallelism.fsdp_reshard_after_forward
+            never``) keeps each layer's parameters unsharded from its forward to its backward:
+            the backward gathers none again, and every layer's unsharded parameters are held at
+            the backward's start. Under ``pp`` a stage's parameters stay unsharded either way
+            (torchtitan's setting under PP).
         tp: tensor-parallel degree, laid out as torchtitan lays out Llama: each layer's
             projections split column- / row-wise, so its weights and the activations between
             them are split ``tp`` ways (:mod:`sac_compile.planning.parallel`).

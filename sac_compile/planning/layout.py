@@ -55,6 +55,7 @@ class Layout:
     sequence, the schedule's actions) is checked by the ``Target``."""
 
     fsdp: int = 1
+    fsdp_reshard_after_forward: bool = True
     tp: int = 1
     ep: int = 1
     replicate: int = 1
@@ -73,7 +74,15 @@ class Layout:
     def __post_init__(self) -> None:
         check_positive(self, ("fsdp", "tp", "ep", "cp", "pp", "replicate", "microbatch_size"))
         check_flags(
-            self, ("sequence_parallel", "loss_parallel", "async_tp", "pp_recompute_once", "pp_return_outputs")
+            self,
+            (
+                "fsdp_reshard_after_forward",
+                "sequence_parallel",
+                "loss_parallel",
+                "async_tp",
+                "pp_recompute_once",
+                "pp_return_outputs",
+            ),
         )
         if self.async_tp and (self.tp == 1 or not self.sequence_parallel):
             raise ValueError(
@@ -98,6 +107,12 @@ class Layout:
         self._check_data_parallel()
 
     def _check_data_parallel(self) -> None:
+        if not self.fsdp_reshard_after_forward and self.fsdp * self.cp == 1:
+            raise ValueError(
+                f"Target(fsdp_reshard_after_forward=False, fsdp={self.fsdp}, cp={self.cp}): it plans FSDP2 keeping "
+                "each layer's parameters unsharded from its forward to its backward; nothing is sharded here "
+                "(raise fsdp, or drop fsdp_reshard_after_forward)"
+            )
         if self.fsdp > 1 and self.fsdp % self.ep:
             raise ValueError(
                 f"Target(ep={self.ep}, fsdp={self.fsdp}): the expert-parallel degree divides the FSDP degree "

@@ -258,7 +258,8 @@ def _reserved(
         # (with pp the stage's unsharded parameters and gradients stay in fsdp_buffers all
         # along: counted as they are)
         most = max(rank.gathered + [0])
-        gather_pool = 0 if target.layout.pp > 1 else rank.root + int(2 * most * rank.param_b)
+        gathers = 2 * most if target.layout.fsdp_reshard_after_forward else sum(rank.gathered)
+        gather_pool = 0 if target.layout.pp > 1 else rank.root + int(gathers * rank.param_b)
         pooled = ("gradients",) if target.layout.pp > 1 else ("gradients", "fsdp_buffers")
         pools = gather_pool + done + int(most * rank.reduce_b)
     default_stream = max(
@@ -283,9 +284,12 @@ def _backward_phases(
     """Without pipeline parallelism: the loss's backward and each layer's, last to first,
     the gradients of the layers after it made."""
     sharded = target.layout.fsdp * target.layout.cp > 1
+    # without resharding after the forward every layer's parameters stay unsharded from its
+    # forward to its backward (and need no gathering again): all of them at the loss
+    kept = 0.0 if target.layout.fsdp_reshard_after_forward else sum(rank.gathered)
     done = rank.outside
     extra = {
-        "fsdp_buffers": rank.root,
+        "fsdp_buffers": rank.root + int(kept * rank.param_b),
         "activations": sum(rank.acts) + rank.last_offloaded,
         "logits_loss": head_terms(model, target),
     }
@@ -294,6 +298,8 @@ def _backward_phases(
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
         # its gradients unsharded before the reduce-scatter
         one = int(2 * gathered * rank.param_b + gathered * rank.reduce_b) if sharded else 0
+        if kept:  # (this layer's and those before it: still unsharded, none prefetched)
+            one = int(sum(rank.gathered[i:]) * rank.param_b + gathered * rank.reduce_b)
         extra = {
             "gradients": done,
             "fsdp_buffers": rank.root + one,

@@ -28,6 +28,7 @@ def step_line(step: StepTime, measured: bool) -> str:
 
 def _more_layout(t: Target) -> str:
     parts = [f"ep {t.layout.ep}"] if t.layout.ep > 1 else []
+    parts += ["FSDP not resharding after the forward"] if not t.layout.fsdp_reshard_after_forward else []
     if t.layout.replicate > 1:
         parts.append(
             f"{'HSDP ' if t.layout.fsdp > 1 else 'DDP '}{t.layout.replicate} replicas"

@@ -14,7 +14,8 @@ One model for every configuration (:func:`step_time`):
   :data:`~sac_compile.planning.devices.EAGER_SLOWDOWN` times as long (from a published pair
   of runs, eager and compiled).
 * **FSDP**: each layer's parameters all-gathered in the forward and again in the backward
-  (FSDP2 reshards after the forward), its gradients reduce-scattered in ``reduce_dtype``; a
+  (FSDP2 reshards after the forward; not again with ``Target.fsdp_reshard_after_forward``
+  ``False``), its gradients reduce-scattered in ``reduce_dtype``; a
   ring moves ``(n - 1) / n`` of the unsharded bytes per rank. They overlap the neighbouring
   layer's compute (FSDP2 prefetches one layer): per layer only what exceeds that layer's
   forward / backward compute is exposed, plus the first all-gather and the last
@@ -307,7 +308,8 @@ def _layer(
             total.gathers += [gather + scatter] * round(units / target.microbatches)
             total.first = total.first or gather
         else:
-            total.fsdp += units * (max(gather - forward, 0.0) + max(gather + scatter - backward, 0.0))
+            again = gather if target.layout.fsdp_reshard_after_forward else 0.0  # (the backward's gather)
+            total.fsdp += units * (max(gather - forward, 0.0) + max(again + scatter - backward, 0.0))
             total.first, total.last = total.first or gather, scatter
     if target.layout.replicate > 1:
         _replicas(total, units / target.microbatches, params, target, reduce_b, param_b)
