@@ -78,6 +78,7 @@ class Block(nn.Module):
 
 def schedule(pp: int, microbatches: int) -> dict:
     """Each rank's zero-bubble actions, and per stage the most I's run before their W's."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as Z
 
     ranks, held = {}, {}
@@ -86,12 +87,12 @@ def schedule(pp: int, microbatches: int) -> dict:
         s.pp_group_size, s.n_local_stages, s.rank, s._n_microbatches = pp, 2, rank, microbatches
         s.number_of_rounds = max(1, microbatches // pp)
         s.microbatches_per_round = microbatches // s.number_of_rounds
-        actions = [str(a) for a in Z._calculate_single_rank_operations(s, rank) if a is not None]
-        ranks[rank] = " ".join(actions)
+        actions = [a for a in Z._calculate_single_rank_operations(s, rank) if a is not None]
+        ranks[rank] = " ".join(map(str, actions))
         pending: dict[int, int] = {}
         for a in actions:
-            stage, kind = int(a[:-2].rstrip("FBIW")), a.rstrip("0123456789")[-1]
-            pending[stage] = pending.get(stage, 0) + (kind == "I") - (kind == "W")
+            kind, stage = a.computation_type, a.stage_index
+            pending[stage] = pending.get(stage, 0) + (kind == BACKWARD_INPUT) - (kind == BACKWARD_WEIGHT)
             held[stage] = max(held.get(stage, 0), pending[stage])
     # (the first stage's I records nothing: its input needs no gradient, its W runs the whole backward)
     held.pop(0, None)

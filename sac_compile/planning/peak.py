@@ -297,9 +297,9 @@ def _backward_phases(
     for i, gathered in enumerate(rank.gathered):
         # FSDP: this layer's parameters all-gathered (and the next one's prefetched), and
         # its gradients unsharded before the reduce-scatter
-        one = int(2 * gathered * rank.param_b + gathered * rank.reduce_b) if sharded else 0
-        if kept:  # (this layer's and those before it: still unsharded, none prefetched)
-            one = int(sum(rank.gathered[i:]) * rank.param_b + gathered * rank.reduce_b)
+        # (not resharding: this layer's and those before it still unsharded, none prefetched)
+        unsharded = sum(rank.gathered[i:]) if kept else 2 * gathered
+        one = int(unsharded * rank.param_b + gathered * rank.reduce_b) if sharded else 0
         extra = {
             "gradients": done,
             "fsdp_buffers": rank.root + one,
